@@ -1,0 +1,36 @@
+# Everything a fresh machine needs: `make demo` runs the main job, `make test` the test suite.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint system-deps venv bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+system-deps:
+	@command -v promtool >/dev/null && command -v prometheus-pushgateway >/dev/null || \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus prometheus-pushgateway)
+
+demo: $(STAMP)
+	$(VENV)/bin/torchtelemetry demo
+
+lint: $(STAMP)
+	$(PY) -m ruff check src tests bench
+	$(PY) -m ruff format --check src tests bench
+
+test: system-deps $(STAMP) lint
+	$(PY) -m pytest -q -p no:cacheprovider
+
+bench: $(STAMP)
+	$(PY) bench/run_all.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,25 @@
+"""Export: flattening and naming, the rank-0 hub, and one module per backend."""
+
+from torchtelemetry.export._flatten import describe_metrics, flatten_results
+from torchtelemetry.export._naming import InvalidMetricNameError, NameCollisionError
+from torchtelemetry.export._protocol import (
+    Exporter,
+    ExportResult,
+    HistogramValue,
+    MetricDescriptor,
+    Scalars,
+    ScalarValue,
+)
+
+__all__ = [
+    "ExportResult",
+    "Exporter",
+    "HistogramValue",
+    "InvalidMetricNameError",
+    "MetricDescriptor",
+    "NameCollisionError",
+    "ScalarValue",
+    "Scalars",
+    "describe_metrics",
+    "flatten_results",
+]

@@ -1,0 +1,96 @@
+"""The `Exporter` protocol and the values exporters receive."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol, TypeAlias, runtime_checkable
+
+from torchtelemetry.metric import MetricKind
+
+__all__ = [
+    "ExportResult",
+    "Exporter",
+    "HistogramValue",
+    "MetricDescriptor",
+    "Scalars",
+    "ScalarValue",
+]
+
+
+class ExportResult(enum.Enum):
+    """Outcome of one `Exporter.export` call."""
+
+    SUCCESS = "success"
+    FAILURE = "failure"
+
+
+@dataclass(frozen=True, slots=True)
+class HistogramValue:
+    """One histogram: upper `bounds`, non-cumulative `counts` (`len(bounds) + 1`, last is +Inf)."""
+
+    bounds: tuple[float, ...]
+    counts: tuple[float, ...]
+    sum: float
+    count: float
+
+    def cumulative_counts(self) -> list[float]:
+        """Counts of values `<= bound` for each bound, then the total (Prometheus `le` buckets)."""
+        running, out = 0.0, []
+        for count in self.counts:
+            running += count
+            out.append(running)
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class MetricDescriptor:
+    """What an exporter needs to know about one exported name before any value arrives."""
+
+    name: str
+    """Slash-separated path, e.g. `train/loss`; each exporter maps it to its backend's rules."""
+    kind: MetricKind = MetricKind.GAUGE
+    """Gauge, counter (values are running totals) or histogram."""
+    unit: str = ""
+    """Unit such as "seconds", "bytes", "ratio", "tokens"; empty when dimensionless."""
+    description: str = ""
+    """Help text."""
+    label_name: str | None = None
+    """Set when the value is a mapping from label value to float (e.g. "rank")."""
+
+
+ScalarValue: TypeAlias = "float | HistogramValue | Mapping[str, float]"
+"""A float (gauge, or a counter's running total), a histogram, or a float per label value."""
+
+Scalars: TypeAlias = Mapping[str, "float | HistogramValue | Mapping[str, float]"]
+"""One report: descriptor name -> value."""
+
+
+@runtime_checkable
+class Exporter(Protocol):
+    """Receives reports from rank 0, on the hub's thread dedicated to this exporter.
+
+    After construction an exporter never raises from `export`, `force_flush` or
+    `close`: it logs and reports failure. `describe` may raise `ValueError`
+    (e.g. `NameCollisionError`) when the metric tree is first known.
+    """
+
+    name: str
+    """Short name used in logs and in the hub's health metrics (e.g. "prometheus")."""
+
+    def describe(self, descriptors: Sequence[MetricDescriptor]) -> None:
+        """Learn the exported names; called before the first export and when new names appear."""
+        ...
+
+    def export(self, step: int, scalars: Scalars, timestamp: float) -> ExportResult:
+        """Publish one report; `timestamp` is Unix seconds at collection."""
+        ...
+
+    def force_flush(self, timeout_s: float = 10.0) -> bool:
+        """Deliver anything buffered; True when everything was delivered in time."""
+        ...
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Flush and release resources; a second call only warns."""
+        ...

@@ -1,0 +1,31 @@
+"""Metrics: GPU-resident, linearly reducible state updated in place."""
+
+from torchtelemetry.metric._accumulator import DEFAULT_STATE_DTYPE, MetricAccumulator, ReduceOp
+from torchtelemetry.metric._aggregation import (
+    MaxMetric,
+    MinMetric,
+    PerRankMetric,
+    SumMetric,
+    WeightedMeanMetric,
+)
+from torchtelemetry.metric._base import Metric, MetricKind, NanPolicy
+from torchtelemetry.metric._classification import AccuracyMetric, BinaryAUROCMetric, ConfusionMatrixMetric
+from torchtelemetry.metric._histogram import HistogramMetric
+
+__all__ = [
+    "DEFAULT_STATE_DTYPE",
+    "AccuracyMetric",
+    "BinaryAUROCMetric",
+    "ConfusionMatrixMetric",
+    "HistogramMetric",
+    "MaxMetric",
+    "Metric",
+    "MetricAccumulator",
+    "MetricKind",
+    "MinMetric",
+    "NanPolicy",
+    "PerRankMetric",
+    "ReduceOp",
+    "SumMetric",
+    "WeightedMeanMetric",
+]

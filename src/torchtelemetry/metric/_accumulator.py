@@ -1,0 +1,159 @@
+"""`MetricAccumulator`: one linearly reducible tensor updated in place."""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import enum
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from torchtelemetry.sync._group import GroupLike
+
+__all__ = ["DEFAULT_STATE_DTYPE", "MetricAccumulator", "ReduceOp", "window_state"]
+
+DEFAULT_STATE_DTYPE = torch.float64
+"""State dtype of the built-in metrics: integers stay exact up to 2**53."""
+
+
+class ReduceOp(enum.Enum):
+    """How an accumulator merges across steps and across ranks."""
+
+    SUM = "sum"
+    MAX = "max"
+    MIN = "min"
+
+
+# Per-thread override of what `MetricAccumulator.value` returns: the collector's
+# worker computes one window's results without touching the metric's own state.
+_WINDOW_STATE: contextvars.ContextVar[Mapping[int, torch.Tensor] | None] = contextvars.ContextVar(
+    "torchtelemetry_window_state", default=None
+)
+
+
+@contextlib.contextmanager
+def window_state(values: Mapping[int, torch.Tensor]) -> Iterator[None]:
+    """Make `MetricAccumulator.value` read `values[id(accumulator)]` in this thread."""
+    token = _WINDOW_STATE.set(values)
+    try:
+        yield
+    finally:
+        _WINDOW_STATE.reset(token)
+
+
+def _check_state_dtype(dtype: torch.dtype, what: str) -> None:
+    if dtype == torch.bool or not (dtype.is_floating_point or dtype.is_signed):
+        raise TypeError(
+            f"{what}: state dtype {dtype} cannot be reduced by negation (MIN folds into MAX); "
+            "use a floating point or signed integer dtype"
+        )
+
+
+class MetricAccumulator:
+    """A local tensor updated in place every step, plus the synchronized copy.
+
+    The local tensor keeps its storage for the life of the accumulator (only
+    `to()` moves it), so a CUDA graph that captured `update()` stays attached.
+    `value` is the synchronized state filled by `sync()`.
+    """
+
+    __slots__ = ("_initial", "_local", "_synced", "reduce_op")
+
+    def __init__(
+        self,
+        initial_value: torch.Tensor | float | int | list[float],
+        reduce_op: ReduceOp | str = ReduceOp.SUM,
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        initial = torch.as_tensor(initial_value, dtype=dtype, device=device).detach().clone()
+        _check_state_dtype(initial.dtype, "MetricAccumulator")
+        self.reduce_op = ReduceOp(reduce_op)
+        self._initial = initial
+        self._local = initial.clone()
+        self._synced = initial.clone()
+
+    @property
+    def local(self) -> torch.Tensor:
+        """The rank-local state, updated in place."""
+        return self._local
+
+    @property
+    def initial(self) -> torch.Tensor:
+        """The state after `reset()`."""
+        return self._initial
+
+    @property
+    def value(self) -> torch.Tensor:
+        """The synchronized state (or the window being collected, on a collector thread)."""
+        override = _WINDOW_STATE.get()
+        if override is not None:
+            return override[id(self)]
+        return self._synced
+
+    @property
+    def shape(self) -> torch.Size:
+        return self._local.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._local.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self._local.device
+
+    def update(self, value: torch.Tensor | float) -> None:
+        """Fold `value` (already reduced to this accumulator's shape) into the local state."""
+        local = self._local
+        if self.reduce_op is ReduceOp.SUM:
+            local.add_(value)
+        elif self.reduce_op is ReduceOp.MAX:
+            local.copy_(torch.maximum(local, torch.as_tensor(value, device=local.device)))
+        else:
+            local.copy_(torch.minimum(local, torch.as_tensor(value, device=local.device)))
+
+    def reset(self) -> None:
+        """Restore the initial state in place."""
+        self._local.copy_(self._initial)
+
+    def set_synced(self, value: torch.Tensor) -> None:
+        """Store a synchronized state (used by `sync_metrics`)."""
+        self._synced.copy_(value)
+
+    def sync(self, group: GroupLike = None) -> None:
+        """Reduce the local state across `group` into `value` (one collective)."""
+        from torchtelemetry.sync import sync_accumulators
+
+        sync_accumulators({"accumulator": self}, group=group)
+
+    def to(self, device: torch.device | str) -> MetricAccumulator:
+        """Move every tensor to `device`; call before capturing CUDA graphs."""
+        self._initial = self._initial.to(device)
+        self._local = self._local.to(device)
+        self._synced = self._synced.to(device)
+        return self
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"local": self._local.detach().clone()}
+
+    def load_state_dict(self, state: Mapping[str, Any], *, owner: str = "MetricAccumulator") -> None:
+        """Copy a saved local state in place; raise `ValueError` naming `owner` on mismatch."""
+        if "local" not in state:
+            raise ValueError(f"{owner}: state_dict has no 'local' entry (keys: {sorted(state)})")
+        saved = torch.as_tensor(state["local"])
+        if saved.shape != self._local.shape:
+            raise ValueError(
+                f"{owner}: saved state has shape {tuple(saved.shape)}, expected {tuple(self._local.shape)}"
+            )
+        self._local.copy_(saved)
+
+    def __repr__(self) -> str:
+        return (
+            f"MetricAccumulator(reduce_op={self.reduce_op.name}, shape={tuple(self.shape)}, "
+            f"dtype={self.dtype}, device={self.device})"
+        )

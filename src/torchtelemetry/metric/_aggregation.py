@@ -1,0 +1,168 @@
+"""Aggregating metrics: sum, weighted mean, max, min and per-rank means."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from torchtelemetry.metric._accumulator import DEFAULT_STATE_DTYPE, MetricAccumulator, ReduceOp
+from torchtelemetry.metric._base import Metric, MetricKind
+
+__all__ = ["MaxMetric", "MinMetric", "PerRankMetric", "SumMetric", "WeightedMeanMetric"]
+
+
+class SumMetric(Metric):
+    """Sum of every value seen; `kind="counter"` exports a running total (tokens, samples)."""
+
+    def __init__(
+        self,
+        *,
+        kind: MetricKind | str = MetricKind.GAUGE,
+        dtype: torch.dtype = DEFAULT_STATE_DTYPE,
+        **options: Any,
+    ) -> None:
+        super().__init__(kind=kind, **options)
+        if self.kind is MetricKind.HISTOGRAM:
+            raise ValueError(f"{self.display_name()}: kind must be 'gauge' or 'counter', got 'histogram'")
+        self.total = MetricAccumulator(0, ReduceOp.SUM, dtype=dtype)
+
+    def update(self, value: Any) -> None:
+        """Add the sum of `value` (a tensor of any shape or a number)."""
+        value = self._as_tensor(value, "value")
+        self._check_finite(value, "value")
+        mask = self._finite_mask(value)
+        if mask is not None:
+            value = torch.where(mask, value, 0)
+        if self.kind is MetricKind.COUNTER and self._inspects_values(value) and bool((value < 0).any()):
+            raise ValueError(f"{self.display_name()}: a counter cannot decrease, got a negative value")
+        self.total.update(value.sum())
+
+    def compute(self) -> torch.Tensor:
+        return self.total.value.clone()
+
+
+class WeightedMeanMetric(Metric):
+    """Mean of values weighted by `weight` (e.g. loss weighted by token count).
+
+    The state is the weighted sum and the total weight, never the mean, so it
+    reduces exactly across ranks and windows.
+    """
+
+    def __init__(self, *, dtype: torch.dtype = DEFAULT_STATE_DTYPE, **options: Any) -> None:
+        super().__init__(**options)
+        self.weighted_sum = MetricAccumulator(0, ReduceOp.SUM, dtype=dtype)
+        self.total_weight = MetricAccumulator(0, ReduceOp.SUM, dtype=dtype)
+
+    def update(self, value: Any, weight: Any = 1.0) -> None:
+        """Add `value` with `weight` (a scalar, or a tensor of the same shape as `value`)."""
+        value = self._as_tensor(value, "value")
+        weight = self._as_tensor(weight, "weight")
+        if weight.dim() > 0 and weight.shape != value.shape:
+            raise ValueError(
+                f"{self.display_name()}: weight has shape {tuple(weight.shape)}, expected the shape of "
+                f"value {tuple(value.shape)} or a scalar"
+            )
+        self._check_finite(value, "value")
+        self._check_finite(weight, "weight")
+        if self._inspects_values(weight) and bool((weight < 0).any()):
+            raise ValueError(f"{self.display_name()}: weight must be non-negative, got a negative weight")
+        weight = weight.expand(value.shape)
+        mask = self._finite_mask(value)
+        if mask is not None:
+            weight_mask = self._finite_mask(weight)
+            if weight_mask is not None:
+                mask = mask & weight_mask
+            value = torch.where(mask, value, 0)
+            weight = torch.where(mask, weight, 0)
+        weighted = (value * weight).sum()
+        total = weight.sum()
+        self.weighted_sum.update(weighted)
+        self.total_weight.update(total)
+
+    def compute(self) -> torch.Tensor:
+        """The weighted mean; NaN when no weight was seen."""
+        return self.weighted_sum.value / self.total_weight.value
+
+
+class _ExtremumMetric(Metric):
+    _op: ReduceOp
+
+    def __init__(self, *, dtype: torch.dtype = DEFAULT_STATE_DTYPE, **options: Any) -> None:
+        super().__init__(**options)
+        start = float("-inf") if self._op is ReduceOp.MAX else float("inf")
+        self.extremum = MetricAccumulator(start, self._op, dtype=dtype)
+
+    def update(self, value: Any) -> None:
+        """Fold the extremum of `value`; an empty tensor changes nothing."""
+        value = self._as_tensor(value, "value")
+        if value.numel() == 0:
+            return
+        self._check_finite(value, "value")
+        mask = self._finite_mask(value)
+        if mask is not None:
+            value = torch.where(mask, value, self.extremum.initial)
+        self.extremum.update(value.amax() if self._op is ReduceOp.MAX else value.amin())
+
+    def compute(self) -> torch.Tensor:
+        """The extremum; -inf (max) or +inf (min) when nothing was seen."""
+        return self.extremum.value.clone()
+
+
+class MaxMetric(_ExtremumMetric):
+    """Largest value seen."""
+
+    _op = ReduceOp.MAX
+
+
+class MinMetric(_ExtremumMetric):
+    """Smallest value seen."""
+
+    _op = ReduceOp.MIN
+
+
+class PerRankMetric(Metric):
+    """Mean of a value per rank (e.g. step time, to spot stragglers).
+
+    The state is a world-sized vector in which each rank fills its own slot, so
+    it rides in the SUM bucket and costs no extra collective.
+    """
+
+    label_name = "rank"
+
+    def __init__(
+        self,
+        world_size: int,
+        rank: int,
+        *,
+        dtype: torch.dtype = DEFAULT_STATE_DTYPE,
+        **options: Any,
+    ) -> None:
+        super().__init__(**options)
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(
+                f"{self.display_name()}: rank must be in [0, world_size), got rank={rank}, "
+                f"world_size={world_size}"
+            )
+        self.world_size = world_size
+        self.rank = rank
+        self.slot = torch.nn.functional.one_hot(torch.tensor(rank), world_size).to(dtype)
+        self.sums = MetricAccumulator(torch.zeros(world_size), ReduceOp.SUM, dtype=dtype)
+        self.counts = MetricAccumulator(torch.zeros(world_size), ReduceOp.SUM, dtype=dtype)
+
+    def update(self, value: Any) -> None:
+        """Add every entry of `value` to this rank's slot."""
+        value = self._as_tensor(value, "value")
+        self._check_finite(value, "value")
+        mask = self._finite_mask(value)
+        count = torch.tensor(float(value.numel()), device=value.device)
+        if mask is not None:
+            value = torch.where(mask, value, 0)
+            count = mask.sum()
+        total = value.sum()
+        self.sums.update(self.slot * total)
+        self.counts.update(self.slot * count)
+
+    def compute(self) -> torch.Tensor:
+        """One mean per rank; NaN for a rank that reported nothing."""
+        return self.sums.value / self.counts.value

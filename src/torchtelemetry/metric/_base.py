@@ -1,0 +1,197 @@
+"""The `Metric` base class: accumulators registered as attributes, the rest for free."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+
+from torchtelemetry.metric._accumulator import MetricAccumulator
+
+if TYPE_CHECKING:
+    from torchtelemetry.sync._group import GroupLike
+
+__all__ = ["Metric", "MetricKind", "NanPolicy"]
+
+NanPolicy = Literal["error", "ignore", "propagate"]
+_NAN_POLICIES = ("error", "ignore", "propagate")
+
+
+class MetricKind(enum.Enum):
+    """How exporters present a metric's results."""
+
+    GAUGE = "gauge"
+    """A value that goes up and down (the default)."""
+    COUNTER = "counter"
+    """A monotonic count: exporters publish the running total across windows."""
+    HISTOGRAM = "histogram"
+    """Bucket counts with fixed boundaries, plus sum and count."""
+
+
+class Metric:
+    """Base class of all metrics.
+
+    Subclasses assign `MetricAccumulator`s as attributes in `__init__` (they are
+    registered the way `nn.Module` registers parameters), and implement
+    `update()` (in-place tensor ops only: no host sync, no collective) and
+    `compute()` (a PyTree of tensors read from each accumulator's `value`).
+    `sync`, `reset`, `to`, `state_dict` and `load_state_dict` come for free;
+    the state dict makes a metric a `torch.distributed.checkpoint` `Stateful`.
+    """
+
+    kind: MetricKind = MetricKind.GAUGE
+    """How exporters present the results; built-ins set it per class or per instance."""
+    unit: str = ""
+    """Unit of the results ("seconds", "bytes", "ratio", ...); exporters add it to names."""
+    label_name: str = "index"
+    """Label exporters give the entries of 1-D results (e.g. "class", "rank")."""
+
+    def __init__(
+        self,
+        *,
+        name: str | None = None,
+        kind: MetricKind | str | None = None,
+        unit: str | None = None,
+        description: str = "",
+        nan_policy: NanPolicy = "propagate",
+    ) -> None:
+        if nan_policy not in _NAN_POLICIES:
+            raise ValueError(
+                f"{type(self).__name__}: nan_policy must be one of {_NAN_POLICIES}, got {nan_policy!r}"
+            )
+        self.__dict__.setdefault("_accumulators", {})
+        self.name = name
+        if kind is not None:
+            self.kind = MetricKind(kind)
+        if unit is not None:
+            self.unit = unit
+        self.description = description
+        self.nan_policy: NanPolicy = nan_policy
+
+    def __setattr__(self, attr: str, value: Any) -> None:
+        accumulators = self.__dict__.setdefault("_accumulators", {})
+        if isinstance(value, MetricAccumulator):
+            accumulators[attr] = value
+        else:
+            accumulators.pop(attr, None)
+        object.__setattr__(self, attr, value)
+
+    # -- what subclasses implement ------------------------------------------------
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        """Fold one batch into the local state."""
+        raise NotImplementedError(f"{type(self).__name__} must implement update()")
+
+    def compute(self) -> Any:
+        """Turn the synchronized state into a PyTree of tensors."""
+        raise NotImplementedError(f"{type(self).__name__} must implement compute()")
+
+    # -- what comes for free ----------------------------------------------------
+
+    @property
+    def accumulators(self) -> dict[str, MetricAccumulator]:
+        """The registered accumulators, in assignment order."""
+        return dict(self._accumulators)
+
+    @property
+    def device(self) -> torch.device:
+        for accumulator in self._accumulators.values():
+            return accumulator.device
+        return torch.device("cpu")
+
+    def display_name(self) -> str:
+        """The name used in error messages: the given name, else the class name."""
+        return f"{type(self).__name__} {self.name!r}" if self.name else type(self).__name__
+
+    def sync(self, group: GroupLike = None) -> None:
+        """Reduce every accumulator across `group` (one collective per bucket)."""
+        from torchtelemetry.sync import sync_metrics
+
+        sync_metrics(self, group=group)
+
+    def reset(self) -> None:
+        """Restore every accumulator's initial state in place."""
+        for accumulator in self._accumulators.values():
+            accumulator.reset()
+
+    def to(self, device: torch.device | str) -> Metric:
+        """Move accumulators and tensor constants to `device`."""
+        for attr, value in list(self.__dict__.items()):
+            if isinstance(value, MetricAccumulator):
+                value.to(device)
+            elif isinstance(value, torch.Tensor):
+                object.__setattr__(self, attr, value.to(device))
+        return self
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The local state of every accumulator, by attribute name."""
+        return {attr: acc.local.detach().clone() for attr, acc in self._accumulators.items()}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore a `state_dict()`; nothing is changed unless every entry fits."""
+        expected = set(self._accumulators)
+        missing = sorted(expected - set(state_dict))
+        unexpected = sorted(set(state_dict) - expected)
+        if missing or unexpected:
+            raise ValueError(
+                f"{self.display_name()}: load_state_dict keys do not match "
+                f"(missing: {missing}, unexpected: {unexpected})"
+            )
+        for attr, accumulator in self._accumulators.items():
+            saved = torch.as_tensor(state_dict[attr])
+            if saved.shape != accumulator.shape:
+                raise ValueError(
+                    f"{self.display_name()}: load_state_dict entry {attr!r} has shape "
+                    f"{tuple(saved.shape)}, expected {tuple(accumulator.shape)}"
+                )
+        for attr, accumulator in self._accumulators.items():
+            accumulator.load_state_dict({"local": state_dict[attr]}, owner=self.display_name())
+
+    # -- input checks shared by the built-ins ---------------------------------------
+
+    def _as_tensor(self, value: Any, what: str) -> torch.Tensor:
+        """Accept tensors, Python numbers and numpy scalars/arrays; put them on the metric's device."""
+        if isinstance(value, torch.Tensor):
+            if value.device != self.device and not (value.device.type == "cpu" and value.dim() == 0):
+                raise ValueError(
+                    f"{self.display_name()}: {what} is on {value.device}, but the metric lives on "
+                    f"{self.device}; move the input or call metric.to({str(value.device)!r})"
+                )
+            return value.detach().to(self.device, non_blocking=True)
+        try:
+            return torch.as_tensor(value, device=self.device)
+        except (TypeError, ValueError, RuntimeError) as error:
+            raise TypeError(
+                f"{self.display_name()}: {what} must be a tensor or a number, got {type(value).__name__}"
+            ) from error
+
+    def _inspects_values(self, tensor: torch.Tensor) -> bool:
+        """Whether value checks may read tensor data: never a device sync, never in a compiled graph."""
+        if torch.compiler.is_compiling():
+            return False
+        return self.nan_policy == "error" or tensor.device.type == "cpu"
+
+    def _check_finite(self, tensor: torch.Tensor, what: str) -> None:
+        """Under nan_policy="error", raise on NaN or Inf (a host sync on accelerators)."""
+        if (
+            self.nan_policy == "error"
+            and not torch.compiler.is_compiling()
+            and tensor.is_floating_point()
+            and not bool(torch.isfinite(tensor).all())
+        ):
+            raise ValueError(
+                f"{self.display_name()}: {what} contains NaN or Inf and nan_policy='error'; "
+                "use nan_policy='ignore' to skip non-finite values"
+            )
+
+    def _finite_mask(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        """Under nan_policy="ignore", the mask of finite entries (device-side, no sync)."""
+        if self.nan_policy == "ignore" and tensor.is_floating_point():
+            return torch.isfinite(tensor)
+        return None
+
+    def __repr__(self) -> str:
+        states = ", ".join(f"{attr}={tuple(acc.shape)}" for attr, acc in self._accumulators.items())
+        return f"{type(self).__name__}(name={self.name!r}, kind={self.kind.value}, {states})"

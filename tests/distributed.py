@@ -1,0 +1,107 @@
+"""Run a function on N real gloo ranks in spawned processes, with a timeout so a hang fails."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _entry(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    port: int,
+    results: Any,
+    args: tuple,
+    env: dict[str, str],
+    pg_timeout_s: float,
+) -> None:
+    os.environ.update(env)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size)
+    )
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=pg_timeout_s),
+        )
+        value = fn(rank, world_size, *args)
+        results.put((rank, True, value))
+    except BaseException as error:
+        results.put((rank, False, f"{type(error).__name__}: {error}\n{traceback.format_exc()}"))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class RankFailed(RuntimeError):
+    """At least one rank raised; `errors` maps rank -> formatted exception."""
+
+    def __init__(self, errors: dict[int, str]) -> None:
+        super().__init__("\n".join(f"rank {rank}: {text}" for rank, text in sorted(errors.items())))
+        self.errors = errors
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout_s: float = 120.0,
+    pg_timeout_s: float = 60.0,
+    env: dict[str, str] | None = None,
+) -> list[Any]:
+    """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; return the per-rank results.
+
+    `fn` must be importable (module level). Raises `RankFailed` if a rank raised,
+    `TimeoutError` (after killing every rank) if the ranks did not finish in time.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=_entry,
+            args=(fn, rank, world_size, port, results, args, env or {}, pg_timeout_s),
+            daemon=True,
+        )
+        for rank in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    outcomes: dict[int, tuple[bool, Any]] = {}
+    try:
+        while len(outcomes) < world_size:
+            try:
+                rank, ok, value = results.get(timeout=timeout_s)
+            except queue.Empty:
+                raise TimeoutError(
+                    f"ranks {sorted(set(range(world_size)) - set(outcomes))} did not finish in {timeout_s}s"
+                ) from None
+            outcomes[rank] = (ok, value)
+    finally:
+        for proc in procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    errors = {rank: value for rank, (ok, value) in outcomes.items() if not ok}
+    if errors:
+        raise RankFailed(errors)
+    return [outcomes[rank][1] for rank in range(world_size)]
