@@ -7,6 +7,7 @@ from torchtelemetry.export._protocol import (
     ExportResult,
     HistogramValue,
     MetricDescriptor,
+    RunInfo,
     Scalars,
     ScalarValue,
 )
@@ -18,6 +19,7 @@ __all__ = [
     "InvalidMetricNameError",
     "MetricDescriptor",
     "NameCollisionError",
+    "RunInfo",
     "ScalarValue",
     "Scalars",
     "describe_metrics",

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import enum
+import os
+import secrets
+import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Protocol, TypeAlias, runtime_checkable
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeAlias, runtime_checkable
 
 from torchtelemetry.metric import MetricKind
 
@@ -14,6 +17,8 @@ __all__ = [
     "Exporter",
     "HistogramValue",
     "MetricDescriptor",
+    "RUN_ID_ENV",
+    "RunInfo",
     "Scalars",
     "ScalarValue",
 ]
@@ -60,6 +65,38 @@ class MetricDescriptor:
     """Set when the value is a mapping from label value to float (e.g. "rank")."""
 
 
+RUN_ID_ENV = "TORCHTELEMETRY_RUN_ID"
+"""Environment variable naming the run when no `run_id` is given."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunInfo:
+    """The training run being exported; the hub hands it to every exporter with the descriptors."""
+
+    run_id: str
+    """Stable id of the run: Prometheus `run` label, OTel `service.instance.id`, W&B run id."""
+    world_size: int = 1
+    """Number of ranks in the run."""
+    config: Mapping[str, Any] = field(default_factory=dict)
+    """Hyperparameters: W&B config, OTel resource attributes, etc."""
+
+    def __post_init__(self) -> None:
+        if not self.run_id:
+            raise ValueError("RunInfo.run_id must be a non-empty string")
+        if self.world_size < 1:
+            raise ValueError(f"RunInfo.world_size must be at least 1, got {self.world_size}")
+
+    @classmethod
+    def create(
+        cls, run_id: str | None = None, *, world_size: int = 1, config: Mapping[str, Any] | None = None
+    ) -> RunInfo:
+        """Argument, else `$TORCHTELEMETRY_RUN_ID`, else a new `YYYYmmdd-HHMMSS-xxxxxx` id."""
+        run_id = (
+            run_id or os.environ.get(RUN_ID_ENV) or f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
+        )
+        return cls(run_id=run_id, world_size=world_size, config=dict(config or {}))
+
+
 ScalarValue: TypeAlias = "float | HistogramValue | Mapping[str, float]"
 """A float (gauge, or a counter's running total), a histogram, or a float per label value."""
 
@@ -79,8 +116,11 @@ class Exporter(Protocol):
     name: str
     """Short name used in logs and in the hub's health metrics (e.g. "prometheus")."""
 
-    def describe(self, descriptors: Sequence[MetricDescriptor]) -> None:
-        """Learn the exported names; called before the first export and when new names appear."""
+    def describe(self, descriptors: Sequence[MetricDescriptor], run: RunInfo) -> None:
+        """Learn the run and the exported names; called before the first export and when new names appear.
+
+        The first call starts the exporter (opens its port, starts its client).
+        """
         ...
 
     def export(self, step: int, scalars: Scalars, timestamp: float) -> ExportResult:
