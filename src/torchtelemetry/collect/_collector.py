@@ -1,0 +1,254 @@
+"""`AsyncMetricCollector`: snapshot on the training thread, sync and compute off it."""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import itertools
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils import _pytree as pytree
+
+from torchtelemetry.collect._executors import ThreadExecutor, make_executor
+from torchtelemetry.collect._results import to_python
+from torchtelemetry.metric._accumulator import window_state
+from torchtelemetry.sync import BucketLayout, GroupLike, metric_leaves, reduce_buffers, resolve_group
+
+__all__ = ["AsyncMetricCollector", "CollectionError"]
+
+_THREAD_PREFIX = "torchtelemetry-collector"
+_collector_ids = itertools.count()
+
+
+class CollectionError(RuntimeError):
+    """A scheduled collection failed or did not complete in time."""
+
+
+@dataclass(slots=True)
+class _Window:
+    index: int
+    future: Future
+
+
+class AsyncMetricCollector:
+    """Collect a PyTree of Metrics without stalling the training loop.
+
+    `schedule_collection()` snapshots the local state into a packed buffer and
+    resets the metrics in place (updates made afterwards land in the next
+    window), then a worker thread (plus a side stream on CUDA) reduces the
+    buffer with one collective per bucket on a dedicated process group, runs
+    each metric's `compute()` on that window's state and copies the results to
+    host memory. `collect_results()` returns the oldest window's results as
+    Python scalars, in the structure of the metrics' `compute()` outputs.
+
+    Args:
+        metrics: a Metric or a PyTree (dict, list, nested) of Metrics.
+        group: ranks to reduce over (ProcessGroup, DeviceMesh, (mesh, dim) or None).
+        timeout_s: bound on one collection; a rank that never schedules, or
+            dies, makes `collect_results` raise within it instead of hanging.
+        max_pending: scheduled windows allowed before `collect_results` must be called.
+    """
+
+    def __init__(
+        self,
+        metrics: Any,
+        group: GroupLike = None,
+        *,
+        timeout_s: float = 300.0,
+        max_pending: int = 64,
+    ) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"AsyncMetricCollector: timeout_s must be positive, got {timeout_s}")
+        if max_pending < 1:
+            raise ValueError(f"AsyncMetricCollector: max_pending must be at least 1, got {max_pending}")
+        self._metrics = metrics
+        self._named = metric_leaves(metrics, op="AsyncMetricCollector")
+        self._spec = pytree.tree_structure(metrics)
+        self._accumulators = [acc for _, metric in self._named for acc in metric.accumulators.values()]
+        self._group = group
+        self.timeout_s = timeout_s
+        self.max_pending = max_pending
+        self._layout: BucketLayout | None = None
+        self._executor: ThreadExecutor | None = None
+        self._dedicated_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        self._pending: collections.deque[_Window] = collections.deque()
+        self._windows = itertools.count()
+        self._state = "new"
+
+    # -- life cycle -------------------------------------------------------------------
+
+    def bind(self) -> AsyncMetricCollector:
+        """Prepare the executor (worker thread; side stream and events on CUDA) and the process group.
+
+        Collective across the ranks of `group` when torch.distributed is initialized.
+        """
+        if self._state == "bound":
+            raise RuntimeError("AsyncMetricCollector.bind: already bound; call unbind() before binding again")
+        devices = {acc.device for acc in self._accumulators}
+        if len(devices) > 1:
+            raise RuntimeError(
+                f"AsyncMetricCollector.bind: metrics live on several devices {sorted(map(str, devices))}; "
+                "move them to one device with metric.to(device) first"
+            )
+        device = devices.pop() if devices else torch.device("cpu")
+        self._layout = BucketLayout([(name, acc.local, acc.reduce_op) for name, acc in self._named_states()])
+        self._initials = [acc.initial for acc in self._accumulators]
+        self._locals = [acc.local for acc in self._accumulators]
+        self._bound_group = self._dedicated_group(self._group)
+        self._executor = make_executor(device, f"{_THREAD_PREFIX}-{next(_collector_ids)}")
+        self._state = "bound"
+        return self
+
+    def _named_states(self) -> list[tuple[str, Any]]:
+        return [
+            (f"{name}.{attr}", acc)
+            for name, metric in self._named
+            for attr, acc in metric.accumulators.items()
+        ]
+
+    def _dedicated_group(self, group: GroupLike) -> dist.ProcessGroup | None:
+        """A process group of the same ranks, for the collector only (its collectives never
+        interleave with the training's), with this collector's timeout."""
+        resolved = resolve_group(group, op="AsyncMetricCollector")
+        if resolved is None:
+            return None
+        ranks = tuple(dist.get_process_group_ranks(resolved))
+        if ranks not in self._dedicated_groups:
+            self._dedicated_groups[ranks] = dist.new_group(
+                ranks=list(ranks),
+                timeout=datetime.timedelta(seconds=self.timeout_s),
+                backend=dist.get_backend(resolved),
+                use_local_synchronization=True,
+            )
+        return self._dedicated_groups[ranks]
+
+    def unbind(self, timeout_s: float | None = None) -> None:
+        """Finish in-flight collections (waiting up to `timeout_s`), then release the thread and groups.
+
+        Results not yet collected are discarded.
+        """
+        if self._state != "bound":
+            return
+        self._state = "unbound"
+        deadline = timeout_s if timeout_s is not None else self.timeout_s
+        wait_ok = True
+        for window in self._pending:
+            try:
+                window.future.result(timeout=deadline)
+            except FutureTimeout:
+                wait_ok = False
+                break
+            except Exception:  # a failed window is discarded like an uncollected one
+                continue
+        self._pending.clear()
+        assert self._executor is not None
+        self._executor.shutdown(wait=wait_ok)
+        self._executor = None
+        if wait_ok:
+            for pg in self._dedicated_groups.values():
+                dist.destroy_process_group(pg)
+        self._dedicated_groups.clear()
+
+    def __enter__(self) -> AsyncMetricCollector:
+        return self.bind()
+
+    def __exit__(self, *exc: object) -> None:
+        self.unbind()
+
+    # -- the loop ---------------------------------------------------------------------
+
+    def _require_bound(self, op: str) -> ThreadExecutor:
+        if self._state == "new":
+            raise RuntimeError(f"AsyncMetricCollector.{op}: not bound; call bind() first")
+        if self._state == "unbound":
+            raise RuntimeError(f"AsyncMetricCollector.{op}: already unbound; call bind() to use it again")
+        assert self._executor is not None
+        return self._executor
+
+    def schedule_collection(self, group: GroupLike = None) -> None:
+        """Snapshot the local state, reset it in place, and collect it in the background.
+
+        Returns at once: no host sync, no collective on this thread. `group`
+        overrides the bound group for this window.
+        """
+        executor = self._require_bound("schedule_collection")
+        if len(self._pending) >= self.max_pending:
+            raise RuntimeError(
+                f"AsyncMetricCollector.schedule_collection: {len(self._pending)} collections are pending; "
+                "call collect_results() first"
+            )
+        pg = self._bound_group if group is None else self._dedicated_group(group)
+        assert self._layout is not None
+        snapshot = self._layout.pack(self._locals)
+        torch._foreach_copy_(self._locals, self._initials)
+        fence = executor.fence()
+        future = executor.submit(self._collect, snapshot, fence, pg)
+        self._pending.append(_Window(next(self._windows), future))
+
+    def _collect(self, snapshot: dict, fence: Any, pg: dist.ProcessGroup | None) -> tuple[list[Any], Any]:
+        """Worker thread: reduce one window, compute every metric on it, copy results to the host."""
+        executor = self._executor
+        assert executor is not None and self._layout is not None
+        with executor.running_after(fence, snapshot.values()):
+            reduce_buffers(self._layout, snapshot, pg)
+            states = self._layout.unpack(snapshot)
+            window = {id(acc): state for acc, state in zip(self._accumulators, states, strict=True)}
+            with window_state(window):
+                results = [metric.compute() for _, metric in self._named]
+            return executor.to_host(results)
+
+    def ready(self) -> bool:
+        """True when the oldest scheduled window can be collected without waiting."""
+        executor = self._require_bound("ready")
+        if not self._pending or not self._pending[0].future.done():
+            return False
+        window = self._pending[0].future
+        return window.exception() is not None or executor.host_ready(window.result()[1])
+
+    @property
+    def pending(self) -> int:
+        """Number of scheduled windows not yet collected."""
+        return len(self._pending)
+
+    def collect_results(self, timeout: float | None = None) -> Any:
+        """Wait for the oldest scheduled window and return its results as Python scalars.
+
+        Waits at most `timeout` seconds (default: the collector's `timeout_s`)
+        and raises `CollectionError` (a RuntimeError) if the window failed or
+        did not complete, e.g. because a rank never scheduled or died.
+        """
+        return pytree.tree_unflatten(self._next_window("collect_results", timeout), self._spec)
+
+    def collect_results_by_metric(self, timeout: float | None = None) -> list[tuple[str, Any]]:
+        """`collect_results`, as (metric path, result) pairs in tree order."""
+        results = self._next_window("collect_results_by_metric", timeout)
+        return [(name, result) for (name, _), result in zip(self._named, results, strict=True)]
+
+    def _next_window(self, op: str, timeout: float | None) -> list[Any]:
+        executor = self._require_bound(op)
+        if not self._pending:
+            raise RuntimeError(
+                f"AsyncMetricCollector.{op}: nothing scheduled; call schedule_collection() first"
+            )
+        window = self._pending[0]
+        limit = self.timeout_s if timeout is None else timeout
+        try:
+            results, handle = window.future.result(timeout=limit)
+        except FutureTimeout:
+            raise CollectionError(
+                f"AsyncMetricCollector.{op}: window {window.index} did not complete in {limit:.1f}s; "
+                "a rank may not have called schedule_collection(), may have died, or be far behind"
+            ) from None
+        except Exception as error:
+            self._pending.popleft()
+            raise CollectionError(
+                f"AsyncMetricCollector.{op}: window {window.index} failed: {type(error).__name__}: {error}"
+            ) from error
+        self._pending.popleft()
+        executor.wait_host(handle)
+        return [to_python(result) for result in results]
