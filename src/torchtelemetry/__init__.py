@@ -1,5 +1,6 @@
 """torchtelemetry: GPU-resident PyTorch training metrics, synced across ranks, exported from rank 0."""
 
+from torchtelemetry.export import OTelExporter
 from torchtelemetry.metric import (
     AccuracyMetric,
     BinaryAUROCMetric,
@@ -37,6 +38,7 @@ __all__ = [
     "MetricAccumulator",
     "MetricKind",
     "MinMetric",
+    "OTelExporter",
     "PerRankMetric",
     "ReduceOp",
     "SumMetric",

@@ -2,6 +2,7 @@
 
 from torchtelemetry.export._flatten import describe_metrics, flatten_results
 from torchtelemetry.export._naming import InvalidMetricNameError, NameCollisionError
+from torchtelemetry.export._otel import OTelExporter
 from torchtelemetry.export._protocol import (
     Exporter,
     ExportResult,
@@ -19,6 +20,7 @@ __all__ = [
     "InvalidMetricNameError",
     "MetricDescriptor",
     "NameCollisionError",
+    "OTelExporter",
     "RunInfo",
     "ScalarValue",
     "Scalars",

@@ -17,6 +17,7 @@ from torchtelemetry.metric import MetricKind
 __all__ = [
     "MAX_NAME_LENGTH",
     "NAMESPACE",
+    "STEP_METRIC",
     "InvalidMetricNameError",
     "NameCollisionError",
     "check_unique",
@@ -25,6 +26,7 @@ __all__ = [
     "prometheus_label_name",
     "prometheus_name",
     "validate_path",
+    "wandb_label_name",
     "wandb_name",
 ]
 
@@ -33,6 +35,9 @@ NAMESPACE = "torchtelemetry"
 
 MAX_NAME_LENGTH = 200
 """Longest metric path accepted (backends truncate or reject longer names)."""
+
+STEP_METRIC = MetricDescriptor("train/step", description="Training step of the latest report")
+"""The step of each report, for backends without a step axis (`torchtelemetry_train_step`, `train.step`)."""
 
 _SEGMENT = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
 _PROMETHEUS_ILLEGAL = re.compile(r"[^A-Za-z0-9_]")
@@ -88,7 +93,7 @@ def prometheus_name(descriptor: MetricDescriptor, namespace: str = NAMESPACE) ->
         name = f"{name}_{unit}"
     if descriptor.kind is MetricKind.COUNTER:
         name = name.removesuffix("_total") + "_total"
-    return name
+    return f"_{name}" if name[0].isdigit() else name
 
 
 def prometheus_label_name(label: str) -> str:
@@ -110,6 +115,11 @@ def otel_unit(unit: str) -> str:
 def wandb_name(descriptor: MetricDescriptor) -> str:
     """W&B keeps the slash path: it groups panels by the first segment."""
     return descriptor.name
+
+
+def wandb_label_name(descriptor: MetricDescriptor, label_value: str) -> str:
+    """One W&B key per label value: `perf/step_time` at rank "0" -> `perf/step_time/rank_0`."""
+    return f"{wandb_name(descriptor)}/{descriptor.label_name or 'label'}_{label_value}"
 
 
 def check_unique(
