@@ -1,0 +1,122 @@
+"""Dashboards: current-schema JSON, stable unique uids, defined variables, units, real metric names."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.stack._stack import (
+    DASHBOARD_DIR,
+    GRAFANA_GLOBAL_VARIABLES,
+    STACK_DOC,
+    dashboards,
+    emitted_labels,
+    emitted_names,
+    health_descriptors,
+    panels,
+    queried_labels,
+    queried_metrics,
+    sample_names,
+    training_descriptors,
+    variables_used,
+)
+
+PANEL_TYPES = {"timeseries", "heatmap", "stat"}
+EXPECTED = {
+    "training.json": "torchtelemetry-training",
+    "exporter-health.json": "torchtelemetry-exporter-health",
+}
+
+DASHBOARDS = dashboards()
+
+
+def _ids(item: Any) -> str:
+    return item.name if isinstance(item, Path) else str(item)
+
+
+def _queries(dashboard: dict[str, Any]) -> list[str]:
+    return [target["expr"] for panel in panels(dashboard) for target in panel["targets"]]
+
+
+def test_dashboards_are_valid_json_with_stable_unique_uids() -> None:
+    assert {path.name: d["uid"] for path, d in DASHBOARDS.items()} == EXPECTED
+    for path in DASHBOARD_DIR.glob("*.json"):
+        json.loads(path.read_text())
+
+
+@pytest.mark.parametrize("path", list(DASHBOARDS), ids=_ids)
+def test_dashboard_uses_the_current_schema_and_panel_types(path: Path) -> None:
+    dashboard = DASHBOARDS[path]
+    assert dashboard["schemaVersion"] >= 39
+    assert dashboard.get("id") is None, "provisioned dashboards carry a uid, not a database id"
+    ids = [panel["id"] for panel in panels(dashboard)]
+    assert len(ids) == len(set(ids)), "panel ids must be unique"
+    for panel in panels(dashboard):
+        assert panel["type"] in PANEL_TYPES, f"{panel['title']}: type {panel['type']}"
+        grid = panel["gridPos"]
+        assert grid["x"] >= 0 and grid["x"] + grid["w"] <= 24 and grid["h"] > 0
+
+
+@pytest.mark.parametrize("path", list(DASHBOARDS), ids=_ids)
+def test_every_panel_has_a_datasource_a_unit_and_queries(path: Path) -> None:
+    for panel in panels(DASHBOARDS[path]):
+        title = panel["title"]
+        assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, title
+        assert panel["fieldConfig"]["defaults"].get("unit"), f"{title}: no unit"
+        assert panel["description"], f"{title}: no description"
+        assert panel["targets"], f"{title}: no query"
+        for target in panel["targets"]:
+            assert target["datasource"] == panel["datasource"], title
+            assert target["expr"].strip(), title
+        if panel["type"] == "heatmap":
+            assert panel["options"]["yAxis"]["unit"], f"{title}: no y-axis unit"
+            assert all(target.get("format") == "heatmap" for target in panel["targets"])
+
+
+@pytest.mark.parametrize("path", list(DASHBOARDS), ids=_ids)
+def test_every_variable_used_is_defined(path: Path) -> None:
+    dashboard = DASHBOARDS[path]
+    defined = [variable["name"] for variable in dashboard["templating"]["list"]]
+    assert defined == ["datasource", "job", "run"]
+    used = variables_used(json.dumps(dashboard["panels"]))
+    used |= variables_used(json.dumps(dashboard["templating"]))
+    assert used - GRAFANA_GLOBAL_VARIABLES <= set(defined), sorted(
+        used - GRAFANA_GLOBAL_VARIABLES - set(defined)
+    )
+    assert {"datasource", "job", "run"} <= used
+    for query in _queries(dashboard):
+        assert "$job" in query and "$run" in query, f"{query!r} ignores the job/run selection"
+
+
+@pytest.mark.parametrize("path", list(DASHBOARDS), ids=_ids)
+def test_panels_query_only_what_the_library_emits(path: Path) -> None:
+    dashboard = DASHBOARDS[path]
+    queries = _queries(dashboard) + [
+        v["definition"] for v in dashboard["templating"]["list"] if "definition" in v
+    ]
+    for query in queries:
+        metrics = queried_metrics(query)
+        assert metrics, f"{query!r} queries no torchtelemetry metric"
+        assert metrics <= emitted_names(), f"not emitted: {sorted(metrics - emitted_names())}"
+        assert queried_labels(query) <= emitted_labels(), (
+            f"{query!r}: {queried_labels(query) - emitted_labels()}"
+        )
+
+
+def test_dashboards_show_everything_the_library_emits() -> None:
+    by_name = {path.name: set().union(*map(queried_metrics, _queries(d))) for path, d in DASHBOARDS.items()}
+    training = {min(sample_names(d)) for d in training_descriptors()}
+    assert training <= by_name["training.json"], sorted(training - by_name["training.json"])
+    health = {min(sample_names(d)) for d in health_descriptors()}
+    assert health <= by_name["exporter-health.json"], sorted(health - by_name["exporter-health.json"])
+
+
+def test_stack_doc_lists_every_panel() -> None:
+    doc = STACK_DOC.read_text()
+    for path, dashboard in DASHBOARDS.items():
+        assert dashboard["title"] in doc, f"docs/stack.md does not describe {path.name}"
+        for panel in panels(dashboard):
+            assert f"**{panel['title']}**" in doc, f"docs/stack.md does not list panel {panel['title']!r}"

@@ -1,0 +1,98 @@
+"""Prometheus config and alert rules: promtool accepts them, they fire when they should, names are real."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pytest
+
+from tests.stack._stack import (
+    ALERTS,
+    ALERTS_TEST,
+    PROMETHEUS_CONFIG,
+    PROMETHEUS_DIR,
+    alert_rules,
+    emitted_labels,
+    emitted_names,
+    load_yaml,
+    queried_labels,
+    queried_metrics,
+)
+
+PROMTOOL = shutil.which("promtool")
+needs_promtool = pytest.mark.skipif(
+    PROMTOOL is None, reason="promtool not installed (apt-get install prometheus)"
+)
+
+
+def _promtool(*args: str) -> subprocess.CompletedProcess[str]:
+    assert PROMTOOL is not None
+    return subprocess.run(
+        [PROMTOOL, *args], cwd=PROMETHEUS_DIR, capture_output=True, text=True, timeout=120, check=False
+    )
+
+
+@needs_promtool
+def test_promtool_accepts_the_config_and_its_rule_files() -> None:
+    result = _promtool("check", "config", str(PROMETHEUS_CONFIG))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "1 rule files found" in result.stdout
+
+
+@needs_promtool
+def test_promtool_accepts_the_rules() -> None:
+    result = _promtool("check", "rules", str(ALERTS))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"{len(alert_rules())} rules found" in result.stdout
+
+
+@needs_promtool
+def test_rule_unit_tests_pass() -> None:
+    """Stalled (old timestamp, frozen step), straggler (both shapes), loss not finite, export errors/drops."""
+    result = _promtool("test", "rules", str(ALERTS_TEST))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "SUCCESS" in result.stdout
+
+
+def test_every_alert_is_proven_to_fire_and_to_stay_quiet() -> None:
+    tests = load_yaml(ALERTS_TEST)["tests"]
+    fired, quiet = set(), set()
+    for case in tests:
+        for check in case.get("alert_rule_test", []):
+            (fired if check["exp_alerts"] else quiet).add(check["alertname"])
+    names = {rule["alert"] for rule in alert_rules()}
+    assert names == fired, f"alerts never shown to fire: {sorted(names - fired)}"
+    assert names == quiet, f"alerts never shown to stay quiet: {sorted(names - quiet)}"
+    assert load_yaml(ALERTS_TEST)["rule_files"] == [ALERTS.name]
+
+
+def test_the_required_alerts_exist() -> None:
+    by_name = {rule["alert"]: rule["expr"] for rule in alert_rules()}
+    assert "torchtelemetry_last_update_timestamp_seconds" in by_name["TrainingStalled"]
+    assert "torchtelemetry_train_step" in queried_metrics(by_name["TrainingStepNotAdvancing"])
+    assert "torchtelemetry_train_loss" in queried_metrics(by_name["LossNotFinite"])
+    assert "torchtelemetry_exporter_errors_total" in queried_metrics(by_name["ExportErrorsRising"])
+    assert "torchtelemetry_train_step_time_seconds" in queried_metrics(by_name["RankStraggler"])
+
+
+@pytest.mark.parametrize("rule", alert_rules(), ids=lambda rule: rule["alert"])
+def test_alerts_query_only_what_the_library_emits(rule: dict) -> None:
+    metrics = queried_metrics(rule["expr"])
+    assert metrics, f"{rule['alert']} queries no torchtelemetry metric"
+    assert metrics <= emitted_names(), f"{rule['alert']}: not emitted: {sorted(metrics - emitted_names())}"
+    labels = queried_labels(rule["expr"])
+    assert labels <= emitted_labels(), (
+        f"{rule['alert']}: labels never set: {sorted(labels - emitted_labels())}"
+    )
+    for field in ("severity",):
+        assert rule["labels"][field] in ("warning", "critical")
+    assert rule["annotations"]["summary"] and rule["annotations"]["description"]
+
+
+def test_scrape_jobs_cover_every_route() -> None:
+    jobs = {job["job_name"]: job for job in load_yaml(PROMETHEUS_CONFIG)["scrape_configs"]}
+    assert jobs["pushgateway"]["honor_labels"] is True, "pushed job/run labels must survive the scrape"
+    assert jobs["otel-collector"]["honor_labels"] is True
+    assert {"pushgateway", "otel-collector", "torchtelemetry"} <= set(jobs)
+    assert load_yaml(PROMETHEUS_CONFIG)["rule_files"] == [ALERTS.name]
