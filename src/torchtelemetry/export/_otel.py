@@ -55,6 +55,8 @@ DEFAULT_SERVICE_NAME = "torchtelemetry"
 WORLD_SIZE_ATTRIBUTE = "torchtelemetry.world_size"
 """Resource attribute holding the run's number of ranks."""
 
+_ENDPOINT_ENV = "OTEL_EXPORTER_OTLP_ENDPOINT"
+_METRICS_ENDPOINT_ENV = "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT"
 _PROTOCOLS = ("http/protobuf", "grpc")
 _DEFAULT_PROTOCOL = "http/protobuf"
 _COMPRESSIONS = ("none", "gzip", "deflate")
@@ -84,15 +86,17 @@ def _resolve_protocol(protocol: str | None) -> str:
     return _DEFAULT_PROTOCOL
 
 
+def _has_user_info(url: str) -> bool:
+    return "@" in urlsplit(url if "//" in url else f"//{url}").netloc
+
+
 def _redact(url: str) -> str:
-    """`url` without user info, safe for logs."""
-    parts = urlsplit(url if "//" in url else f"//{url}")
-    if parts.username is None and parts.password is None:
+    """`url` with any `user:password@` masked, safe for logs."""
+    if not _has_user_info(url):
         return url
-    netloc = parts.hostname or ""
-    if parts.port is not None:
-        netloc = f"{netloc}:{parts.port}"
-    return urlunsplit(parts._replace(netloc=f"***@{netloc}"))
+    parts = urlsplit(url if "//" in url else f"//{url}")
+    redacted = urlunsplit(parts._replace(netloc=f"***@{parts.netloc.rpartition('@')[2]}"))
+    return redacted if "//" in url else redacted.removeprefix("//")
 
 
 class OTelExporter:
@@ -142,6 +146,13 @@ class OTelExporter:
             raise ImportError(f"{_EXTRA_HINT} ({error})") from error
         if compression is not None and compression not in _COMPRESSIONS:
             raise ValueError(f"OTelExporter: compression must be one of {_COMPRESSIONS}, got {compression!r}")
+        if self.protocol == "grpc":
+            target = endpoint or os.environ.get(_METRICS_ENDPOINT_ENV) or os.environ.get(_ENDPOINT_ENV) or ""
+            if _has_user_info(target):
+                raise ValueError(
+                    "OTelExporter: a gRPC endpoint cannot carry credentials (user:password@host); "
+                    "pass them as headers (headers= or OTEL_EXPORTER_OTLP_HEADERS)"
+                )
         if timeout_s is not None and not timeout_s > 0:
             raise ValueError(f"OTelExporter: timeout_s must be positive, got {timeout_s}")
         self.name = name
