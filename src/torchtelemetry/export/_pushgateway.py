@@ -1,0 +1,141 @@
+"""`PushgatewayExporter`: push each report to a Prometheus Pushgateway, for jobs too short to scrape."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import warnings
+from collections.abc import Mapping, Sequence
+
+from torchtelemetry.export._hub import FailureLog
+from torchtelemetry.export._naming import NAMESPACE
+from torchtelemetry.export._prometheus import RUN_LABEL, PrometheusCollector, import_prometheus_client
+from torchtelemetry.export._protocol import ExportResult, MetricDescriptor, RunInfo, Scalars
+
+__all__ = ["PushgatewayExporter"]
+
+logger = logging.getLogger(__name__)
+
+
+class PushgatewayExporter:
+    """Pushes (HTTP PUT, replacing the group) every report to `url` under the grouping key (job, run, ...).
+
+    Pushes run on the exporter's hub thread, each bounded by `timeout_s`. On
+    close the group is deleted from the gateway unless `keep_on_close`. Scrape
+    the gateway with `honor_labels: true` so `job` and `run` are kept.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        job: str = "torchtelemetry",
+        grouping_key: Mapping[str, str] | None = None,
+        keep_on_close: bool = False,
+        timeout_s: float = 10.0,
+        namespace: str = NAMESPACE,
+        name: str = "pushgateway",
+    ) -> None:
+        self._client = import_prometheus_client()
+        if not url:
+            raise ValueError(
+                "PushgatewayExporter.url: must be the gateway address, e.g. http://127.0.0.1:9091"
+            )
+        if not job:
+            raise ValueError("PushgatewayExporter.job: must be a non-empty string")
+        reserved = {"job", RUN_LABEL} & set(grouping_key or {})
+        if reserved:
+            raise ValueError(
+                f"PushgatewayExporter.grouping_key: {sorted(reserved)} are set by the exporter "
+                "(job= and the run id); pass job= instead or leave them out"
+            )
+        if timeout_s <= 0:
+            raise ValueError(f"PushgatewayExporter.timeout_s: must be positive, got {timeout_s}")
+        self.name = name
+        self.url = url
+        self.job = job
+        self.keep_on_close = keep_on_close
+        self.timeout_s = timeout_s
+        self._extra_key = {str(k): str(v) for k, v in (grouping_key or {}).items()}
+        self._grouping_key: dict[str, str] | None = None
+        self._collector = PrometheusCollector(namespace)
+        self._registry = self._client.CollectorRegistry()
+        self._registry.register(self._collector)
+        self._lock = threading.Lock()
+        self._pending = False
+        self._closed = False
+        self._failures = FailureLog(f"PushgatewayExporter {name!r} ({url})", logger)
+
+    @property
+    def grouping_key(self) -> dict[str, str] | None:
+        """The grouping key besides `job` (the run id and any extra labels); None before describe."""
+        return None if self._grouping_key is None else dict(self._grouping_key)
+
+    def describe(self, descriptors: Sequence[MetricDescriptor], run: RunInfo) -> None:
+        """Check and learn the names (raises `NameCollisionError`); the run id joins the grouping key."""
+        self._collector.set_descriptors(descriptors, run)
+        self._grouping_key = {**self._extra_key, RUN_LABEL: run.run_id}
+
+    def export(self, step: int, scalars: Scalars, timestamp: float) -> ExportResult:
+        """Push this report; FAILURE (logged once per burst) if the gateway did not take it."""
+        if self._closed:
+            self._failures.failed("export() after close()")
+            return ExportResult.FAILURE
+        problems = self._collector.set_report(step, scalars, timestamp)
+        if problems:
+            self._failures.failed(f"step {step}: values left out: {'; '.join(problems)}")
+            return ExportResult.FAILURE
+        with self._lock:
+            self._pending = True
+            return ExportResult.SUCCESS if self._push(self.timeout_s) else ExportResult.FAILURE
+
+    def force_flush(self, timeout_s: float = 10.0) -> bool:
+        """Push again the latest report if its push failed; True when the gateway has it."""
+        with self._lock:
+            if not self._pending:
+                return True
+            return self._push(min(timeout_s, self.timeout_s))
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Delete the group from the gateway (unless `keep_on_close`); a second call only warns."""
+        with self._lock:
+            if self._closed:
+                warnings.warn(
+                    f"PushgatewayExporter {self.name!r}: already closed", RuntimeWarning, stacklevel=2
+                )
+                return
+            self._closed = True
+            if self._grouping_key is None or self.keep_on_close:
+                return
+            deadline = time.monotonic() + min(timeout_s, self.timeout_s)
+            try:
+                self._client.delete_from_gateway(
+                    self.url,
+                    job=self.job,
+                    grouping_key=self._grouping_key,
+                    timeout=max(0.001, deadline - time.monotonic()),
+                )
+            except Exception as error:
+                logger.warning("PushgatewayExporter %r: deleting its group failed: %s", self.name, error)
+
+    def _push(self, timeout_s: float) -> bool:
+        if timeout_s <= 0:
+            return False
+        try:
+            self._client.push_to_gateway(
+                self.url,
+                job=self.job,
+                registry=self._registry,
+                grouping_key=self._grouping_key,
+                timeout=timeout_s,
+            )
+        except Exception as error:
+            self._failures.failed("push failed", error)
+            return False
+        self._pending = False
+        self._failures.succeeded()
+        return True
+
+    def __repr__(self) -> str:
+        return f"PushgatewayExporter(url={self.url!r}, job={self.job!r}, grouping_key={self._extra_key!r})"

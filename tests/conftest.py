@@ -1,0 +1,40 @@
+"""Shared fixtures: real servers on 127.0.0.1 (see tests/servers.py), stopped at teardown."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.servers import PrometheusServer, PushgatewayServer, binary
+
+
+def _require(name: str) -> str:
+    path = binary(name)
+    if path is None:
+        pytest.skip(f"{name} is not installed (CI installs Debian's prometheus and prometheus-pushgateway)")
+    return path
+
+
+@pytest.fixture
+def prometheus(tmp_path: Path) -> Iterator[PrometheusServer]:
+    """A Prometheus (1 s scrape) not yet started: add jobs with `.scrape(...)`, then `.start()`."""
+    _require("prometheus")
+    server = PrometheusServer(tmp_path / "prometheus")
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def pushgateway(tmp_path: Path) -> Iterator[PushgatewayServer]:
+    """A running Pushgateway."""
+    _require("prometheus-pushgateway")
+    with PushgatewayServer(tmp_path / "pushgateway") as server:
+        yield server
+
+
+@pytest.fixture
+def promtool() -> str:
+    """Path of `promtool`."""
+    return _require("promtool")

@@ -1,0 +1,403 @@
+"""PrometheusExporter against a real Prometheus server, fed by a real 2-rank gloo run."""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+import urllib.error
+import uuid
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.distributed import free_port, run_ranks
+from tests.servers import PrometheusServer, Sample, http_get, self_signed_cert, wait_for
+from torchtelemetry import (
+    ExportHub,
+    HistogramMetric,
+    NullHub,
+    PerRankMetric,
+    PrometheusExporter,
+    PushgatewayExporter,
+    SumMetric,
+    WeightedMeanMetric,
+    sync_metrics,
+)
+from torchtelemetry.collect import to_python
+from torchtelemetry.export import (
+    ExportResult,
+    HistogramValue,
+    MetricDescriptor,
+    NameCollisionError,
+    RunInfo,
+    describe_metrics,
+    flatten_results,
+)
+from torchtelemetry.metric import MetricKind
+from torchtelemetry.sync import metric_leaves
+
+STEPS = 3
+BINS = [0.5, 1.0, 2.0, 4.0]
+WORLD_SIZE = 2
+
+
+# The training run: rank-dependent data, synced, exported from rank 0 (also used by test_pushgateway).
+
+
+def rank_data(rank: int, step: int) -> dict[str, Any]:
+    """What `rank` observes at `step`: exactly representable numbers, so global values are exact."""
+    return {
+        "loss": ([float(rank + step), 2.0 * (rank + step)], [1.0, 3.0]),
+        "tokens": 100.0 * (rank + 1) * step,
+        "grad_norm": [0.25, 0.75, 1.5, 1.5 + rank, 3.0 * (rank + 1)],
+        "step_time": 0.25 * (rank + 1) * step,
+    }
+
+
+def build_metrics(rank: int, world_size: int) -> dict[str, Any]:
+    return {
+        "train": {
+            "loss": WeightedMeanMetric(description="Training loss, weighted by tokens"),
+            "tokens": SumMetric(kind="counter", unit="tokens", description="Tokens seen"),
+        },
+        "grad_norm": HistogramMetric(bins=BINS, description="Gradient norm"),
+        "step_time": PerRankMetric(world_size, rank, unit="seconds", description="Step time per rank"),
+    }
+
+
+def expected_values(world_size: int, step: int) -> dict[str, Any]:
+    """Global values after `step` steps, computed here in plain Python."""
+    data = [rank_data(rank, s) for rank in range(world_size) for s in range(1, step + 1)]
+    weighted = sum(v * w for d in data for v, w in zip(*d["loss"], strict=True))
+    grad = [g for d in data for g in d["grad_norm"]]
+    counts = [sum(1 for g in grad if (i == 0 or g > BINS[i - 1]) and g <= b) for i, b in enumerate(BINS)]
+    counts.append(sum(1 for g in grad if g > BINS[-1]))
+    return {
+        "loss": weighted / sum(w for d in data for w in d["loss"][1]),
+        "tokens": sum(d["tokens"] for d in data),
+        "step_time": {
+            str(rank): sum(rank_data(rank, s)["step_time"] for s in range(1, step + 1)) / step
+            for rank in range(world_size)
+        },
+        "grad_count": float(len(grad)),
+        "grad_sum": sum(grad),
+        "grad_median": prometheus_quantile(0.5, BINS, counts),
+    }
+
+
+def prometheus_quantile(q: float, bounds: list[float], counts: list[int]) -> float:
+    """What `histogram_quantile` computes: linear interpolation inside the bucket holding rank q*n."""
+    cumulative = [sum(counts[: i + 1]) for i in range(len(counts))]
+    rank = q * cumulative[-1]
+    bucket = next(i for i, c in enumerate(cumulative) if c >= rank)
+    if bucket == len(bounds):
+        return bounds[-1]
+    lower, below = (0.0, 0) if bucket == 0 else (bounds[bucket - 1], cumulative[bucket - 1])
+    return lower + (bounds[bucket] - lower) * (rank - below) / (cumulative[bucket] - below)
+
+
+def observe(prometheus_url: str, selector: str, step: int) -> dict[str, Any]:
+    """Wait until Prometheus has scraped `step`, then read every exported value back."""
+
+    def one(expr: str) -> float:
+        (sample,) = wait_for(prometheus_url, expr)
+        return sample.value
+
+    wait_for(prometheus_url, f"torchtelemetry_train_step{{{selector}}} == {step}", timeout_s=90)
+    series = wait_for(prometheus_url, f'{{__name__=~"torchtelemetry_.+",{selector}}}')
+    return {
+        "step": one(f"torchtelemetry_train_step{{{selector}}}"),
+        "loss": one(f"torchtelemetry_train_loss{{{selector}}}"),
+        "tokens": one(f"torchtelemetry_train_tokens_total{{{selector}}}"),
+        "step_time": {
+            s.labels["rank"]: s.value
+            for s in wait_for(prometheus_url, f"torchtelemetry_step_time_seconds{{{selector}}}")
+        },
+        "grad_count": one(f"torchtelemetry_grad_norm_count{{{selector}}}"),
+        "grad_sum": one(f"torchtelemetry_grad_norm_sum{{{selector}}}"),
+        "grad_median": one(
+            f"histogram_quantile(0.5, sum by (le) (torchtelemetry_grad_norm_bucket{{{selector}}}))"
+        ),
+        "reports_total": one(f'torchtelemetry_exporter_reports_total{{{selector},exporter="export"}}'),
+        "last_update": one(f"torchtelemetry_last_update_timestamp_seconds{{{selector}}}"),
+        "label_names": sorted({name for s in series for name in s.labels}),
+    }
+
+
+def train_and_export(
+    rank: int, world_size: int, backend: str, target: str, prometheus_url: str, selector: str, run_id: str
+) -> Any:
+    """Each rank updates and syncs; rank 0's hub exports and reads each step back from Prometheus."""
+    metrics = build_metrics(rank, world_size)
+    leaves = metric_leaves(metrics)
+    exporter = (
+        PrometheusExporter(port=int(target), name="export")
+        if backend == "prometheus"
+        else PushgatewayExporter(target, name="export")
+    )  # the same constructor call on every rank; only rank 0's hub starts it
+    run = RunInfo(run_id=run_id, world_size=world_size)
+    hub = ExportHub([exporter], run=run) if rank == 0 else NullHub()
+    hub.describe(describe_metrics(metrics))
+    observed = []
+    for step in range(1, STEPS + 1):
+        data = rank_data(rank, step)
+        metrics["train"]["loss"].update(*map(_tensor, data["loss"]))
+        metrics["train"]["tokens"].update(_tensor(data["tokens"]))
+        metrics["grad_norm"].update(_tensor(data["grad_norm"]))
+        metrics["step_time"].update(_tensor(data["step_time"]))
+        sync_metrics(metrics)
+        hub.submit(step, flatten_results(leaves, [to_python(m.compute()) for _, m in leaves]))
+        if rank == 0:
+            observed.append(observe(prometheus_url, selector, step))
+    hub.close(timeout_s=10)
+    if rank != 0:
+        return {
+            "threads": [t.name for t in threading.enumerate() if t.name.startswith("torchtelemetry")],
+            "served": exporter.url if isinstance(exporter, PrometheusExporter) else None,
+        }
+    return {"observed": observed, "health": hub.health()["export"]}
+
+
+def _tensor(value: Any) -> Any:
+    import torch
+
+    return torch.tensor(value, dtype=torch.float64)
+
+
+def check_observations(result: dict[str, Any]) -> None:
+    observed = result["observed"]
+    assert [o["step"] for o in observed] == [1.0, 2.0, 3.0]  # the step advances
+    for step, seen in enumerate(observed, start=1):
+        expected = expected_values(WORLD_SIZE, step)
+        for key, value in expected.items():
+            assert seen[key] == value, (step, key)
+    last_updates = [o["last_update"] for o in observed]
+    assert last_updates == sorted(last_updates)
+    assert [o["reports_total"] for o in observed] == [0.0, 1.0, 2.0]  # health as of each report
+    assert "step" not in observed[-1]["label_names"]
+    assert {"run", "rank", "exporter", "le"} <= set(observed[-1]["label_names"])
+    assert result["health"].reports_exported == STEPS and result["health"].export_errors == 0
+
+
+@pytest.mark.slow
+def test_gloo_run_scraped_by_prometheus(prometheus: PrometheusServer) -> None:
+    port, run_id = free_port(), f"gloo-{uuid.uuid4().hex[:8]}"
+    prometheus.scrape("trainer", [f"127.0.0.1:{port}"])
+    prometheus.start()
+    rank0, rank1 = run_ranks(
+        train_and_export, WORLD_SIZE, "prometheus", str(port), prometheus.url, f'run="{run_id}"', run_id,
+        timeout_s=240,
+    )  # fmt: skip
+    check_observations(rank0)
+    assert rank1 == {"threads": [], "served": None}  # rank 1 opened no port, started no thread
+
+
+# The exporter in this process.
+
+
+def sample_report(step: int) -> dict[str, Any]:
+    return {
+        "train/loss": 0.5 * step,
+        "train/tokens": 1000.0 * step,
+        "train/step_time": {"0": 0.25, "1": 0.5},
+        "grad_norm": HistogramValue(
+            bounds=(0.5, 1.0, 2.0), counts=(1.0, 2.0, 3.0, 4.0), sum=17.5, count=10.0
+        ),
+    }
+
+
+DESCRIPTORS = [
+    MetricDescriptor("train/loss", description="Training loss"),
+    MetricDescriptor("train/tokens", MetricKind.COUNTER, unit="tokens", description="Tokens seen"),
+    MetricDescriptor("train/step_time", unit="seconds", description="Step time per rank", label_name="rank"),
+    MetricDescriptor("grad_norm", MetricKind.HISTOGRAM, description="Gradient norm"),
+]
+RUN = RunInfo(run_id="run-1")
+
+
+@pytest.fixture
+def exporter() -> Iterator[PrometheusExporter]:
+    exporter = PrometheusExporter(port=0)
+    yield exporter
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # tests may have closed it already
+        exporter.close()
+
+
+def families(body: bytes) -> dict[str, Any]:
+    return {family.name: family for family in text_string_to_metric_families(body.decode())}
+
+
+def test_exposition_kinds_labels_and_histograms(exporter: PrometheusExporter) -> None:
+    exporter.describe(DESCRIPTORS, RUN)
+    assert exporter.port not in (0, None)
+    assert exporter.export(7, sample_report(7), 1700000000.5) is ExportResult.SUCCESS
+    found = families(http_get(exporter.url))
+    assert found["torchtelemetry_train_step"].samples[0].value == 7
+    assert found["torchtelemetry_last_update_timestamp_seconds"].samples[0].value == 1700000000.5
+    assert found["torchtelemetry_train_loss"].type == "gauge"
+    assert found["torchtelemetry_train_loss"].documentation == "Training loss"
+    tokens = found["torchtelemetry_train_tokens"]
+    assert tokens.type == "counter" and [(s.name, s.value) for s in tokens.samples] == [
+        ("torchtelemetry_train_tokens_total", 7000.0)
+    ]
+    step_time = found["torchtelemetry_train_step_time_seconds"]
+    assert {s.labels["rank"]: s.value for s in step_time.samples} == {"0": 0.25, "1": 0.5}
+    histogram = found["torchtelemetry_grad_norm"]
+    assert histogram.type == "histogram"
+    by_name = {(s.name, s.labels.get("le")): s.value for s in histogram.samples}
+    assert by_name == {
+        ("torchtelemetry_grad_norm_bucket", "0.5"): 1.0,
+        ("torchtelemetry_grad_norm_bucket", "1.0"): 3.0,
+        ("torchtelemetry_grad_norm_bucket", "2.0"): 6.0,
+        ("torchtelemetry_grad_norm_bucket", "+Inf"): 10.0,
+        ("torchtelemetry_grad_norm_count", None): 10.0,
+        ("torchtelemetry_grad_norm_sum", None): 17.5,
+    }
+    for family in found.values():
+        for sample in family.samples:
+            assert sample.labels["run"] == "run-1"
+            assert "step" not in sample.labels
+
+
+def test_promtool_check_metrics_is_clean(exporter: PrometheusExporter, promtool: str) -> None:
+    hub = ExportHub([exporter], run=RUN)
+    hub.describe(DESCRIPTORS)
+    hub.submit(1, sample_report(1))
+    hub.submit(2, sample_report(2))
+    assert hub.force_flush(10)
+    body = http_get(exporter.url)
+    assert b"torchtelemetry_exporter_reports_total" in body
+    assert b"torchtelemetry_exporter_last_success_timestamp_seconds" in body
+    checked = subprocess.run([promtool, "check", "metrics"], input=body, capture_output=True, timeout=60)
+    assert (checked.returncode, checked.stdout + checked.stderr) == (0, b"")
+    hub.close(10)
+    with pytest.raises(urllib.error.URLError):
+        http_get(f"http://127.0.0.1:{exporter.port}/metrics", timeout_s=2)  # close() shut the server
+
+
+def test_one_scrape_shows_one_step(exporter: PrometheusExporter) -> None:
+    exporter.describe(DESCRIPTORS, RUN)
+    stop = threading.Event()
+
+    def keep_exporting() -> None:
+        step = 0
+        while not stop.is_set():
+            step += 1
+            report = {
+                "train/loss": float(step),
+                "train/tokens": float(step),
+                "train/step_time": {"0": float(step)},
+            }
+            exporter.export(step, report, float(step))
+
+    writer = threading.Thread(target=keep_exporting)
+    writer.start()
+    try:
+        steps_seen = set()
+        for _ in range(200):
+            found = families(http_get(exporter.url))
+            if "torchtelemetry_train_step" not in found:
+                continue
+            values = {s.value for family in found.values() for s in family.samples}
+            assert len(values) == 1, values  # step, timestamp and every value come from one report
+            steps_seen |= values
+    finally:
+        stop.set()
+        writer.join()
+    assert len(steps_seen) > 1
+
+
+def test_port_zero_scraped_over_tls(tmp_path: Path, prometheus: PrometheusServer) -> None:
+    certfile, keyfile = self_signed_cert(tmp_path / "tls")
+    exporter = PrometheusExporter(port=0, certfile=str(certfile), keyfile=str(keyfile))
+    try:
+        exporter.start()
+        assert exporter.url == f"https://127.0.0.1:{exporter.port}/metrics"
+        exporter.describe(DESCRIPTORS, RUN)
+        exporter.export(5, sample_report(5), 1700000000.0)
+        prometheus.scrape(
+            "tls", [f"127.0.0.1:{exporter.port}"], scheme="https", tls_config={"ca_file": str(certfile)}
+        )
+        prometheus.start()
+        samples = prometheus.wait_for('torchtelemetry_train_tokens_total{job="tls",run="run-1"}')
+        assert samples == [Sample(samples[0].labels, 5000.0)]
+        (median,) = prometheus.wait_for('histogram_quantile(0.5, torchtelemetry_grad_norm_bucket{job="tls"})')
+        assert median.value == prometheus_quantile(0.5, [0.5, 1.0, 2.0], [1, 2, 3, 4])
+        with pytest.raises(OSError):
+            http_get(f"http://127.0.0.1:{exporter.port}/metrics", timeout_s=5)  # plain HTTP is refused
+    finally:
+        exporter.close()
+
+
+def test_port_none_registers_in_the_callers_registry() -> None:
+    registry = CollectorRegistry()
+    exporter = PrometheusExporter(port=None, registry=registry)
+    exporter.describe(DESCRIPTORS, RUN)
+    exporter.export(3, sample_report(3), 1.0)
+    assert b'torchtelemetry_train_loss{run="run-1"} 1.5' in generate_latest(registry)
+    exporter.close()
+    assert b"torchtelemetry" not in generate_latest(registry)
+
+
+def test_constructor_opens_nothing_and_null_hub_opens_no_port() -> None:
+    port = free_port()
+    threads_before = set(threading.enumerate())
+    exporter = PrometheusExporter(port=port)
+    hub = NullHub()
+    hub.describe(DESCRIPTORS)
+    hub.submit(1, sample_report(1))
+    assert hub.force_flush(1) and hub.health() == {}
+    hub.close(1)
+    assert exporter.url is None
+    assert set(threading.enumerate()) == threads_before
+    with pytest.raises(urllib.error.URLError):
+        http_get(f"http://127.0.0.1:{port}/metrics", timeout_s=2)
+    exporter.close()
+
+
+@pytest.mark.parametrize(
+    ("descriptors", "message"),
+    [
+        ([MetricDescriptor("train/loss"), MetricDescriptor("train.loss")], "torchtelemetry_train_loss"),
+        ([MetricDescriptor("train/step")], "torchtelemetry_train_step"),
+        ([MetricDescriptor("loss", label_name="run")], "label 'run'"),
+        (
+            [MetricDescriptor("grad", MetricKind.HISTOGRAM), MetricDescriptor("grad/count")],
+            "torchtelemetry_grad_count",
+        ),
+        ([MetricDescriptor("tokens", MetricKind.COUNTER), MetricDescriptor("tokens/total")], "tokens_total"),
+    ],
+)
+def test_collisions_raise_at_describe(descriptors: list[MetricDescriptor], message: str) -> None:
+    exporter = PrometheusExporter(port=0)
+    with pytest.raises(NameCollisionError, match=message):
+        exporter.describe(descriptors, RUN)
+    assert exporter.url is None  # nothing started
+    exporter.close()
+
+
+def test_export_problems_and_close_are_reported_not_raised(exporter: PrometheusExporter) -> None:
+    exporter.describe(DESCRIPTORS, RUN)
+    assert exporter.export(1, {"not/described": 1.0}, 1.0) is ExportResult.FAILURE
+    assert exporter.export(1, {"train/loss": HistogramValue((1.0,), (1.0, 1.0), 1.0, 2.0)}, 1.0) is (
+        ExportResult.FAILURE
+    )
+    exporter.close()
+    assert exporter.export(2, sample_report(2), 2.0) is ExportResult.FAILURE
+    with pytest.warns(RuntimeWarning, match="already closed"):
+        exporter.close()
+
+
+def test_bad_options_fail_at_construction() -> None:
+    with pytest.raises(ValueError, match="port"):
+        PrometheusExporter(port=70000)
+    with pytest.raises(ValueError, match="certfile and keyfile"):
+        PrometheusExporter(port=0, certfile="cert.pem")
+    with pytest.raises(ValueError, match="registry"):
+        PrometheusExporter(port=None)
