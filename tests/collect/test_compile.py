@@ -1,0 +1,156 @@
+"""`update()` of every built-in metric compiles with `fullgraph=True` (no graph break) and matches eager."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+
+import torchtelemetry as tt
+from torchtelemetry.sync import named_accumulators
+
+Inputs = Callable[[torch.Generator], tuple[Any, ...]]
+
+
+def _values(gen: torch.Generator) -> tuple[Any, ...]:
+    return (torch.randn(16, generator=gen, dtype=torch.float64),)
+
+
+def _positive(gen: torch.Generator) -> tuple[Any, ...]:
+    return (torch.rand(16, generator=gen),)
+
+
+def _with_nan(gen: torch.Generator) -> tuple[Any, ...]:
+    values = torch.randn(16, generator=gen)
+    values[3] = float("nan")
+    return (values,)
+
+
+def _weighted(gen: torch.Generator) -> tuple[Any, ...]:
+    return torch.randn(16, generator=gen), torch.rand(16, generator=gen)
+
+
+def _scalar_weighted(gen: torch.Generator) -> tuple[Any, ...]:
+    return torch.randn((), generator=gen), 32
+
+
+def _logits(gen: torch.Generator) -> tuple[Any, ...]:
+    return torch.randn(16, 5, generator=gen), torch.randint(0, 5, (16,), generator=gen)
+
+
+def _labels(gen: torch.Generator) -> tuple[Any, ...]:
+    return torch.randint(0, 5, (16,), generator=gen), torch.randint(0, 5, (16,), generator=gen)
+
+
+def _ignored_labels(gen: torch.Generator) -> tuple[Any, ...]:
+    preds, target = _labels(gen)
+    target[::4] = -100
+    return preds, target
+
+
+def _scores(gen: torch.Generator) -> tuple[Any, ...]:
+    return torch.rand(16, generator=gen), torch.randint(0, 2, (16,), generator=gen)
+
+
+def _logit_scores(gen: torch.Generator) -> tuple[Any, ...]:
+    return torch.randn(16, generator=gen), torch.randint(0, 2, (16,), generator=gen).bool()
+
+
+CASES: dict[str, tuple[Callable[[], tt.Metric], Inputs]] = {
+    "sum": (tt.SumMetric, _values),
+    "sum_int64": (lambda: tt.SumMetric(dtype=torch.int64), lambda gen: _labels(gen)[:1]),
+    "counter_strict": (lambda: tt.SumMetric(kind="counter", nan_policy="error"), _positive),
+    "sum_ignore_nan": (lambda: tt.SumMetric(nan_policy="ignore"), _with_nan),
+    "weighted_mean": (tt.WeightedMeanMetric, _weighted),
+    "weighted_mean_scalar_weight": (tt.WeightedMeanMetric, _scalar_weighted),
+    "weighted_mean_ignore_nan": (lambda: tt.WeightedMeanMetric(nan_policy="ignore"), _weighted),
+    "max": (tt.MaxMetric, _values),
+    "min": (tt.MinMetric, _values),
+    "min_ignore_nan": (lambda: tt.MinMetric(nan_policy="ignore"), _with_nan),
+    "per_rank": (lambda: tt.PerRankMetric(4, 2), _values),
+    "per_rank_ignore_nan": (lambda: tt.PerRankMetric(2, 0, nan_policy="ignore"), _with_nan),
+    "accuracy_top2": (lambda: tt.AccuracyMetric(top_k=2, num_classes=5), _logits),
+    "accuracy_labels": (lambda: tt.AccuracyMetric(num_classes=5, ignore_index=-100), _ignored_labels),
+    "confusion_matrix": (lambda: tt.ConfusionMatrixMetric(5), _logits),
+    "binary_auroc": (lambda: tt.BinaryAUROCMetric(num_bins=32), _scores),
+    "binary_auroc_logits": (lambda: tt.BinaryAUROCMetric(num_bins=32, from_logits=True), _logit_scores),
+    "histogram": (lambda: tt.HistogramMetric([0.1, 0.5, 1.0, 2.0]), _positive),
+    "histogram_strict": (lambda: tt.HistogramMetric([0.0, 1.0], nan_policy="error"), _values),
+}
+
+STEPS = 4
+
+
+def _state(metric: tt.Metric) -> dict[str, torch.Tensor]:
+    return {attr: acc.local.clone() for attr, acc in metric.accumulators.items()}
+
+
+def _run_compiled(name: str, backend: str) -> tuple[dict, dict, int]:
+    """States after STEPS eager and compiled updates, and the recompiles after the first step."""
+    make, inputs = CASES[name]
+    torch._dynamo.reset()
+    eager, compiled = make(), make()
+    counter = CompileCounterWithBackend(backend)
+    update = torch.compile(compiled.update, fullgraph=True, backend=counter)
+    gen = torch.Generator().manual_seed(sum(map(ord, name)))
+    frames_after_first_step = 0
+    for step in range(STEPS):
+        args = inputs(gen)
+        eager.update(*args)
+        update(*args)
+        if step == 0:
+            frames_after_first_step = counter.frame_count
+    recompiles = counter.frame_count - frames_after_first_step
+    return _state(eager), _state(compiled), recompiles
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_compiled_update_matches_eager_without_graph_breaks(name: str) -> None:
+    eager, compiled, recompiles = _run_compiled(name, "aot_eager")
+    # fullgraph=True raises on any graph break; new values must not force a recompile.
+    assert recompiles == 0
+    assert eager.keys() == compiled.keys()
+    for attr in eager:
+        torch.testing.assert_close(compiled[attr], eager[attr], rtol=0, atol=0, equal_nan=True, msg=attr)
+        initial = CASES[name][0]().accumulators[attr].initial
+        assert not torch.equal(compiled[attr], initial), f"{name}.{attr} was never updated"
+
+
+@pytest.mark.parametrize("name", ["weighted_mean", "histogram", "confusion_matrix"])
+def test_inductor_compiled_update_matches_eager(name: str) -> None:
+    eager, compiled, recompiles = _run_compiled(name, "inductor")
+    assert recompiles == 0
+    for attr in eager:
+        torch.testing.assert_close(compiled[attr], eager[attr], equal_nan=True, msg=attr)
+
+
+def test_compiled_training_step_keeps_updating_the_same_state() -> None:
+    """A compiled step updating several metrics: local tensors keep their storage, values add up."""
+    torch._dynamo.reset()
+    metrics = {"loss": tt.WeightedMeanMetric(), "tokens": tt.SumMetric(kind="counter"), "max": tt.MaxMetric()}
+    storage = {name: acc.local.data_ptr() for name, acc in named_accumulators(metrics).items()}
+
+    @torch.compile(fullgraph=True, backend="aot_eager")
+    def step(x: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+        loss = (x * x).mean()
+        metrics["loss"].update(loss, n)
+        metrics["tokens"].update(n)
+        metrics["max"].update(x.abs().max())
+        return loss
+
+    expected_loss_sum, expected_tokens, expected_max = 0.0, 0.0, float("-inf")
+    for i in range(5):
+        x = torch.full((8,), float(i + 1))
+        n = torch.tensor(float(10 * (i + 1)))
+        step(x, n)
+        expected_loss_sum += (i + 1) ** 2 * 10 * (i + 1)
+        expected_tokens += 10 * (i + 1)
+        expected_max = max(expected_max, i + 1)
+    assert metrics["loss"].weighted_sum.local.item() == expected_loss_sum
+    assert metrics["loss"].total_weight.local.item() == expected_tokens
+    assert metrics["tokens"].total.local.item() == expected_tokens
+    assert metrics["max"].extremum.local.item() == expected_max
+    assert {name: acc.local.data_ptr() for name, acc in named_accumulators(metrics).items()} == storage
