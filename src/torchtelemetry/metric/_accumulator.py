@@ -9,11 +9,21 @@ from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
 if TYPE_CHECKING:
     from torchtelemetry.sync._group import GroupLike
 
-__all__ = ["DEFAULT_STATE_DTYPE", "MetricAccumulator", "ReduceOp", "window_state"]
+__all__ = [
+    "DEFAULT_STATE_DTYPE",
+    "MetricAccumulator",
+    "ReduceOp",
+    "bump_layout_generation",
+    "layout_generation",
+    "rank_local",
+    "rank_sharded",
+    "window_state",
+]
 
 DEFAULT_STATE_DTYPE = torch.float64
 """State dtype of the built-in metrics: integers stay exact up to 2**53."""
@@ -42,6 +52,60 @@ def window_state(values: Mapping[int, torch.Tensor]) -> Iterator[None]:
         yield
     finally:
         _WINDOW_STATE.reset(token)
+
+
+# Bumped whenever an accumulator's tensors are replaced (`to()`) or a Metric registers or
+# drops an accumulator: sync plans cached before that are stale.
+_LAYOUT_GENERATION = [0]
+
+
+def layout_generation() -> int:
+    """The current layout generation; a cached sync plan is valid while it is unchanged."""
+    return _LAYOUT_GENERATION[0]
+
+
+def bump_layout_generation() -> None:
+    """Invalidate every cached sync plan."""
+    _LAYOUT_GENERATION[0] += 1
+
+
+def rank_sharded(local: torch.Tensor) -> torch.Tensor:
+    """`local` as this rank's row of a `(world_size, *shape)` DTensor when a process group is up.
+
+    `torch.distributed.checkpoint` treats plain tensors saved under one key on
+    several ranks as replicas and keeps a single rank's copy; local metric states
+    differ per rank, so each is saved as its own shard. Plain tensors otherwise.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return local
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    world_size = dist.get_world_size()
+    mesh = DeviceMesh.from_group(dist.group.WORLD, local.device.type)
+    shape = (world_size, *local.shape)
+    stride = (local.numel(), *local.contiguous().stride())
+    return DTensor.from_local(
+        local.unsqueeze(0), mesh, [Shard(0)], run_check=False, shape=shape, stride=stride
+    )
+
+
+def rank_local(saved: Any, owner: str) -> torch.Tensor:
+    """The tensor to restore from a saved entry: a plain tensor, or this rank's row of `rank_sharded`."""
+    if dist.is_available():
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(saved, DTensor):
+            local = saved.to_local()
+            if local.dim() == 0 or local.shape[0] != 1:
+                raise ValueError(
+                    f"{owner}: saved DTensor has local shape {tuple(local.shape)}, expected one row per rank"
+                )
+            return local[0]
+    try:
+        return torch.as_tensor(saved)
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise TypeError(f"{owner}: saved state must be a tensor, got {type(saved).__name__}") from error
 
 
 def _check_state_dtype(dtype: torch.dtype, what: str) -> None:
@@ -109,13 +173,21 @@ class MetricAccumulator:
 
     def update(self, value: torch.Tensor | float) -> None:
         """Fold `value` (already reduced to this accumulator's shape) into the local state."""
-        local = self._local
+        # Written through a view: torch.compile (AOT) silently drops an in-place update of a
+        # 0-d float64/int CPU graph input, but keeps one made through a view of it.
+        local = self._local.view_as(self._local)
         if self.reduce_op is ReduceOp.SUM:
             local.add_(value)
         elif self.reduce_op is ReduceOp.MAX:
             local.copy_(torch.maximum(local, torch.as_tensor(value, device=local.device)))
         else:
             local.copy_(torch.minimum(local, torch.as_tensor(value, device=local.device)))
+
+    def add_product(self, value: torch.Tensor, weight: torch.Tensor) -> None:
+        """Add `value * weight` (broadcast to this accumulator's shape) in one fused op; SUM only."""
+        if self.reduce_op is not ReduceOp.SUM:
+            raise TypeError(f"add_product needs a SUM accumulator, got {self.reduce_op.name}")
+        self._local.view_as(self._local).addcmul_(value, weight)
 
     def reset(self) -> None:
         """Restore the initial state in place."""
@@ -136,16 +208,22 @@ class MetricAccumulator:
         self._initial = self._initial.to(device)
         self._local = self._local.to(device)
         self._synced = self._synced.to(device)
+        bump_layout_generation()
         return self
 
+    def flat_views(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """1-D views of the local and the synchronized state (valid until `to()`), for packed syncs."""
+        return self._local.view(-1), self._synced.view(-1)
+
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {"local": self._local.detach().clone()}
+        """The local state (a per-rank DTensor shard under a process group, see `rank_sharded`)."""
+        return {"local": rank_sharded(self._local.detach().clone())}
 
     def load_state_dict(self, state: Mapping[str, Any], *, owner: str = "MetricAccumulator") -> None:
         """Copy a saved local state in place; raise `ValueError` naming `owner` on mismatch."""
         if "local" not in state:
             raise ValueError(f"{owner}: state_dict has no 'local' entry (keys: {sorted(state)})")
-        saved = torch.as_tensor(state["local"])
+        saved = rank_local(state["local"], owner)
         if saved.shape != self._local.shape:
             raise ValueError(
                 f"{owner}: saved state has shape {tuple(saved.shape)}, expected {tuple(self._local.shape)}"

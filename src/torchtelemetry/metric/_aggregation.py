@@ -34,7 +34,7 @@ class SumMetric(Metric):
         mask = self._finite_mask(value)
         if mask is not None:
             value = torch.where(mask, value, 0)
-        if self.kind is MetricKind.COUNTER and self._inspects_values(value) and bool((value < 0).any()):
+        if self.kind is MetricKind.COUNTER and self._inspects_values(value) and _any_negative(value):
             raise ValueError(f"{self.display_name()}: a counter cannot decrease, got a negative value")
         self.total.update(value.sum())
 
@@ -56,8 +56,9 @@ class WeightedMeanMetric(Metric):
 
     def update(self, value: Any, weight: Any = 1.0) -> None:
         """Add `value` with `weight` (a scalar, or a tensor of the same shape as `value`)."""
-        value = self._as_tensor(value, "value")
-        weight = self._as_tensor(weight, "weight")
+        device = self.device
+        value = self._as_tensor(value, "value", device)
+        weight = self._as_tensor(weight, "weight", device)
         if weight.dim() > 0 and weight.shape != value.shape:
             raise ValueError(
                 f"{self.display_name()}: weight has shape {tuple(weight.shape)}, expected the shape of "
@@ -65,8 +66,13 @@ class WeightedMeanMetric(Metric):
             )
         self._check_finite(value, "value")
         self._check_finite(weight, "weight")
-        if self._inspects_values(weight) and bool((weight < 0).any()):
+        if self._inspects_values(weight) and _any_negative(weight):
             raise ValueError(f"{self.display_name()}: weight must be non-negative, got a negative weight")
+        if self.nan_policy != "ignore" and value.dim() == 0:
+            # The common case (a loss and its token count): two fused ops, no reductions.
+            self.weighted_sum.add_product(value, weight)
+            self.total_weight.update(weight)
+            return
         weight = weight.expand(value.shape)
         mask = self._finite_mask(value)
         if mask is not None:
@@ -75,14 +81,18 @@ class WeightedMeanMetric(Metric):
                 mask = mask & weight_mask
             value = torch.where(mask, value, 0)
             weight = torch.where(mask, weight, 0)
-        weighted = (value * weight).sum()
-        total = weight.sum()
-        self.weighted_sum.update(weighted)
-        self.total_weight.update(total)
+        self.weighted_sum.update((value * weight).sum())
+        self.total_weight.update(weight.sum())
 
     def compute(self) -> torch.Tensor:
         """The weighted mean; NaN when no weight was seen."""
         return self.weighted_sum.value / self.total_weight.value
+
+
+def _any_negative(tensor: torch.Tensor) -> bool:
+    if tensor.dim() == 0:
+        return tensor.item() < 0
+    return bool((tensor < 0).any())
 
 
 class _ExtremumMetric(Metric):
@@ -155,13 +165,12 @@ class PerRankMetric(Metric):
         value = self._as_tensor(value, "value")
         self._check_finite(value, "value")
         mask = self._finite_mask(value)
-        count = torch.tensor(float(value.numel()), device=value.device)
         if mask is not None:
             value = torch.where(mask, value, 0)
-            count = mask.sum()
-        total = value.sum()
-        self.sums.update(self.slot * total)
-        self.counts.update(self.slot * count)
+            self.counts.update(self.slot * mask.sum())
+        else:
+            self.counts.update(self.slot * value.numel())
+        self.sums.update(self.slot * value.sum())
 
     def compute(self) -> torch.Tensor:
         """One mean per rank; NaN for a rank that reported nothing."""

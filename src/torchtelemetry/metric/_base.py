@@ -8,7 +8,12 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from torchtelemetry.metric._accumulator import MetricAccumulator
+from torchtelemetry.metric._accumulator import (
+    MetricAccumulator,
+    bump_layout_generation,
+    rank_local,
+    rank_sharded,
+)
 
 if TYPE_CHECKING:
     from torchtelemetry.sync._group import GroupLike
@@ -74,8 +79,9 @@ class Metric:
         accumulators = self.__dict__.setdefault("_accumulators", {})
         if isinstance(value, MetricAccumulator):
             accumulators[attr] = value
-        else:
-            accumulators.pop(attr, None)
+            bump_layout_generation()
+        elif accumulators.pop(attr, None) is not None:
+            bump_layout_generation()
         object.__setattr__(self, attr, value)
 
     # -- what subclasses implement ------------------------------------------------
@@ -126,8 +132,12 @@ class Metric:
         return self
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The local state of every accumulator, by attribute name."""
-        return {attr: acc.local.detach().clone() for attr, acc in self._accumulators.items()}
+        """The local state of every accumulator, by attribute name.
+
+        Under a process group each entry is this rank's shard of a per-rank DTensor, so
+        `torch.distributed.checkpoint` keeps every rank's state (see `rank_sharded`).
+        """
+        return {attr: rank_sharded(acc.local.detach().clone()) for attr, acc in self._accumulators.items()}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore a `state_dict()`; nothing is changed unless every entry fits."""
@@ -139,29 +149,40 @@ class Metric:
                 f"{self.display_name()}: load_state_dict keys do not match "
                 f"(missing: {missing}, unexpected: {unexpected})"
             )
+        restored = {}
         for attr, accumulator in self._accumulators.items():
-            saved = torch.as_tensor(state_dict[attr])
+            saved = rank_local(state_dict[attr], self.display_name())
             if saved.shape != accumulator.shape:
                 raise ValueError(
                     f"{self.display_name()}: load_state_dict entry {attr!r} has shape "
                     f"{tuple(saved.shape)}, expected {tuple(accumulator.shape)}"
                 )
+            restored[attr] = saved
         for attr, accumulator in self._accumulators.items():
-            accumulator.load_state_dict({"local": state_dict[attr]}, owner=self.display_name())
+            accumulator.load_state_dict({"local": restored[attr]}, owner=self.display_name())
 
     # -- input checks shared by the built-ins ---------------------------------------
 
-    def _as_tensor(self, value: Any, what: str) -> torch.Tensor:
-        """Accept tensors, Python numbers and numpy scalars/arrays; put them on the metric's device."""
+    def _as_tensor(self, value: Any, what: str, device: torch.device | None = None) -> torch.Tensor:
+        """Accept tensors, Python numbers and numpy scalars/arrays; put them on the metric's device.
+
+        Python numbers become tensors by a fill on the device, never by a host-to-device copy.
+        `device` (the metric's) saves looking it up again.
+        """
+        device = device or self.device
         if isinstance(value, torch.Tensor):
-            if value.device != self.device and not (value.device.type == "cpu" and value.dim() == 0):
-                raise ValueError(
-                    f"{self.display_name()}: {what} is on {value.device}, but the metric lives on "
-                    f"{self.device}; move the input or call metric.to({str(value.device)!r})"
-                )
-            return value.detach().to(self.device, non_blocking=True)
+            if value.device != device:
+                if not (value.device.type == "cpu" and value.dim() == 0):
+                    raise ValueError(
+                        f"{self.display_name()}: {what} is on {value.device}, but the metric lives on "
+                        f"{device}; move the input or call metric.to({str(value.device)!r})"
+                    )
+                value = value.to(device, non_blocking=True)
+            return value.detach() if value.requires_grad else value
+        if type(value) in (int, float, bool):
+            return torch.full((), value, device=device)
         try:
-            return torch.as_tensor(value, device=self.device)
+            return torch.as_tensor(value, device=device)
         except (TypeError, ValueError, RuntimeError) as error:
             raise TypeError(
                 f"{self.display_name()}: {what} must be a tensor or a number, got {type(value).__name__}"

@@ -52,7 +52,11 @@ class HistogramMetric(Metric):
         if mask is not None:
             weights = mask.to(weights.dtype)
             value = torch.where(mask, value, 0)
-        buckets = torch.bucketize(value.to(self.bounds.dtype), self.bounds)
+        # Compare in the value's own precision, so that a float32 0.1 falls in the bucket `le=0.1` closes.
+        if value.is_floating_point():
+            buckets = torch.bucketize(value, self.bounds.to(value.dtype))
+        else:
+            buckets = torch.bucketize(value.to(self.bounds.dtype), self.bounds)
         counts = torch.zeros(self.bounds.numel() + 1, dtype=self.counts.dtype, device=value.device)
         counts.index_add_(0, buckets, weights)
         self.counts.update(counts)

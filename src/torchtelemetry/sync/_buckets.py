@@ -30,31 +30,40 @@ class BucketKey:
         return ReduceOp(self.op)
 
 
-@dataclass(frozen=True, slots=True)
-class _Slot:
-    name: str
-    bucket: BucketKey
-    offset: int
-    shape: tuple[int, ...]
-    negate: bool
+def _negate_(tensor: torch.Tensor) -> None:
+    """Reverse the order of `tensor`'s values in place: `-x` for floats, `~x` for integers.
 
-    @property
-    def numel(self) -> int:
-        numel = 1
-        for size in self.shape:
-            numel *= size
-        return numel
+    `~x == -x - 1` reverses the order of two's complement integers without the
+    overflow of `-x` at the dtype's minimum.
+    """
+    if tensor.is_floating_point():
+        tensor.neg_()
+    else:
+        tensor.bitwise_not_()
+
+
+def _flat(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor if tensor.dim() == 1 else tensor.reshape(-1)
+
+
+@dataclass(frozen=True, slots=True)
+class _Bucket:
+    entries: tuple[int, ...]
+    """Entry indices in buffer order: MIN entries (stored negated) come last."""
+    sizes: tuple[int, ...]
+    negate_from: int
+    """Offset where the negated (MIN) entries start; the buffer size if there are none."""
 
 
 class BucketLayout:
     """Where each named tensor lives in the packed buffers; identical on every rank."""
 
-    __slots__ = ("_sizes", "_slots", "signature")
+    __slots__ = ("_buckets", "_hash", "_shapes", "names", "signature")
 
     def __init__(self, entries: Sequence[tuple[str, torch.Tensor, ReduceOp]]) -> None:
-        sizes: dict[BucketKey, int] = {}
-        slots = []
-        for name, tensor, op in entries:
+        grouped: dict[BucketKey, tuple[list[int], list[int]]] = {}
+        signature = []
+        for index, (name, tensor, op) in enumerate(entries):
             negate = op is ReduceOp.MIN
             if negate and (
                 tensor.dtype == torch.bool or not (tensor.is_floating_point() or tensor.dtype.is_signed)
@@ -65,49 +74,74 @@ class BucketLayout:
                 dtype=str(tensor.dtype),
                 device=str(tensor.device),
             )
-            offset = sizes.get(key, 0)
-            slot = _Slot(name, key, offset, tuple(tensor.shape), negate)
-            sizes[key] = offset + slot.numel
-            slots.append(slot)
-        self._slots = tuple(slots)
-        self._sizes = dict(sorted(sizes.items()))
-        self.signature = ";".join(
-            f"{s.name}:{'min' if s.negate else s.bucket.op}:{s.bucket.dtype}:{list(s.shape)}" for s in slots
-        )
+            grouped.setdefault(key, ([], []))[1 if negate else 0].append(index)
+            signature.append(f"{name}:{op.value}:{tensor.dtype}:{list(tensor.shape)}")
+        self.names = [name for name, _, _ in entries]
+        self._shapes = [tuple(tensor.shape) for _, tensor, _ in entries]
+        self._buckets: dict[BucketKey, _Bucket] = {}
+        for key in sorted(grouped):
+            kept, negated = grouped[key]
+            sizes = tuple(entries[i][1].numel() for i in (*kept, *negated))
+            self._buckets[key] = _Bucket(
+                entries=(*kept, *negated), sizes=sizes, negate_from=sum(sizes[: len(kept)])
+            )
+        self.signature = ";".join(signature)
+        self._hash = int(hashlib.sha256(self.signature.encode()).hexdigest()[:15], 16)
 
     @property
     def buckets(self) -> list[BucketKey]:
         """Bucket keys in the order every rank reduces them."""
-        return list(self._sizes)
-
-    @property
-    def names(self) -> list[str]:
-        return [slot.name for slot in self._slots]
+        return list(self._buckets)
 
     def size(self, key: BucketKey) -> int:
-        return self._sizes[key]
+        return sum(self._buckets[key].sizes)
 
     def signature_hash(self) -> int:
         """A stable 60-bit hash of names, ops, dtypes and shapes (devices excluded)."""
-        return int(hashlib.sha256(self.signature.encode()).hexdigest()[:15], 16)
+        return self._hash
 
     def pack(self, tensors: Sequence[torch.Tensor]) -> dict[BucketKey, torch.Tensor]:
         """New flat buffers holding `tensors` (in entry order); MIN entries negated."""
-        if len(tensors) != len(self._slots):
-            raise ValueError(f"pack: got {len(tensors)} tensors for a layout of {len(self._slots)}")
-        parts: dict[BucketKey, list[torch.Tensor]] = {key: [] for key in self._sizes}
-        for slot, tensor in zip(self._slots, tensors, strict=True):
-            flat = tensor.reshape(-1)
-            parts[slot.bucket].append(flat.neg() if slot.negate else flat)
-        return {key: torch.cat(chunks) for key, chunks in parts.items()}
+        if len(tensors) != len(self._shapes):
+            raise ValueError(f"pack: got {len(tensors)} tensors for a layout of {len(self._shapes)}")
+        buffers = {}
+        for key, bucket in self._buckets.items():
+            buffer = torch.cat([_flat(tensors[i]) for i in bucket.entries])
+            if bucket.negate_from < buffer.numel():
+                _negate_(buffer[bucket.negate_from :])
+            buffers[key] = buffer
+        return buffers
 
     def unpack(self, buffers: dict[BucketKey, torch.Tensor]) -> list[torch.Tensor]:
-        """The entries of `buffers`, in entry order, in their own shapes (MIN entries negated back)."""
-        out = []
-        for slot in self._slots:
-            view = buffers[slot.bucket].narrow(0, slot.offset, slot.numel).view(slot.shape)
-            out.append(view.neg() if slot.negate else view)
+        """The entries of `buffers`, in entry order, in their own shapes (MIN entries negated back).
+
+        Entries are views of `buffers` except MIN entries, which are new tensors;
+        `buffers` are left unchanged.
+        """
+        out: list[torch.Tensor] = [torch.empty(0)] * len(self._shapes)
+        for key, bucket in self._buckets.items():
+            buffer = buffers[key]
+            if bucket.negate_from < buffer.numel():
+                buffer = buffer.clone()
+                _negate_(buffer[bucket.negate_from :])
+            for index, piece in zip(bucket.entries, buffer.split(bucket.sizes), strict=True):
+                out[index] = piece.view(self._shapes[index])
         return out
 
+    def unpack_into(self, buffers: dict[BucketKey, torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
+        """Copy each entry into `outputs[i]` (flat 1-D tensors of the entries' sizes, entry order).
+
+        Faster than `unpack` for many entries; negates the MIN parts of `buffers` back in place.
+        """
+        targets: list[torch.Tensor] = []
+        pieces: list[torch.Tensor] = []
+        for key, bucket in self._buckets.items():
+            buffer = buffers[key]
+            if bucket.negate_from < buffer.numel():
+                _negate_(buffer[bucket.negate_from :])
+            targets.extend(outputs[i] for i in bucket.entries)
+            pieces.extend(buffer.split(bucket.sizes))
+        torch._foreach_copy_(targets, pieces)
+
     def __len__(self) -> int:
-        return len(self._slots)
+        return len(self._shapes)

@@ -35,7 +35,8 @@ def _tensors(values: Values, op: str) -> dict[str, torch.Tensor]:
     tensors = {}
     for key, value in values.items():
         try:
-            tensor = torch.as_tensor(value).detach()
+            # Python floats are doubles: keep them exact.
+            tensor = torch.as_tensor(value, dtype=torch.float64 if type(value) is float else None).detach()
         except (TypeError, ValueError, RuntimeError) as error:
             raise TypeError(
                 f"{op}: {key!r} must be a tensor or a number, got {type(value).__name__}"

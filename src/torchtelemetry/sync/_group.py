@@ -24,6 +24,8 @@ def resolve_group(group: GroupLike, *, op: str) -> dist.ProcessGroup | None:
 
     `op` names the calling function in error messages.
     """
+    if group is not None and not _is_group_like(group):
+        raise TypeError(f"{op}: group must be {_ACCEPTED}, got {type(group).__name__}")
     if not dist.is_available() or not dist.is_initialized():
         if group is None:
             return None
@@ -46,6 +48,14 @@ def resolve_group(group: GroupLike, *, op: str) -> dist.ProcessGroup | None:
     return resolved
 
 
+def _is_group_like(group: object) -> bool:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if isinstance(group, (dist.ProcessGroup, DeviceMesh)):
+        return True
+    return isinstance(group, tuple) and len(group) == 2 and isinstance(group[0], DeviceMesh)
+
+
 def _mesh_group(group: object, op: str) -> dist.ProcessGroup:
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -56,10 +66,8 @@ def _mesh_group(group: object, op: str) -> dist.ProcessGroup:
                 "mesh is needed; pass (mesh, mesh_dim) or mesh[dim_name] to pick the dim to reduce over"
             )
         return group.get_group()
-    if isinstance(group, tuple) and len(group) == 2 and isinstance(group[0], DeviceMesh):
-        mesh, dim = group
-        return mesh.get_group(dim)
-    raise TypeError(f"{op}: group must be {_ACCEPTED}, got {type(group).__name__}")
+    mesh, dim = group  # type: ignore[misc]
+    return mesh.get_group(dim)
 
 
 def group_world_size(group: dist.ProcessGroup | None) -> int:

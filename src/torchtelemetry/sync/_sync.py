@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -10,6 +12,7 @@ import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
 from torchtelemetry.metric import Metric, MetricAccumulator, ReduceOp
+from torchtelemetry.metric._accumulator import layout_generation
 from torchtelemetry.sync._buckets import BucketKey, BucketLayout
 from torchtelemetry.sync._group import GroupLike, comm_device, resolve_group
 
@@ -88,7 +91,12 @@ def sync_metrics(metrics: Any, group: GroupLike = None, *, async_op: bool = Fals
     process group this is a local copy. With `async_op=True` returns a handle
     whose `wait()` completes the sync; otherwise waits and returns None.
     """
-    return sync_accumulators(named_accumulators(metrics), group, async_op=async_op)
+    leaves, spec = pytree.tree_flatten(metrics)
+    key = ("tree", *map(id, leaves))
+    plan = _PLANS.get(key)
+    if plan is None or plan.generation != layout_generation() or plan.spec != spec:
+        plan = _cache_plan(key, named_accumulators(metrics), spec, leaves)
+    return _run_plan(plan, group, async_op)
 
 
 def sync_accumulators(
@@ -98,15 +106,59 @@ def sync_accumulators(
     async_op: bool = False,
 ) -> SyncHandle | None:
     """`sync_metrics` for named accumulators."""
-    layout = BucketLayout([(name, acc.local, acc.reduce_op) for name, acc in accumulators.items()])
-    buffers = layout.pack([acc.local for acc in accumulators.values()])
-    works = reduce_buffers(layout, buffers, resolve_group(group, op="sync_metrics"), async_op=async_op)
+    key = ("accumulators", *accumulators, *map(id, accumulators.values()))
+    plan = _PLANS.get(key)
+    if plan is None or plan.generation != layout_generation():
+        plan = _cache_plan(key, accumulators, None, [])
+    return _run_plan(plan, group, async_op)
 
-    def finish() -> None:
-        for accumulator, synced in zip(accumulators.values(), layout.unpack(buffers), strict=True):
-            accumulator.set_synced(synced)
 
-    handle = SyncHandle(works, finish)
+@dataclass(frozen=True, slots=True)
+class _SyncPlan:
+    """What a sync of one set of accumulators needs, built once and reused while nothing changes."""
+
+    layout: BucketLayout
+    accumulators: tuple[MetricAccumulator, ...]
+    locals: tuple[torch.Tensor, ...]
+    """Flat views of each accumulator's local tensor."""
+    synced: tuple[torch.Tensor, ...]
+    """Flat views of each accumulator's synchronized tensor, written in place by a sync."""
+    generation: int
+    spec: Any
+    leaves: tuple[Any, ...]
+    """The PyTree's leaves, kept alive so that the ids in the cache key stay theirs."""
+
+
+# Sync plans by (kind, *names or ids); a few recent ones, so alternating trees stay cached.
+_PLANS: OrderedDict[tuple, _SyncPlan] = OrderedDict()
+_MAX_PLANS = 16
+
+
+def _cache_plan(
+    key: tuple, accumulators: Mapping[str, MetricAccumulator], spec: Any, leaves: list[Any]
+) -> _SyncPlan:
+    accs = tuple(accumulators.values())
+    views = [acc.flat_views() for acc in accs]
+    plan = _SyncPlan(
+        layout=BucketLayout([(name, acc.local, acc.reduce_op) for name, acc in accumulators.items()]),
+        accumulators=accs,
+        locals=tuple(local for local, _ in views),
+        synced=tuple(synced for _, synced in views),
+        generation=layout_generation(),
+        spec=spec,
+        leaves=tuple(leaves),
+    )
+    _PLANS[key] = plan
+    _PLANS.move_to_end(key)
+    while len(_PLANS) > _MAX_PLANS:
+        _PLANS.popitem(last=False)
+    return plan
+
+
+def _run_plan(plan: _SyncPlan, group: GroupLike, async_op: bool) -> SyncHandle | None:
+    buffers = plan.layout.pack(plan.locals)
+    works = reduce_buffers(plan.layout, buffers, resolve_group(group, op="sync_metrics"), async_op=async_op)
+    handle = SyncHandle(works, lambda: plan.layout.unpack_into(buffers, plan.synced))
     if async_op:
         return handle
     handle.wait()
@@ -151,22 +203,32 @@ def verify_layout(layout: BucketLayout, group: dist.ProcessGroup, device: torch.
         verified.add(signature_hash)
         return
     signatures: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(signatures, layout.names, group=group)
+    dist.all_gather_object(signatures, layout.signature, group=group)
     raise LayoutMismatchError(_describe_mismatch(signatures, dist.get_rank(group)))
 
 
-def _describe_mismatch(names_per_rank: list[list[str]], rank: int) -> str:
-    reference = names_per_rank[0]
+def _describe_mismatch(signatures: list[str], rank: int) -> str:
+    """Name the states that differ between rank 0 and each other rank (at most 5 each)."""
+    entries = [
+        dict(entry.split(":", 1) for entry in signature.split(";") if entry) for signature in signatures
+    ]
+    reference = entries[0]
     lines = []
-    for other_rank, names in enumerate(names_per_rank[1:], start=1):
-        only_ref = sorted(set(reference) - set(names))
-        only_other = sorted(set(names) - set(reference))
+    for other_rank, other in enumerate(entries[1:], start=1):
+        only_ref = sorted(set(reference) - set(other))
+        only_other = sorted(set(other) - set(reference))
+        differ = [
+            f"{name!r} is {reference[name]} on rank 0 but {other[name]} on rank {other_rank}"
+            for name in reference
+            if name in other and reference[name] != other[name]
+        ]
         if only_ref or only_other:
             lines.append(f"rank {other_rank} lacks {only_ref[:5]} and has extra {only_other[:5]} vs rank 0")
-    if not lines:
-        lines.append("the same state names, but different shapes, dtypes or reduce ops")
+        lines.extend(differ[:5])
+        if not (only_ref or only_other or differ) and list(reference) != list(other):
+            lines.append(f"rank {other_rank} holds the same states as rank 0 in a different order")
     return (
         f"sync_metrics (rank {rank}): ranks hold different metric sets: "
         + "; ".join(lines)
-        + "; every rank must create the same metrics with the same shapes and dtypes"
+        + "; every rank must create the same metrics (same names, shapes, dtypes and ops, in the same order)"
     )
