@@ -287,7 +287,7 @@ class PrometheusServer(_Server):
 
 
 class PushgatewayServer(_Server):
-    """`prometheus-pushgateway` without persistence."""
+    """`prometheus-pushgateway`, in memory only (nothing persisted between servers)."""
 
     name = "pushgateway"
 
@@ -297,7 +297,8 @@ class PushgatewayServer(_Server):
             raise FileNotFoundError(
                 "the Pushgateway is not installed (apt-get install prometheus-pushgateway)"
             )
-        return [path, f"--web.listen-address={self.address}", "--log.level=warn"]
+        # Debian's build persists to /var/lib/prometheus by default: keep every test's gateway in memory.
+        return [path, f"--web.listen-address={self.address}", "--persistence.file=", "--log.level=warn"]
 
     def groups(self) -> list[dict[str, str]]:
         """Grouping-key labels of every group the gateway holds (`job` included)."""
