@@ -141,7 +141,8 @@ class BucketLayout:
                 _negate_(buffer[bucket.negate_from :])
             targets.extend(outputs[i] for i in bucket.entries)
             pieces.extend(buffer.split(bucket.sizes))
-        torch._foreach_copy_(targets, pieces)
+        if targets:
+            torch._foreach_copy_(targets, pieces)
 
     def __len__(self) -> int:
         return len(self._shapes)
