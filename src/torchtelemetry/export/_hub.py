@@ -20,6 +20,7 @@ import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from torchtelemetry.export._naming import InvalidMetricNameError, NameCollisionError, validate_path
 from torchtelemetry.export._protocol import (
     Exporter,
     ExportResult,
@@ -288,6 +289,7 @@ class ExportHub:
         self._workers = [_Worker(exporter, queue_size, self) for exporter in exporters]
         self._lock = threading.Lock()
         self._descriptors: dict[str, MetricDescriptor] = {}
+        self._rejected: set[str] = set()
         self._started = False
         self._closed = False
         self._warned_closed_submit = False
@@ -300,11 +302,18 @@ class ExportHub:
     def describe(self, descriptors: Sequence[MetricDescriptor]) -> None:
         """Describe the metric tree to every exporter (on this thread), then start the exporter threads.
 
-        Raises what an exporter's `describe` raises as `ValueError` (e.g.
-        `NameCollisionError`, `InvalidMetricNameError`); other errors are
-        logged and counted. Later calls add names and are described on the
+        Raises `InvalidMetricNameError` for an illegal path and what an
+        exporter's `describe` raises as `ValueError` (e.g. `NameCollisionError`);
+        other errors are logged and counted. Later calls add names and are described on the
         exporters' threads, like names first seen by `submit()`.
         """
+        for descriptor in descriptors:
+            validate_path(descriptor.name)
+        taken = sorted({d.name for d in descriptors} & {d.name for d in HEALTH_DESCRIPTORS})
+        if taken:
+            raise NameCollisionError(
+                f"ExportHub.describe: {taken} are the hub's own health metrics; rename yours"
+            )
         with self._lock:
             if self._closed:
                 raise RuntimeError("ExportHub.describe: the hub is closed")
@@ -341,17 +350,34 @@ class ExportHub:
             return
         if not self._started:
             raise RuntimeError("ExportHub.submit: call describe(descriptors) first")
-        report = _Report(step, dict(scalars), time.time() if timestamp is None else timestamp)
-        new = [name for name in report.scalars if name not in self._descriptors]
-        if new:
-            with self._lock:
-                for name in new:
-                    self._descriptors.setdefault(name, _inferred_descriptor(name, report.scalars[name]))
-                everything = tuple(self._descriptors.values())
-            for worker in self._workers:
-                worker.put(_Describe(everything))
+        values = dict(scalars)
+        if any(name not in self._descriptors for name in values):
+            self._describe_new(values)
+        report = _Report(step, values, time.time() if timestamp is None else timestamp)
         for worker in self._workers:
             worker.put_report(report)
+
+    def _describe_new(self, values: dict[str, ScalarValue]) -> None:
+        """Describe names first seen in a report to every exporter; drop (and log once) illegal ones."""
+        described = False
+        with self._lock:
+            for name in [name for name in values if name not in self._descriptors]:
+                if name in self._rejected:
+                    del values[name]
+                    continue
+                try:
+                    validate_path(name)
+                except InvalidMetricNameError as error:
+                    logger.error("ExportHub.submit: %s; the value is left out of every report", error)
+                    self._rejected.add(name)
+                    del values[name]
+                    continue
+                self._descriptors[name] = _inferred_descriptor(name, values[name])
+                described = True
+            everything = tuple(self._descriptors.values())
+        if described:
+            for worker in self._workers:
+                worker.put(_Describe(everything))
 
     def health(self) -> dict[str, ExporterHealth]:
         """Counters per exporter name."""
