@@ -39,6 +39,7 @@ __all__ = [
     "read_wandb_log",
     "read_wandb_records",
     "resource_attributes",
+    "wait_for_wandb_logs",
 ]
 
 
@@ -424,3 +425,32 @@ def read_wandb_log(path: str | Path) -> WandbRunLog:
 def find_wandb_logs(wandb_dir: str | Path) -> list[Path]:
     """Every `run-*.wandb` log under `wandb_dir` (the `dir` given to W&B), oldest run first."""
     return sorted(Path(wandb_dir).glob("**/run-*.wandb"), key=lambda p: p.parent.name)
+
+
+def wait_for_wandb_logs(wandb_dir: str | Path, count: int = 1, timeout_s: float = 60.0) -> list[WandbRunLog]:
+    """The logs of `count` finished runs under `wandb_dir`, once each ends with its `exit` record.
+
+    W&B's service may still be writing a log when `run.finish()` returns, so
+    tests poll for the final record instead of reading at once.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        paths = find_wandb_logs(wandb_dir)
+        logs = []
+        for path in paths:
+            try:
+                logs.append(read_wandb_log(path))
+            except (ValueError, struct.error):  # caught mid-write
+                break
+        finished = [
+            log for log in logs if log.records and log.records[-1].WhichOneof("record_type") == "exit"
+        ]
+        if len(paths) == count and len(finished) == count:
+            return finished
+        if len(paths) > count:
+            raise AssertionError(f"{len(paths)} W&B run logs under {wandb_dir}, expected {count}: {paths}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"{len(finished)} of {count} finished W&B run logs under {wandb_dir} after {timeout_s}s"
+            )
+        time.sleep(0.02)

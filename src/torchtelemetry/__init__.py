@@ -9,6 +9,7 @@ from torchtelemetry.export import (
     OTelExporter,
     PrometheusExporter,
     PushgatewayExporter,
+    WandbExporter,
     exporters_from_spec,
 )
 from torchtelemetry.metric import (
@@ -59,6 +60,7 @@ __all__ = [
     "PushgatewayExporter",
     "ReduceOp",
     "SumMetric",
+    "WandbExporter",
     "WeightedMeanMetric",
     "__version__",
     "all_gather",

@@ -18,6 +18,7 @@ from torchtelemetry.export._protocol import (
 )
 from torchtelemetry.export._pushgateway import PushgatewayExporter
 from torchtelemetry.export._registry import available_exporters, exporter_class, exporters_from_spec
+from torchtelemetry.export._wandb import WandbExporter
 
 __all__ = [
     "ConsoleExporter",
@@ -37,6 +38,7 @@ __all__ = [
     "RunInfo",
     "ScalarValue",
     "Scalars",
+    "WandbExporter",
     "available_exporters",
     "describe_metrics",
     "exporter_class",

@@ -1,0 +1,238 @@
+"""`WandbExporter`: each report becomes one `run.log(..., step=step)` of a Weights & Biases run."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from torchtelemetry.export._naming import check_unique, wandb_label_name, wandb_name
+from torchtelemetry.export._protocol import ExportResult, HistogramValue, MetricDescriptor, RunInfo, Scalars
+
+__all__ = ["WandbExporter", "histogram_edges"]
+
+logger = logging.getLogger(__name__)
+
+_MODES = ("online", "offline", "disabled", "shared")
+_RESUME = ("allow", "must", "never")
+_SUMMARIES = ("min", "max", "mean", "last", "first", "none")
+_EXTRA_HINT = "WandbExporter needs wandb: pip install 'torchtelemetry[wandb]'"
+
+
+def histogram_edges(bounds: Sequence[float]) -> list[float]:
+    """Bin edges for `wandb.Histogram` from upper bounds; the two open outer buckets get finite edges.
+
+    W&B draws bins between finite edges, but the first bucket is (-inf, b0] and
+    the last (b_last, +inf). Each outer bucket is drawn as wide as its
+    neighbour: `b0 - (b1 - b0)` and `b_last + (b_last - b_before_last)`; with a
+    single bound `b`, both are `max(|b|, 1)` wide. Counts are never moved, only
+    the outer edges are chosen.
+    """
+    if len(bounds) >= 2:
+        first, last = bounds[1] - bounds[0], bounds[-1] - bounds[-2]
+    else:
+        first = last = max(abs(bounds[0]), 1.0)
+    return [bounds[0] - first, *bounds, bounds[-1] + last]
+
+
+class WandbExporter:
+    """Logs every report to a W&B run with an explicit, strictly increasing step.
+
+    The run starts on the first `describe()` (which only rank 0's hub makes):
+    its id is `run_id`, else the `RunInfo`'s run id, so a restarted job with the
+    same id resumes the same W&B run (`resume="allow"`). Its config is the
+    `RunInfo` config updated with `config`. If the process already has an
+    active `wandb.run`, that run is used and left open on `close()`.
+
+    `mode` ("online", "offline", "disabled", "shared") wins over `WANDB_MODE`,
+    which wins over W&B's default. W&B silently drops a step lower than or
+    equal to one already logged; this exporter drops it first, with a warning,
+    and reports FAILURE. `summaries` maps a metric path or glob (`"train/*"`) to
+    a W&B summary ("min", "max", "mean", "last", "first", "none", or a
+    comma-separated mix), e.g. `{"train/loss": "min"}`. Histograms become
+    `wandb.Histogram`s of the exact bucket counts (see `histogram_edges`);
+    per-label values become one key per label (`perf/step_time/rank_0`).
+    Credentials stay with W&B: nothing from the settings or environment is logged.
+    """
+
+    def __init__(
+        self,
+        project: str | None = None,
+        *,
+        entity: str | None = None,
+        run_name: str | None = None,
+        config: Mapping[str, Any] | None = None,
+        tags: Sequence[str] | None = None,
+        group: str | None = None,
+        mode: str | None = None,
+        dir: str | Path | None = None,
+        run_id: str | None = None,
+        resume: str = "allow",
+        summaries: Mapping[str, str] | None = None,
+        name: str = "wandb",
+    ) -> None:
+        try:
+            import wandb
+        except ImportError as error:
+            raise ImportError(f"{_EXTRA_HINT} ({error})") from error
+        self._wandb = wandb
+        if mode is not None and mode not in _MODES:
+            raise ValueError(f"WandbExporter: mode must be one of {_MODES} or None, got {mode!r}")
+        if resume not in _RESUME:
+            raise ValueError(f"WandbExporter: resume must be one of {_RESUME}, got {resume!r}")
+        for pattern, summary in (summaries or {}).items():
+            if not summary or any(part.strip() not in _SUMMARIES for part in summary.split(",")):
+                raise ValueError(
+                    f"WandbExporter: summaries[{pattern!r}] must be one of {_SUMMARIES} "
+                    f"(or a comma-separated mix), got {summary!r}"
+                )
+        self.name = name
+        self._init_args: dict[str, Any] = {
+            "project": project,
+            "entity": entity,
+            "name": run_name,
+            "tags": list(tags) if tags is not None else None,
+            "group": group,
+            "mode": mode,
+            "dir": str(dir) if dir is not None else None,
+            "id": run_id,
+            "resume": resume,
+        }
+        self._config = dict(config or {})
+        self._summaries = dict(summaries or {})
+        self._lock = threading.Lock()
+        self._descriptors: dict[str, MetricDescriptor] = {}
+        self._run: Any = None
+        self._owns_run = False
+        self._started = False
+        self._closed = False
+        self._last_step: int | None = None
+        self.dropped_steps = 0
+        """Reports dropped because their step was not above the last logged step."""
+        self.failed_exports = 0
+        """Reports not logged: dropped steps, `run.log` errors, no run."""
+
+    @property
+    def run(self) -> Any:
+        """The `wandb.Run` in use (None before the first `describe()` or after a failed start)."""
+        return self._run
+
+    # -- Exporter protocol --------------------------------------------------------------
+
+    def describe(self, descriptors: Sequence[MetricDescriptor], run: RunInfo) -> None:
+        """Learn the names (collisions raise `NameCollisionError`); the first call starts the W&B run."""
+        with self._lock:
+            merged = {**self._descriptors, **{d.name: d for d in descriptors}}
+            check_unique(merged.values(), wandb_name, "W&B")
+            self._descriptors = merged
+            if not self._started:
+                self._started = True
+                self._start(run)
+
+    def export(self, step: int, scalars: Scalars, timestamp: float) -> ExportResult:
+        """`run.log(row, step=step)`; FAILURE (logged, counted) for a step not above the last one."""
+        with self._lock:
+            if self._closed:
+                logger.warning("WandbExporter %r: export after close() ignored", self.name)
+                return ExportResult.FAILURE
+            if self._run is None:
+                logger.error(
+                    "WandbExporter %r: export before a successful describe(); nothing logged", self.name
+                )
+                self.failed_exports += 1
+                return ExportResult.FAILURE
+            if self._last_step is not None and step <= self._last_step:
+                logger.warning(
+                    "WandbExporter %r: step %d dropped: W&B only keeps steps above the last logged step %d",
+                    self.name,
+                    step,
+                    self._last_step,
+                )
+                self.dropped_steps += 1
+                self.failed_exports += 1
+                return ExportResult.FAILURE
+            try:
+                self._run.log(self._row(scalars), step=step)
+            except Exception:
+                logger.exception("WandbExporter %r: run.log failed at step %d", self.name, step)
+                self.failed_exports += 1
+                return ExportResult.FAILURE
+            self._last_step = step
+            return ExportResult.SUCCESS
+
+    def force_flush(self, timeout_s: float = 10.0) -> bool:
+        """Nothing is buffered here (W&B's own process persists each `log`); True while the run is open."""
+        with self._lock:
+            return self._run is not None and not self._closed
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """`run.finish()` (which waits for W&B to persist/upload); a second call only warns."""
+        with self._lock:
+            if self._closed:
+                logger.warning("WandbExporter %r: close() called twice", self.name)
+                return
+            self._closed = True
+            run, self._run = self._run, None
+            if run is None or not self._owns_run:
+                return
+            try:
+                run.finish()
+            except Exception:
+                logger.exception("WandbExporter %r: run.finish() failed", self.name)
+
+    # -- internals ----------------------------------------------------------------------
+
+    def _start(self, info: RunInfo) -> None:
+        wandb = self._wandb
+        if wandb.run is not None:
+            self._run = wandb.run
+            logger.info("WandbExporter %r: logging to the active W&B run %s", self.name, self._run.id)
+        else:
+            args = {key: value for key, value in self._init_args.items() if value is not None}
+            args.setdefault("id", info.run_id)
+            if "dir" in args:
+                Path(args["dir"]).mkdir(parents=True, exist_ok=True)
+            config = {**info.config, **self._config}
+            config.setdefault("world_size", info.world_size)
+            try:
+                self._run = wandb.init(config=config, **args)
+            except Exception as error:
+                logger.error(
+                    "WandbExporter %r: wandb.init failed (%s: %s); nothing will be logged",
+                    self.name,
+                    type(error).__name__,
+                    error,
+                )
+                return
+            self._owns_run = True
+            logger.info(
+                "WandbExporter %r: W&B run %s (project %s, mode %s)",
+                self.name,
+                self._run.id,
+                self._run.project,
+                self._run.settings.mode,
+            )
+        if getattr(self._run, "resumed", False) and self._run.step > 0:
+            self._last_step = self._run.step - 1
+        try:
+            for pattern, summary in self._summaries.items():
+                self._run.define_metric(pattern, summary=summary)
+        except Exception:
+            logger.exception("WandbExporter %r: define_metric failed", self.name)
+
+    def _row(self, scalars: Scalars) -> dict[str, Any]:
+        row: dict[str, Any] = {}
+        for path, value in scalars.items():
+            descriptor = self._descriptors.get(path) or MetricDescriptor(path)
+            if isinstance(value, HistogramValue):
+                counts = [int(count) if float(count).is_integer() else count for count in value.counts]
+                row[wandb_name(descriptor)] = self._wandb.Histogram(
+                    np_histogram=(counts, histogram_edges(value.bounds))
+                )
+            elif isinstance(value, Mapping):
+                row.update((wandb_label_name(descriptor, key), float(entry)) for key, entry in value.items())
+            else:
+                row[wandb_name(descriptor)] = float(value)
+        return row

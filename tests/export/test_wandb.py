@@ -1,0 +1,254 @@
+"""WandbExporter against real W&B offline runs, read back from their `.wandb` transaction logs."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.distributed import run_ranks
+from tests.export.test_otel import BINS, STEPS, expected_values, global_report, make_metrics, update_window
+from tests.receivers import WandbRunLog, find_wandb_logs, wait_for_wandb_logs
+from torchtelemetry.export import (
+    ExportHub,
+    ExportResult,
+    HistogramValue,
+    MetricDescriptor,
+    NullHub,
+    RunInfo,
+    WandbExporter,
+    describe_metrics,
+)
+from torchtelemetry.export._wandb import histogram_edges
+from torchtelemetry.metric import MetricKind
+
+wandb = pytest.importorskip("wandb")
+
+LOSS = MetricDescriptor("train/loss")
+OFFLINE_ENV = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_DISABLE_GIT": "true"}
+
+
+@pytest.fixture
+def wandb_dir(tmp_path, monkeypatch) -> Path:
+    for key, value in {**OFFLINE_ENV, "WANDB_DIR": str(tmp_path)}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("WANDB_RUN_ID", raising=False)
+    yield tmp_path
+    if wandb.run is not None:  # a failed test must not leak its run into the next one
+        wandb.run.finish()
+    wandb.teardown()  # W&B keeps the environment it first saw (WANDB_DIR, WANDB_MODE) until torn down
+
+
+def _only_log(wandb_dir: Path) -> WandbRunLog:
+    (log,) = wait_for_wandb_logs(wandb_dir, 1)
+    return log
+
+
+# -- 2 ranks through the hub ------------------------------------------------------------
+
+RUN_ID = "wandb-two-ranks"
+
+
+def _wandb_rank(rank: int, world_size: int) -> dict[str, int]:
+    metrics = make_metrics(rank, world_size)
+    exporter = WandbExporter(  # the same call on every rank; only rank 0's hub starts a run
+        "torchtelemetry-tests",
+        run_name="two-ranks",
+        config={"lr": 0.125},
+        tags=["ci"],
+        summaries={"train/loss": "min", "tokens": "max"},
+    )
+    run = RunInfo(run_id=RUN_ID, world_size=world_size, config={"batch_size": 8})
+    hub = ExportHub([exporter], run=run) if rank == 0 else NullHub()
+    hub.describe(describe_metrics(metrics))
+    for window, step in enumerate(STEPS):
+        update_window(metrics, rank, window)
+        hub.submit(step, global_report(metrics))
+    hub.close(60)
+    health = hub.health().get("wandb")
+    return {"reports": health.reports_exported, "errors": health.export_errors} if health else {}
+
+
+def test_two_ranks_offline_run_holds_every_step_and_value(tmp_path):
+    env = {**OFFLINE_ENV, "WANDB_DIR": str(tmp_path)}
+    results = run_ranks(_wandb_rank, 2, env=env, timeout_s=180)
+    assert results == [{"reports": len(STEPS), "errors": 0}, {}]
+
+    log = _only_log(tmp_path)  # rank 1 started no run
+    assert (log.run_id, log.project, log.display_name, log.tags) == (
+        RUN_ID,
+        "torchtelemetry-tests",
+        "two-ranks",
+        ["ci"],
+    )
+    assert {key: log.config[key] for key in ("lr", "batch_size", "world_size")} == {
+        "lr": 0.125,
+        "batch_size": 8,
+        "world_size": 2,
+    }
+    assert log.steps == STEPS
+    losses = []
+    for window, row in enumerate(log.history):
+        expected = expected_values(2, window + 1)
+        losses.append(expected["train/loss"])
+        assert row["train/loss"] == expected["train/loss"]
+        assert row["tokens"] == expected["tokens"]
+        assert row["step_time/rank_0"] == expected["step_time"]["0"]
+        assert row["step_time/rank_1"] == expected["step_time"]["1"]
+        histogram = row["grad_norm"]
+        assert histogram["_type"] == "histogram"
+        assert histogram["values"] == expected["grad_norm"]["counts"]
+        assert histogram["bins"] == histogram_edges(BINS) == [0.0, 0.5, 1.0, 2.0, 3.0]
+        assert row["exporter/reports/exporter_wandb"] == window  # the hub's health rides along
+    assert log.summary["train/loss"] == {"min": min(losses)}
+    assert log.summary["tokens"] == {"max": expected_values(2, len(STEPS))["tokens"]}
+    assert log.metrics["train/loss"].summary.min
+
+
+# -- steps ------------------------------------------------------------------------------
+
+
+def test_out_of_order_steps_are_dropped_and_counted(wandb_dir, caplog):
+    exporter = WandbExporter("tt", mode="offline")
+    hub = ExportHub([exporter], run=RunInfo(run_id="out-of-order"))
+    hub.describe([LOSS])
+    with caplog.at_level(logging.WARNING):
+        for step in (1, 5, 3, 5, 6):
+            hub.submit(step, {"train/loss": float(step)})
+        hub.close(60)
+    assert exporter.dropped_steps == 2
+    health = hub.health()["wandb"]
+    assert (health.reports_exported, health.export_errors) == (3, 2)
+    assert "step 3 dropped" in caplog.text
+    log = _only_log(wandb_dir)
+    assert log.steps == [1, 5, 6]
+    assert [row["train/loss"] for row in log.history] == [1.0, 5.0, 6.0]
+
+
+def test_histogram_edges():
+    assert histogram_edges([0.5, 1.0, 2.0]) == [0.0, 0.5, 1.0, 2.0, 3.0]
+    assert histogram_edges([1.0]) == [0.0, 1.0, 2.0]
+    assert histogram_edges([-3.0]) == [-6.0, -3.0, 0.0]
+    assert histogram_edges([0.0]) == [-1.0, 0.0, 1.0]
+
+
+def test_histogram_and_label_values_are_logged_exactly(wandb_dir):
+    exporter = WandbExporter("tt")
+    descriptors = [
+        MetricDescriptor("grad", MetricKind.HISTOGRAM),
+        MetricDescriptor("perf/step_time", unit="seconds", label_name="rank"),
+    ]
+    exporter.describe(descriptors, RunInfo(run_id="kinds"))
+    value = HistogramValue(bounds=(-1.0, 0.0, 4.0), counts=(2.0, 0.0, 5.0, 1.0), sum=9.5, count=8.0)
+    scalars = {"grad": value, "perf/step_time": {"0": 0.5, "1": 0.75}}
+    assert exporter.export(2, scalars, 0.0) is ExportResult.SUCCESS
+    exporter.close()
+    (row,) = _only_log(wandb_dir).history
+    assert row["grad"]["values"] == [2, 0, 5, 1]
+    assert row["grad"]["bins"] == [-2.0, -1.0, 0.0, 4.0, 8.0]
+    assert (row["perf/step_time/rank_0"], row["perf/step_time/rank_1"]) == (0.5, 0.75)
+
+
+# -- run lifecycle ----------------------------------------------------------------------
+
+
+def test_resuming_a_run_id_continues_its_steps(wandb_dir):
+    for steps in ([1, 2], [3, 4]):
+        exporter = WandbExporter("tt", run_id="resume-me")
+        exporter.describe([LOSS], RunInfo(run_id="ignored-when-run_id-given"))
+        for step in steps:
+            assert exporter.export(step, {"train/loss": float(step)}, 0.0) is ExportResult.SUCCESS
+        exporter.close()
+    first, second = wait_for_wandb_logs(wandb_dir, 2)
+    assert first.run_id == second.run_id == "resume-me"
+    assert (first.steps, second.steps) == ([1, 2], [3, 4])
+
+
+def test_mode_argument_beats_environment(wandb_dir, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    exporter = WandbExporter("tt", mode="offline")
+    exporter.describe([LOSS], RunInfo(run_id="mode-arg"))
+    assert exporter.export(1, {"train/loss": 1.0}, 0.0) is ExportResult.SUCCESS
+    exporter.close()
+    assert _only_log(wandb_dir).steps == [1]
+
+
+@pytest.mark.parametrize("where", ["argument", "environment"])
+def test_disabled_mode_writes_nothing(wandb_dir, monkeypatch, where):
+    if where == "environment":
+        monkeypatch.setenv("WANDB_MODE", "disabled")
+    exporter = WandbExporter("tt", mode="disabled" if where == "argument" else None)
+    exporter.describe([LOSS], RunInfo(run_id="disabled"))
+    assert exporter.export(1, {"train/loss": 1.0}, 0.0) is ExportResult.SUCCESS
+    assert exporter.force_flush()
+    exporter.close()
+    assert find_wandb_logs(wandb_dir) == []
+
+
+def test_an_active_run_is_reused_and_left_open(wandb_dir):
+    run = wandb.init(project="tt", id="users-own-run")
+    try:
+        exporter = WandbExporter("ignored")
+        exporter.describe([LOSS], RunInfo(run_id="other"))
+        assert exporter.run is run
+        assert exporter.export(4, {"train/loss": 4.0}, 0.0) is ExportResult.SUCCESS
+        exporter.close()
+        run.log({"user/metric": 1.0}, step=5)  # still open: the user's run is not finished for them
+    finally:
+        run.finish()
+    log = _only_log(wandb_dir)
+    assert log.run_id == "users-own-run"
+    assert log.steps == [4, 5]
+
+
+def test_close_twice_warns_and_export_after_close_fails(wandb_dir, caplog):
+    exporter = WandbExporter("tt")
+    exporter.describe([LOSS], RunInfo(run_id="twice"))
+    exporter.close()
+    with caplog.at_level(logging.WARNING):
+        exporter.close()
+        assert exporter.export(1, {"train/loss": 1.0}, 0.0) is ExportResult.FAILURE
+    assert "close() called twice" in caplog.text
+    assert exporter.run is None
+    assert _only_log(wandb_dir).steps == []
+
+
+def test_api_key_never_logged(wandb_dir, monkeypatch, caplog):
+    secret = "0123456789abcdef0123456789abcdef01234567"
+    monkeypatch.setenv("WANDB_API_KEY", secret)
+    caplog.set_level(logging.DEBUG)
+    exporter = WandbExporter("tt")
+    exporter.describe([LOSS], RunInfo(run_id="secret"))
+    exporter.export(1, {"train/loss": 1.0}, 0.0)
+    exporter.close()
+    assert "W&B run secret" in caplog.text
+    assert secret not in caplog.text
+    for path in wandb_dir.rglob("*"):
+        if path.is_file():
+            assert secret.encode() not in path.read_bytes(), path
+
+
+def test_constructor_starts_nothing(wandb_dir):
+    exporter = WandbExporter("tt")
+    assert exporter.run is None
+    assert exporter.export(1, {"train/loss": 1.0}, 0.0) is ExportResult.FAILURE
+    assert exporter.failed_exports == 1
+    exporter.close()
+    assert not any(wandb_dir.iterdir())
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="mode must be one of"):
+        WandbExporter(mode="sometimes")
+    with pytest.raises(ValueError, match=r"summaries\['train/loss'\]"):
+        WandbExporter(summaries={"train/loss": "median"})
+    with pytest.raises(ValueError, match="resume must be one of"):
+        WandbExporter(resume="maybe")
+
+
+def test_missing_package_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    with pytest.raises(ImportError, match=r"torchtelemetry\[wandb\]"):
+        WandbExporter("tt")
