@@ -1,14 +1,22 @@
 """torchtelemetry: GPU-resident PyTorch training metrics, synced across ranks, exported from rank 0."""
 
+from torchtelemetry.collect import AsyncMetricCollector, CollectionError
 from torchtelemetry.export import (
     ConsoleExporter,
+    Exporter,
     ExporterHealth,
     ExportHub,
+    ExportResult,
+    HistogramValue,
+    InvalidMetricNameError,
     JsonlExporter,
+    MetricDescriptor,
+    NameCollisionError,
     NullHub,
     OTelExporter,
     PrometheusExporter,
     PushgatewayExporter,
+    RunInfo,
     WandbExporter,
     exporters_from_spec,
 )
@@ -35,10 +43,21 @@ from torchtelemetry.sync import (
     reduce_custom,
     sync_metrics,
 )
+from torchtelemetry.telemetry import Telemetry
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Telemetry",
+    "RunInfo",
+    "NameCollisionError",
+    "MetricDescriptor",
+    "InvalidMetricNameError",
+    "HistogramValue",
+    "ExportResult",
+    "Exporter",
+    "CollectionError",
+    "AsyncMetricCollector",
     "AccuracyMetric",
     "BinaryAUROCMetric",
     "ConfusionMatrixMetric",

@@ -112,19 +112,28 @@ class AsyncMetricCollector:
         ]
 
     def _dedicated_group(self, group: GroupLike) -> dist.ProcessGroup | None:
-        """A process group of the same ranks, for the collector only (its collectives never
-        interleave with the training's), with this collector's timeout."""
+        """A new process group of the same ranks, for this collector only, with its timeout.
+
+        Its collectives never interleave with the training's or another
+        collector's. Creating it is collective over the default group: ranks
+        first learn every rank's group (one `all_gather_object`), then all of
+        them create every group in the same order, as `new_group` requires.
+        """
         resolved = resolve_group(group, op="AsyncMetricCollector")
         if resolved is None:
             return None
         ranks = tuple(dist.get_process_group_ranks(resolved))
         if ranks not in self._dedicated_groups:
-            self._dedicated_groups[ranks] = dist.new_group(
-                ranks=list(ranks),
-                timeout=datetime.timedelta(seconds=self.timeout_s),
-                backend=dist.get_backend(resolved),
-                use_local_synchronization=True,
-            )
+            every_rank: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(every_rank, ranks)
+            for rank_set in sorted(set(every_rank)):
+                created = dist.new_group(
+                    ranks=list(rank_set),
+                    timeout=datetime.timedelta(seconds=self.timeout_s),
+                    backend=dist.get_backend(resolved),
+                )
+                if rank_set == ranks:
+                    self._dedicated_groups[ranks] = created
         return self._dedicated_groups[ranks]
 
     def unbind(self, timeout_s: float | None = None) -> None:

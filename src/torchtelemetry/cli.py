@@ -1,0 +1,33 @@
+"""The `torchtelemetry` command line."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+__all__ = ["main"]
+
+_USAGE = """usage: torchtelemetry <command> [options]
+
+commands:
+  demo     a real multi-process training run exporting live metrics (torchtelemetry demo --help)
+"""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Dispatch `torchtelemetry <command>`."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(_USAGE, end="")
+        return 0 if args else 2
+    command, rest = args[0], args[1:]
+    if command == "demo":
+        from torchtelemetry.demo import main as demo_main
+
+        return demo_main(rest)
+    print(f"torchtelemetry: unknown command {command!r}\n{_USAGE}", end="", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,320 @@
+"""The `Telemetry` façade: collect every `every` steps, export from rank 0, lose nothing at close."""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from torchtelemetry._signals import SAMPLES, TOKENS, TrainingSignals, WindowTiming
+from torchtelemetry.collect import AsyncMetricCollector
+from torchtelemetry.export import (
+    Exporter,
+    ExportHub,
+    MetricDescriptor,
+    NullHub,
+    RunInfo,
+    ScalarValue,
+    describe_metrics,
+    exporters_from_spec,
+    flatten_results,
+)
+from torchtelemetry.metric import MetricKind
+from torchtelemetry.sync import GroupLike, metric_leaves, resolve_group
+from torchtelemetry.sync._group import group_rank, group_world_size
+
+__all__ = ["Telemetry"]
+
+logger = logging.getLogger(__name__)
+
+
+class Telemetry:
+    """Metrics on every rank, collected every `every` steps, exported from rank 0.
+
+    ```python
+    telemetry = Telemetry({"train": {"loss": WeightedMeanMetric()}}, exporters=[PrometheusExporter()])
+    for step, batch in enumerate(loader):
+        loss, n_tokens = train_step(batch)
+        telemetry.metrics["train"]["loss"].update(loss, n_tokens)
+        telemetry.step(step, tokens=n_tokens)
+    telemetry.close()
+    ```
+
+    `step()` does not wait: it schedules a collection every `every` steps and
+    exports whatever earlier collections have finished. Only if `max_pending`
+    collections are still in flight when the next is due does it wait for the
+    oldest (every rank must schedule the same windows, so a window cannot be
+    skipped on one rank alone). `close()` collects the last partial window and
+    flushes every exporter.
+
+    Args:
+        metrics: a PyTree of Metrics; paths become names (`{"train": {"loss": m}}` -> `train/loss`).
+        exporters: exporters (constructed on every rank; only global rank 0 starts them), or a
+            comma-separated spec such as "console,prometheus" resolved through entry points.
+        every: logging interval in steps.
+        group: ranks to reduce over (ProcessGroup, DeviceMesh, (mesh, dim) or None).
+        run_id: stable run id (Prometheus `run` label, OTel instance id, W&B run id).
+        config: hyperparameters passed to exporters (W&B config, OTel resource attributes).
+        signals: add the built-in signals (step time per rank, tokens, samples, throughput,
+            learning rate, peak memory).
+        max_rank_series: above this many ranks, step time is exported as min/median/max instead
+            of one series per rank.
+        timeout_s: bound on one collection (a dead or missing rank raises instead of hanging).
+        max_pending: collections in flight before `step()` waits for the oldest.
+        queue_size: reports buffered per exporter before the oldest is dropped.
+    """
+
+    def __init__(
+        self,
+        metrics: Any,
+        exporters: Sequence[Exporter] | str = (),
+        *,
+        every: int = 10,
+        group: GroupLike = None,
+        run_id: str | None = None,
+        config: Mapping[str, Any] | None = None,
+        signals: bool = True,
+        max_rank_series: int = 64,
+        timeout_s: float = 300.0,
+        max_pending: int = 2,
+        queue_size: int = 8,
+    ) -> None:
+        if every < 1:
+            raise ValueError(f"Telemetry: every must be at least 1, got {every}")
+        if max_pending < 1:
+            raise ValueError(f"Telemetry: max_pending must be at least 1, got {max_pending}")
+        self.metrics = metrics
+        self.every = every
+        self.max_pending = max_pending
+        resolved = resolve_group(group, op="Telemetry")
+        world_size = group_world_size(resolved)
+        self._user_leaves = metric_leaves(metrics, op="Telemetry")
+        device = self._user_leaves[0][1].device if self._user_leaves else torch.device("cpu")
+        self._signals = (
+            TrainingSignals(
+                world_size=world_size,
+                rank=group_rank(resolved),
+                device=device,
+                max_rank_series=max_rank_series,
+            )
+            if signals
+            else None
+        )
+        signal_metrics = self._signals.metrics if self._signals else {}
+        self._leaves = self._user_leaves + metric_leaves(signal_metrics, op="Telemetry")
+        self._descriptors = self._describe(metrics, signal_metrics)
+        self._counters = {d.name for d in self._descriptors if d.kind is MetricKind.COUNTER}
+        self.is_exporting = not dist.is_initialized() or dist.get_rank() == 0
+        if isinstance(exporters, str):
+            exporters = exporters_from_spec(exporters)
+        self.run = RunInfo.create(run_id, world_size=world_size, config=config)
+        self.hub: ExportHub | NullHub = (
+            ExportHub(exporters, run=self.run, queue_size=queue_size) if self.is_exporting else NullHub()
+        )
+        self.hub.describe(self._descriptors)
+        self._collector = AsyncMetricCollector((metrics, signal_metrics), group, timeout_s=timeout_s).bind()
+        self._totals: dict[str, Any] = {}
+        self._windows: collections.deque[WindowTiming] = collections.deque()
+        self._steps_in_window = 0
+        self._last_step: int | None = None
+        self._last_step_clock: float | None = None
+        self._window_start = time.perf_counter()
+        self.backpressure_waits = 0
+        """Times `step()` waited because `max_pending` collections were in flight."""
+        self.latest: dict[str, ScalarValue] = {}
+        """The last exported values (running totals for counters), on every rank."""
+        self.latest_step: int | None = None
+        self._riders: dict[str, ScalarValue] = {}
+        self._closed = False
+
+    def _describe(self, metrics: Any, signal_metrics: Any) -> list[MetricDescriptor]:
+        described = describe_metrics(metrics)
+        if self._signals is not None:
+            described += self._signals.descriptors(describe_metrics(signal_metrics))
+        seen: dict[str, int] = collections.Counter(d.name for d in described)
+        duplicates = sorted(name for name, count in seen.items() if count > 1)
+        if duplicates:
+            raise ValueError(
+                f"Telemetry: metric names {duplicates} are defined twice (the built-in signals use "
+                "train/step_time, train/tokens, train/samples, train/learning_rate, train/peak_memory); "
+                "rename yours or pass signals=False"
+            )
+        return described
+
+    @property
+    def descriptors(self) -> list[MetricDescriptor]:
+        """Every name this telemetry exports."""
+        return list(self._descriptors)
+
+    # -- the loop -------------------------------------------------------------------------
+
+    def step(
+        self,
+        step: int,
+        *,
+        tokens: torch.Tensor | float | None = None,
+        samples: torch.Tensor | float | None = None,
+        learning_rate: float | None = None,
+    ) -> None:
+        """Mark the end of training step `step`; schedule and export without waiting.
+
+        `tokens` and `samples` (tensors stay on the device) feed the throughput
+        counters; `learning_rate` the learning-rate gauge.
+        """
+        self._require_open("step")
+        now = time.perf_counter()
+        if self._signals is not None:
+            if self._last_step_clock is not None:
+                self._signals.record_step_time(now - self._last_step_clock)
+            if tokens is not None:
+                self._signals.record_count(TOKENS, tokens)
+            if samples is not None:
+                self._signals.record_count(SAMPLES, samples)
+            if learning_rate is not None:
+                self._signals.record_learning_rate(learning_rate)
+        self._last_step_clock = now
+        self._last_step = step
+        self._steps_in_window += 1
+        self._drain(block=False)
+        if self._steps_in_window >= self.every:
+            self.collect()
+
+    def collect(self) -> None:
+        """Schedule a collection of the steps since the last one now, without waiting for it.
+
+        `step()` does this every `every` steps; call it where a training framework decides when
+        to log (the Hugging Face Trainer's `should_log`). Nothing to do right after a collection.
+        """
+        self._require_open("collect")
+        if not self._steps_in_window:
+            return
+        if self._collector.pending >= self.max_pending:
+            self.backpressure_waits += 1
+            self._drain(block=True, limit=1)
+        self._schedule()
+
+    def log(self, values: Mapping[str, ScalarValue], step: int) -> None:
+        """Export values already on the host (a training framework's own logs) from rank 0, never waiting.
+
+        While a collection is in flight the values ride in its report (the newest one), so
+        each step gets one report, in step order; otherwise they are submitted at once.
+        """
+        self._require_open("log")
+        if self._collector.pending:
+            self._riders.update(values)
+        else:
+            self.hub.submit(step, dict(values), time.time())
+
+    def _schedule(self) -> None:
+        if self._signals is not None:
+            self._signals.flush_to_device()
+        self._collector.schedule_collection()
+        now = time.perf_counter()
+        self._windows.append(
+            WindowTiming(
+                step=self._last_step or 0, timestamp=time.time(), duration_s=now - self._window_start
+            )
+        )
+        self._window_start = now
+        self._steps_in_window = 0
+
+    def _drain(self, *, block: bool, limit: int | None = None) -> None:
+        collected = 0
+        while self._collector.pending and (block or self._collector.ready()):
+            if limit is not None and collected >= limit:
+                return
+            results = self._collector.collect_results_by_metric()
+            timing = self._windows.popleft()
+            self._publish(timing, [result for _, result in results])
+            collected += 1
+
+    def _publish(self, timing: WindowTiming, results: list[Any]) -> None:
+        window = flatten_results(self._leaves, results)
+        if self._signals is not None:
+            self._signals.publish(window, timing)
+        for name in self._counters & window.keys():
+            window[name] = self._accumulate(name, window[name])
+        self.latest = window
+        self.latest_step = timing.step
+        if self._riders and not self._collector.pending:
+            window, self._riders = {**self._riders, **window}, {}
+        self.hub.submit(timing.step, window, timing.timestamp)
+
+    def _accumulate(self, name: str, value: ScalarValue) -> ScalarValue:
+        """Counters are exported as running totals across windows (and restarts)."""
+        if isinstance(value, Mapping):
+            totals = self._totals.setdefault(name, {})
+            for label, count in value.items():
+                totals[label] = totals.get(label, 0.0) + count
+            return dict(totals)
+        self._totals[name] = self._totals.get(name, 0.0) + float(value)  # type: ignore[arg-type]
+        return self._totals[name]
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Collect the current partial window and everything in flight, export it, flush exporters."""
+        self._require_open("flush")
+        if self._steps_in_window:
+            self._schedule()
+        self._drain(block=True)
+        return self.hub.force_flush(timeout_s)
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Collect and export the last partial window, then close every exporter. Idempotent."""
+        if self._closed:
+            return
+        try:
+            if self._steps_in_window:
+                self._schedule()
+            self._drain(block=True)
+        finally:
+            self._closed = True
+            self._collector.unbind(timeout_s=timeout_s)
+            self.hub.close(timeout_s)
+
+    def _require_open(self, op: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"Telemetry.{op}: telemetry is closed; create a new Telemetry")
+
+    def __enter__(self) -> Telemetry:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- checkpointing (torch.distributed.checkpoint Stateful) ---------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Local metric state, counter totals and the last step.
+
+        Waits for collections in flight (and exports them) first, so a restart
+        from this state neither loses nor repeats a window.
+        """
+        if not self._closed:
+            self._drain(block=True)
+        return {
+            "metrics": {name: metric.state_dict() for name, metric in self._user_leaves},
+            "counters": {name: total for name, total in self._totals.items()},
+            "signals": self._signals.state_dict() if self._signals else {},
+            "step": -1 if self._last_step is None else self._last_step,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        saved = state["metrics"]
+        missing = sorted({name for name, _ in self._user_leaves} - set(saved))
+        if missing:
+            raise ValueError(f"Telemetry.load_state_dict: no saved state for metrics {missing}")
+        for name, metric in self._user_leaves:
+            metric.load_state_dict(saved[name])
+        self._totals = {
+            name: dict(total) if isinstance(total, Mapping) else float(total)
+            for name, total in state.get("counters", {}).items()
+        }
+        if self._signals is not None:
+            self._signals.load_state_dict(state.get("signals", {}))
+        step = int(state.get("step", -1))
+        self._last_step = None if step < 0 else step

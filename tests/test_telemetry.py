@@ -1,0 +1,179 @@
+"""The `Telemetry` façade on real gloo ranks, exporting through a real JSONL file."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import torchtelemetry as tt
+from tests.distributed import run_ranks
+
+EVERY = 3
+STEPS = 10  # windows end at steps 2, 5, 8; close() exports the partial window ending at 9
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _loss_value(rank: int, step: int) -> float:
+    return float(rank + 1) * 0.5 + step
+
+
+def _train_two_ranks(rank: int, world_size: int, path: str) -> dict[str, Any]:
+    metrics = {
+        "train": {
+            "loss": tt.WeightedMeanMetric(),
+            "seen": tt.SumMetric(kind="counter"),
+            "worst": tt.MaxMetric(),
+        }
+    }
+    telemetry = tt.Telemetry(metrics, [tt.JsonlExporter(path)], every=EVERY, run_id="run-a")
+    for step in range(STEPS):
+        metrics["train"]["loss"].update(torch.tensor([_loss_value(rank, step)]), torch.tensor([rank + 1.0]))
+        metrics["train"]["seen"].update(torch.tensor(2.0 + rank))
+        metrics["train"]["worst"].update(torch.tensor(float(step * (rank + 1))))
+        telemetry.step(step, tokens=torch.tensor(10 * (rank + 1)), samples=rank + 1, learning_rate=0.1 * step)
+    telemetry.close()
+    return {"latest": telemetry.latest, "exporting": telemetry.is_exporting}
+
+
+def _expected_windows(world_size: int) -> dict[int, dict[str, float]]:
+    windows = [range(0, 3), range(3, 6), range(6, 9), range(9, 10)]
+    expected, seen_total, tokens_total = {}, 0.0, 0.0
+    for steps in windows:
+        weighted = sum(_loss_value(r, s) * (r + 1) for r in range(world_size) for s in steps)
+        weight = sum((r + 1) for r in range(world_size) for _ in steps)
+        seen_total += sum(2.0 + r for r in range(world_size) for _ in steps)
+        tokens_total += sum(10.0 * (r + 1) for r in range(world_size) for _ in steps)
+        expected[steps[-1]] = {
+            "train/loss": weighted / weight,
+            "train/seen": seen_total,
+            "train/worst": float(max(s * (r + 1) for r in range(world_size) for s in steps)),
+            "train/tokens": tokens_total,
+            "train/learning_rate": 0.1 * steps[-1],
+        }
+    return expected
+
+
+@pytest.mark.timeout(180)
+def test_two_ranks_export_exact_windows_and_close_exports_the_partial_window(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    results = run_ranks(_train_two_ranks, 2, str(path))
+    assert [r["exporting"] for r in results] == [True, False]
+    host_timed = {"train/tokens_per_second", "train/samples_per_second"}
+    same = [{k: v for k, v in r["latest"].items() if k not in host_timed} for r in results]
+    assert same[0] == same[1], "every rank sees the same collected results"
+
+    lines = _read_jsonl(path)
+    expected = _expected_windows(2)
+    assert [line["step"] for line in lines] == sorted(expected)
+    for line in lines:
+        values = line["values"]
+        assert line["run_id"] == "run-a"
+        for name, value in expected[line["step"]].items():
+            assert values[name] == pytest.approx(value, rel=1e-12), (line["step"], name)
+        assert set(values["train/step_time"]) == {"0", "1"}
+        assert values["train/tokens_per_second"] > 0
+        assert values["exporter/reports"]["jsonl"] >= 0
+
+
+def _counter_restart(rank: int, world_size: int, path: str, checkpoint: str) -> float:
+    metrics = {"seen": tt.SumMetric(kind="counter")}
+    first = tt.Telemetry(metrics, [tt.JsonlExporter(path)], every=2, run_id="restart", signals=False)
+    for step in range(4):
+        metrics["seen"].update(1.0)
+        first.step(step)
+    metrics["seen"].update(5.0)  # accumulated but not yet collected: must survive the checkpoint
+    state = first.state_dict()
+    first.close()
+    if rank == 0:
+        torch.save(state, checkpoint)
+    dist.barrier()
+
+    restored = {"seen": tt.SumMetric(kind="counter")}
+    second = tt.Telemetry(restored, [tt.JsonlExporter(path)], every=2, run_id="restart", signals=False)
+    second.load_state_dict(torch.load(checkpoint) if rank == 0 else state)
+    for step in range(4, 6):
+        restored["seen"].update(1.0)
+        second.step(step)
+    second.close()
+    return float(second.latest["seen"])
+
+
+@pytest.mark.timeout(180)
+def test_counters_continue_across_a_restart_from_state_dict(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    totals = run_ranks(_counter_restart, 2, str(path), str(tmp_path / "ckpt.pt"))
+    # 2 ranks x (4 + 2 updates of 1) + 2 ranks x 5 carried in the local state
+    assert totals == [22.0, 22.0]
+    exported = [line["values"]["seen"] for line in _read_jsonl(path)]
+    assert exported == sorted(exported), "a counter never goes down across the restart"
+    assert exported[-1] == 22.0
+
+
+class _SlowCompute(tt.SumMetric):
+    """A sum whose compute() is slow, so collections fall behind the loop."""
+
+    def compute(self) -> torch.Tensor:
+        time.sleep(0.2)
+        return super().compute()
+
+
+def test_slow_collections_apply_backpressure_and_lose_nothing(tmp_path: Path) -> None:
+    metrics = {"seen": _SlowCompute(kind="counter")}
+    path = tmp_path / "metrics.jsonl"
+    telemetry = tt.Telemetry(metrics, [tt.JsonlExporter(path)], every=1, max_pending=2, signals=False)
+    for step in range(8):
+        metrics["seen"].update(1.0)
+        telemetry.step(step)
+        assert telemetry._collector.pending <= 2
+    telemetry.close()
+    assert telemetry.backpressure_waits > 0
+    lines = _read_jsonl(path)
+    assert [line["step"] for line in lines] == list(range(8))
+    assert [line["values"]["seen"] for line in lines] == [float(n) for n in range(1, 9)]
+
+
+def test_single_process_without_distributed(tmp_path: Path) -> None:
+    metrics = {"acc": tt.AccuracyMetric()}
+    path = tmp_path / "m.jsonl"
+    with tt.Telemetry(metrics, [tt.JsonlExporter(path)], every=4) as telemetry:
+        for step in range(6):
+            metrics["acc"].update(torch.tensor([step % 2, 1]), torch.tensor([1, 1]))
+            telemetry.step(step)
+    lines = _read_jsonl(path)
+    assert [line["step"] for line in lines] == [3, 5]
+    assert lines[0]["values"]["acc"] == pytest.approx(6 / 8)
+    assert lines[1]["values"]["acc"] == pytest.approx(3 / 4)
+    assert telemetry.is_exporting
+    with pytest.raises(RuntimeError, match="closed"):
+        telemetry.step(7)
+
+
+def test_names_that_clash_with_the_built_in_signals_are_rejected() -> None:
+    with pytest.raises(ValueError, match=r"train/tokens.*defined twice|defined twice.*train/tokens"):
+        tt.Telemetry({"train": {"tokens": tt.SumMetric()}}, [])
+
+
+def test_illegal_metric_names_fail_at_construction() -> None:
+    with pytest.raises(tt.InvalidMetricNameError, match="grad norm"):
+        tt.Telemetry({"grad norm": tt.MaxMetric()}, [], signals=False)
+
+
+def test_above_the_rank_series_limit_step_time_becomes_min_median_max() -> None:
+    telemetry = tt.Telemetry({"x": tt.SumMetric()}, [], max_rank_series=0, every=2)
+    names = {d.name for d in telemetry.descriptors}
+    assert {"train/step_time/min", "train/step_time/median", "train/step_time/max"} <= names
+    assert "train/step_time" not in names
+    for step in range(4):
+        telemetry.step(step)
+    telemetry.close()
+    assert "train/step_time/median" in telemetry.latest
+    assert "train/step_time" not in telemetry.latest
