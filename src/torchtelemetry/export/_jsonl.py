@@ -47,13 +47,13 @@ class JsonlExporter:
         if self._file is None:
             self._failures.failed("export() before describe() or after close()")
             return ExportResult.FAILURE
-        record = {
-            "step": step,
-            "timestamp": timestamp,
-            "run_id": self._run_id,
-            "values": {name: _jsonable(value) for name, value in scalars.items()},
-        }
         try:
+            record = {
+                "step": step,
+                "timestamp": timestamp,
+                "run_id": self._run_id,
+                "values": {name: _jsonable(value) for name, value in scalars.items()},
+            }
             self._file.write(json.dumps(record, allow_nan=False) + "\n")
             self._file.flush()
         except Exception as error:

@@ -1,0 +1,134 @@
+"""Naming rules (export/_naming.py) and flattening of results (export/_flatten.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torchtelemetry import (
+    AccuracyMetric,
+    HistogramMetric,
+    PerRankMetric,
+    SumMetric,
+    WeightedMeanMetric,
+    sync_metrics,
+)
+from torchtelemetry.collect import to_python
+from torchtelemetry.export import (
+    HistogramValue,
+    InvalidMetricNameError,
+    MetricDescriptor,
+    NameCollisionError,
+    describe_metrics,
+    flatten_results,
+)
+from torchtelemetry.export._naming import (
+    check_unique,
+    otel_name,
+    otel_unit,
+    prometheus_label_name,
+    prometheus_name,
+    validate_path,
+)
+from torchtelemetry.metric import MetricKind
+from torchtelemetry.sync import metric_leaves
+
+COUNTER, HISTOGRAM = MetricKind.COUNTER, MetricKind.HISTOGRAM
+
+
+@pytest.mark.parametrize(
+    ("descriptor", "name"),
+    [
+        (MetricDescriptor("train/loss"), "torchtelemetry_train_loss"),
+        (MetricDescriptor("train/step_time", unit="seconds"), "torchtelemetry_train_step_time_seconds"),
+        (MetricDescriptor("latency_seconds", unit="seconds"), "torchtelemetry_latency_seconds"),
+        (MetricDescriptor("train/tokens", COUNTER, unit="tokens"), "torchtelemetry_train_tokens_total"),
+        (MetricDescriptor("requests_total", COUNTER), "torchtelemetry_requests_total"),
+        (MetricDescriptor("loss_total"), "torchtelemetry_loss_total"),  # gauges keep what they are given
+        (MetricDescriptor("val.top-1"), "torchtelemetry_val_top_1"),
+        (MetricDescriptor("grad_norm", HISTOGRAM), "torchtelemetry_grad_norm"),
+    ],
+)
+def test_prometheus_names(descriptor: MetricDescriptor, name: str) -> None:
+    assert prometheus_name(descriptor) == name
+
+
+def test_prometheus_names_without_namespace_are_still_legal() -> None:
+    assert prometheus_name(MetricDescriptor("loss"), namespace="") == "loss"
+    assert prometheus_name(MetricDescriptor("0/loss"), namespace="") == "_0_loss"
+
+
+@pytest.mark.parametrize(
+    ("label", "name"),
+    [("rank", "rank"), ("class-id", "class_id"), ("__name", "name"), ("1st", "_1st"), ("", "label")],
+)
+def test_prometheus_label_names(label: str, name: str) -> None:
+    assert prometheus_label_name(label) == name
+
+
+def test_otel_names_and_units() -> None:
+    assert otel_name(MetricDescriptor("train/loss")) == "train.loss"
+    assert (otel_unit("seconds"), otel_unit("tokens"), otel_unit("furlongs")) == ("s", "{token}", "furlongs")
+
+
+@pytest.mark.parametrize("path", ["", "a//b", "/a", "a/", "bad name", "a/b$c", "x" * 201, "-lead"])
+def test_illegal_paths_are_rejected_with_the_name(path: str) -> None:
+    with pytest.raises(InvalidMetricNameError, match="metric name"):
+        validate_path(path)
+
+
+def test_collisions_list_every_clash() -> None:
+    descriptors = [
+        MetricDescriptor("a/b"),
+        MetricDescriptor("a.b"),
+        MetricDescriptor("a-b"),
+        MetricDescriptor("c/d"),
+        MetricDescriptor("c.d"),
+        MetricDescriptor("ok"),
+    ]
+    with pytest.raises(NameCollisionError) as raised:
+        check_unique(descriptors, prometheus_name, "Prometheus")
+    message = str(raised.value)
+    assert "['a/b', 'a.b', 'a-b'] -> 'torchtelemetry_a_b'" in message
+    assert "['c/d', 'c.d'] -> 'torchtelemetry_c_d'" in message
+    assert check_unique(descriptors[3:4] + descriptors[5:], prometheus_name, "Prometheus") == {
+        "c/d": "torchtelemetry_c_d",
+        "ok": "torchtelemetry_ok",
+    }
+
+
+def build_metrics() -> dict:
+    return {
+        "train": {
+            "loss": WeightedMeanMetric(description="loss"),
+            "tokens": SumMetric(kind="counter", unit="tokens"),
+        },
+        "accuracy": AccuracyMetric(),
+        "grad_norm": HistogramMetric(bins=[1.0, 2.0]),
+        "step_time": PerRankMetric(2, 1, unit="seconds"),
+    }
+
+
+def test_describe_and_flatten_a_metric_tree() -> None:
+    metrics = build_metrics()
+    metrics["train"]["loss"].update(torch.tensor([1.0, 3.0]), torch.tensor([1.0, 1.0]))
+    metrics["train"]["tokens"].update(torch.tensor(12.0))
+    metrics["grad_norm"].update(torch.tensor([0.5, 1.5, 2.0, 9.0]))
+    metrics["step_time"].update(torch.tensor(0.25))
+    sync_metrics(metrics)  # no process group: the local state becomes the synchronized one
+    descriptors = {d.name: d for d in describe_metrics(metrics)}
+    leaves = metric_leaves(metrics)
+    flat = flatten_results(leaves, [to_python(metric.compute()) for _, metric in leaves])
+    assert set(flat) == set(descriptors)
+    assert descriptors["train/tokens"] == MetricDescriptor("train/tokens", COUNTER, "tokens", "", None)
+    assert descriptors["step_time"].label_name == "rank" and descriptors["step_time"].unit == "seconds"
+    assert descriptors["grad_norm"].kind is HISTOGRAM
+    assert flat["train/loss"] == 2.0 and flat["train/tokens"] == 12.0
+    assert flat["grad_norm"] == HistogramValue(bounds=(1.0, 2.0), counts=(1.0, 2.0, 1.0), sum=13.0, count=4.0)
+    assert flat["grad_norm"].cumulative_counts() == [1.0, 3.0, 4.0]
+    assert flat["step_time"]["1"] == 0.25 and set(flat["step_time"]) == {"0", "1"}
+
+
+def test_illegal_metric_tree_names_fail_when_described() -> None:
+    with pytest.raises(InvalidMetricNameError, match="bad key"):
+        describe_metrics({"bad key": SumMetric()})

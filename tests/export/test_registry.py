@@ -1,0 +1,98 @@
+"""Exporters by name through the `torchtelemetry.exporters` entry points; the public import surface."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import torchtelemetry
+import torchtelemetry.export
+from torchtelemetry import ConsoleExporter, JsonlExporter, PrometheusExporter, PushgatewayExporter
+from torchtelemetry.export import available_exporters, exporter_class, exporters_from_spec
+
+
+def test_built_in_exporters_are_registered() -> None:
+    known = available_exporters()
+    assert {"console", "jsonl", "prometheus", "pushgateway", "otlp", "wandb"} <= set(known)
+    assert exporter_class("prometheus") is PrometheusExporter
+    assert exporter_class("pushgateway") is PushgatewayExporter
+
+
+def test_exporters_from_spec_builds_in_order_with_options(tmp_path: Path) -> None:
+    exporters = exporters_from_spec(
+        " prometheus, jsonl,console ",
+        prometheus={"port": 0},
+        jsonl={"path": tmp_path / "m.jsonl"},
+        pushgateway={"url": "127.0.0.1:9091"},  # known but not in the spec: ignored
+    )
+    assert [type(e) for e in exporters] == [PrometheusExporter, JsonlExporter, ConsoleExporter]
+    assert exporters[0].port == 0 and exporters[0].url is None  # built, nothing opened
+    assert exporters[1].path == tmp_path / "m.jsonl"
+    assert [type(e) for e in exporters_from_spec(["console"])] == [ConsoleExporter]
+    assert exporters_from_spec("") == []
+
+
+def test_unknown_names_and_bad_options_are_clear() -> None:
+    with pytest.raises(
+        ValueError, match=r"unknown exporter\(s\) \['promethues'\].*known exporters are console, jsonl"
+    ):
+        exporters_from_spec("promethues")
+    with pytest.raises(ValueError, match=r"\['jsnol'\]"):
+        exporters_from_spec("console", jsnol={"path": "x"})
+    with pytest.raises(ValueError, match="more than once"):
+        exporters_from_spec("console,console")
+    with pytest.raises(TypeError, match=r"exporter 'pushgateway' with options \{\}"):
+        exporters_from_spec("pushgateway")  # url is required
+    with pytest.raises(ValueError, match="unknown; known exporters are"):
+        exporter_class("nope")
+
+
+def test_third_party_exporters_are_found_through_entry_points(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "myplugin.py").write_text(
+        "class MyExporter:\n    def __init__(self, level=1):\n        self.name, self.level = 'mine', level\n"
+    )
+    dist = tmp_path / "myplugin-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: myplugin\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[torchtelemetry.exporters]\nmine = myplugin:MyExporter\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (exporter,) = exporters_from_spec("mine", mine={"level": 3})
+    assert (type(exporter).__module__, exporter.level) == ("myplugin", 3)
+
+
+def test_public_names() -> None:
+    for name in (
+        "ExportHub",
+        "NullHub",
+        "ExporterHealth",
+        "PrometheusExporter",
+        "PushgatewayExporter",
+        "ConsoleExporter",
+        "JsonlExporter",
+        "exporters_from_spec",
+    ):
+        assert name in torchtelemetry.__all__ and name in torchtelemetry.export.__all__
+        assert getattr(torchtelemetry, name) is getattr(torchtelemetry.export, name)
+    assert {"available_exporters", "exporter_class"} <= set(torchtelemetry.export.__all__)
+
+
+def run_python(code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+
+
+def test_import_needs_no_exporter_dependency_and_missing_ones_name_the_extra() -> None:
+    lazy = run_python("import sys, torchtelemetry; print('prometheus_client' in sys.modules)")
+    assert (lazy.returncode, lazy.stdout.strip()) == (0, "False"), lazy.stderr
+    missing = run_python(
+        "import sys; sys.modules['prometheus_client'] = None\n"
+        "import torchtelemetry as tt\n"
+        "for build in (lambda: tt.PrometheusExporter(), lambda: tt.PushgatewayExporter('127.0.0.1:9091')):\n"
+        "    try:\n        build()\n    except ImportError as error:\n        print(error)\n"
+    )
+    assert missing.returncode == 0, missing.stderr
+    assert missing.stdout.count("pip install 'torchtelemetry[prometheus]'") == 2
