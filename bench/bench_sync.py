@@ -24,58 +24,15 @@ import platform
 import statistics
 import time
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from tests.distributed import run_ranks
+from tests.sync.collectives import CollectiveCounter
 
-_COLLECTIVES = (
-    "all_reduce",
-    "all_gather",
-    "all_gather_into_tensor",
-    "all_gather_single",
-    "all_gather_object",
-    "broadcast",
-    "broadcast_object_list",
-    "reduce",
-    "gather",
-    "gather_object",
-    "scatter",
-    "reduce_scatter",
-    "reduce_scatter_tensor",
-    "all_to_all",
-    "barrier",
-)
 _SYNC_SIZES = (1, 16, 128)
 _KINDS = ("mean", "sum", "max", "min")
-
-
-class CollectiveCounter:
-    """Counts outermost calls to torch.distributed collectives while active."""
-
-    def __init__(self) -> None:
-        self.count = 0
-        self.active = False
-        self._depth = 0
-        for name in _COLLECTIVES:
-            original = getattr(dist, name, None)
-            if original is not None:
-                setattr(dist, name, self._wrap(original))
-
-    def _wrap(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(original)
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            if self.active and self._depth == 0:
-                self.count += 1
-            self._depth += 1
-            try:
-                return original(*args, **kwargs)
-            finally:
-                self._depth -= 1
-
-        return counted
 
 
 # -- the three contestants and the floor ------------------------------------------------------
@@ -213,11 +170,9 @@ def _time_syncs(contestant: Any, counter: CollectiveCounter, syncs: int) -> tupl
     for _ in range(5):  # warm up: the first sync may add a one-off layout check
         contestant.sync()
         after()
-    counter.count = 0
-    counter.active = True
-    contestant.sync()
-    counter.active = False
-    collectives = counter.count
+    with counter.counting() as calls:
+        contestant.sync()
+    collectives = sum(calls.values())
     after()
     total = 0.0
     for _ in range(syncs):
