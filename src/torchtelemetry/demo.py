@@ -283,7 +283,7 @@ def _advance(progress: Any, telemetry: Any) -> None:
 def _print_banner(config: DemoConfig, telemetry: Any, world_size: int, device: torch.device) -> None:
     print(f"torchtelemetry demo: run {telemetry.run.run_id}, {world_size} ranks on {device.type}", flush=True)
     for exporter in telemetry.hub.exporters:
-        where = exporter.endpoint() if hasattr(exporter, "endpoint") else None
+        where = getattr(exporter, "url", None) or getattr(exporter, "path", None)
         if where:
             print(f"  {exporter.name}: {where}", flush=True)
     print("  full stack (Prometheus, Grafana, Collector, Pushgateway): docker compose up -d", flush=True)
@@ -314,6 +314,8 @@ def _device_for(config: DemoConfig, local_rank: int) -> torch.device:
     if use_cuda:
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
+    # Ranks share the host's cores: one intra-op pool each would oversubscribe them.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     return torch.device("cpu")
 
 
@@ -322,7 +324,7 @@ def _rank_main(local_rank: int, config: DemoConfig, world_size: int, port: int |
         os.environ.update(
             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(local_rank), WORLD_SIZE=str(world_size)
         )
-        os.environ["LOCAL_RANK"] = str(local_rank)
+        os.environ.update(LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(world_size))
     device = _device_for(config, local_rank)
     dist.init_process_group(
         "nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(seconds=120)
