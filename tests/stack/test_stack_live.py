@@ -1,0 +1,179 @@
+"""Every dashboard query and alert rule against a real Prometheus that scraped a real 2-rank run.
+
+The run exports through both routes the stack offers to Prometheus: the scrape
+endpoint (`PrometheusExporter`, job "trainer") and the Pushgateway
+(`PushgatewayExporter`, scraped with the repository's `honor_labels` job, so
+the series keep the pushed job "torchtelemetry"). Each panel query, with its
+variables substituted as Grafana would, must return data on both routes.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.parse
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.distributed import free_port, run_ranks
+from tests.servers import PrometheusServer, PushgatewayServer, QueryError, http_get, query, wait_for
+from tests.stack._stack import (
+    PROMETHEUS_CONFIG,
+    alert_rules,
+    dashboards,
+    demo_metrics,
+    load_yaml,
+    panels,
+    substitute,
+)
+
+WORLD_SIZE = 2
+PUSHED_JOB = "torchtelemetry"
+"""`PushgatewayExporter`'s default job, kept by `honor_labels`."""
+SCRAPE_JOB = "trainer"
+RUN_LIMIT_S = 150.0
+"""The ranks stop on their own after this long, should the test never tell them to."""
+
+
+def _train(rank: int, world_size: int, port: int, gateway_url: str, run_id: str, stop_file: str) -> int:
+    """Train-like loop on one rank: the demo's metrics plus every built-in signal, until told to stop."""
+    import torch
+    import torch.distributed as dist
+
+    import torchtelemetry as tt
+    from torchtelemetry.export import PrometheusExporter, PushgatewayExporter
+    from torchtelemetry.telemetry import Telemetry
+
+    assert tt.__name__  # the package imports with only torch
+    metrics = demo_metrics()
+    telemetry = Telemetry(
+        metrics,
+        exporters=[PrometheusExporter(port=port), PushgatewayExporter(gateway_url)],
+        every=2,
+        run_id=run_id,
+    )
+    generator = torch.Generator().manual_seed(rank)
+    deadline = time.monotonic() + RUN_LIMIT_S
+    step = 0
+    try:
+        while True:
+            if step % 10 == 0:
+                stop = torch.tensor([float(Path(stop_file).exists() or time.monotonic() > deadline)])
+                dist.all_reduce(stop, op=dist.ReduceOp.MAX)  # every rank stops at the same step
+                if stop.item():
+                    break
+            logits = torch.randn(8, 4, generator=generator)
+            target = torch.randint(0, 4, (8,), generator=generator)
+            metrics["train"]["loss"].update(1.0 + torch.rand((), generator=generator), 8)
+            metrics["train"]["accuracy"].update(logits, target)
+            metrics["train"]["grad_norm"].update(4 * torch.rand(3, generator=generator))
+            telemetry.step(step, tokens=8 * 16, samples=8, learning_rate=1e-3 / (1 + step))
+            time.sleep(0.02 * (1 + rank))  # rank 1 is the slower one
+            step += 1
+    finally:
+        telemetry.close()
+    return step
+
+
+def _label_values(url: str, label: str, match: str) -> set[str]:
+    """What Grafana's `label_values(match, label)` lists."""
+    params = urllib.parse.urlencode({"match[]": match})
+    return set(json.loads(http_get(f"{url}/api/v1/label/{label}/values?{params}"))["data"])
+
+
+def _variable_query(variable: dict[str, Any]) -> tuple[str, str]:
+    """(metric selector, label) of a `label_values(selector, label)` variable."""
+    definition = variable["definition"]
+    assert definition.startswith("label_values(") and definition.endswith(")"), definition
+    selector, label = definition[len("label_values(") : -1].rsplit(",", 1)
+    return selector.strip(), label.strip()
+
+
+def _wait_for_ranks(ranks: Future[Any], url: str, expr: str) -> None:
+    """Wait for `expr` to return data, failing at once with the ranks' error if they died first."""
+    deadline = time.monotonic() + 120
+    while True:
+        if ranks.done():
+            ranks.result()  # raises the ranks' error
+            raise AssertionError("the ranks finished before Prometheus saw their data")
+        try:
+            wait_for(url, expr, timeout_s=2)
+            return
+        except TimeoutError:
+            if time.monotonic() > deadline:
+                raise
+
+
+@pytest.mark.slow
+def test_every_panel_and_alert_on_a_real_two_rank_run(
+    tmp_path: Path, prometheus: PrometheusServer, pushgateway: PushgatewayServer
+) -> None:
+    run_id, port, stop_file = f"stack-{uuid.uuid4().hex[:8]}", free_port(), tmp_path / "stop"
+    (pushgateway_job,) = [
+        j for j in load_yaml(PROMETHEUS_CONFIG)["scrape_configs"] if j["job_name"] == "pushgateway"
+    ]
+    prometheus.scrape(SCRAPE_JOB, [f"127.0.0.1:{port}"])
+    prometheus.scrape("pushgateway", [pushgateway.address], honor_labels=pushgateway_job["honor_labels"])
+    prometheus.start()
+    url = prometheus.url
+    rate_interval = f"{4 * round(prometheus.scrape_interval_s)}s"  # Grafana: 4 x the scrape interval
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        ranks = pool.submit(
+            run_ranks, _train, WORLD_SIZE, port, pushgateway.url, run_id, str(stop_file), timeout_s=240
+        )
+        try:
+            for job in (SCRAPE_JOB, PUSHED_JOB):
+                # Health gauges appear from the second report on; then every series exists.
+                selector = f'job="{job}", run="{run_id}"'
+                _wait_for_ranks(
+                    ranks, url, f"torchtelemetry_exporter_last_success_timestamp_seconds{{{selector}}}"
+                )
+                _wait_for_ranks(
+                    ranks, url, f"count(torchtelemetry_train_step_time_seconds{{{selector}}}) == 2"
+                )
+
+            missing: list[str] = []
+            for path, dashboard in dashboards().items():
+                variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+                selector, label = _variable_query(variables["job"])
+                jobs = _label_values(url, label, selector)
+                assert {SCRAPE_JOB, PUSHED_JOB} <= jobs, (path.name, jobs)
+                selector, label = _variable_query(variables["run"])
+                runs = _label_values(url, label, substitute(selector, {"job": variables["job"]["allValue"]}))
+                assert run_id in runs, (path.name, runs)
+                for job in (SCRAPE_JOB, PUSHED_JOB):
+                    values = {
+                        "datasource": "prometheus",
+                        "job": job,
+                        "run": run_id,
+                        "__rate_interval": rate_interval,
+                    }
+                    for panel in panels(dashboard):
+                        for target in panel["targets"]:
+                            expr = substitute(target["expr"], values)
+                            try:
+                                wait_for(url, expr, timeout_s=10)
+                            except TimeoutError:
+                                missing.append(
+                                    f"{path.name} / {panel['title']} / {target['refId']} ({job}): {expr}"
+                                )
+            assert not missing, "panel queries without data:\n" + "\n".join(missing)
+
+            per_rank = query(
+                url, f'torchtelemetry_train_step_time_seconds{{job="{SCRAPE_JOB}", run="{run_id}"}}'
+            )
+            assert sorted(sample.labels["rank"] for sample in per_rank) == ["0", "1"]
+
+            for rule in alert_rules():
+                try:
+                    query(url, rule["expr"])
+                except QueryError as error:
+                    pytest.fail(f"alert {rule['alert']} does not evaluate: {error}")
+        finally:
+            stop_file.touch()
+        steps = ranks.result()
+    assert steps[0] == steps[1] > 0
