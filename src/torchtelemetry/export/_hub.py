@@ -32,9 +32,20 @@ from torchtelemetry.export._protocol import (
 )
 from torchtelemetry.metric import MetricKind
 
-__all__ = ["HEALTH_DESCRIPTORS", "HEALTH_PREFIX", "ExportHub", "ExporterHealth", "FailureLog", "NullHub"]
+__all__ = [
+    "DROP_LOG_INTERVAL_S",
+    "HEALTH_DESCRIPTORS",
+    "HEALTH_PREFIX",
+    "ExportHub",
+    "ExporterHealth",
+    "FailureLog",
+    "NullHub",
+]
 
 logger = logging.getLogger(__name__)
+
+DROP_LOG_INTERVAL_S = 60.0
+"""Dropped reports are counted every time but logged at most this often per exporter."""
 
 HEALTH_PREFIX = "exporter/"
 """Path prefix of the hub's own health metrics."""
@@ -148,7 +159,7 @@ class _Worker:
         self._items: collections.deque[_Report | _Describe | _Barrier] = collections.deque()
         self._queued_reports = 0
         self._close_deadline: float | None = None
-        self._dropping = False
+        self._last_drop_log: float | None = None
         self._failures = FailureLog(f"exporter {self.name!r}")
         self.reports_exported = 0
         self.export_errors = 0
@@ -164,12 +175,16 @@ class _Worker:
         with self._cond:
             if self._queued_reports >= self._queue_size:
                 self._drop_oldest_report()
-                if not self._dropping:
-                    self._dropping = True
+                now = time.monotonic()
+                if self._last_drop_log is None or now - self._last_drop_log > DROP_LOG_INTERVAL_S:
+                    self._last_drop_log = now
                     logger.warning(
-                        "exporter %r: queue full (%d reports), dropping the oldest until it catches up",
+                        "exporter %r: queue full (%d reports), dropping the oldest; %d dropped so far "
+                        "(logged at most every %.0f s)",
                         self.name,
                         self._queue_size,
+                        self.dropped_reports,
+                        DROP_LOG_INTERVAL_S,
                     )
             self._items.append(report)
             self._queued_reports += 1
@@ -202,13 +217,6 @@ class _Worker:
         while True:
             with self._cond:
                 while not self._items:
-                    if self._dropping:
-                        self._dropping = False
-                        logger.info(
-                            "exporter %r: caught up, %d reports dropped so far",
-                            self.name,
-                            self.dropped_reports,
-                        )
                     self._cond.wait()
                 item = self._items.popleft()
                 if isinstance(item, _Report):
