@@ -25,7 +25,9 @@ from collections.abc import Callable, Iterator
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+from tests.distributed import free_port
 
 __all__ = [
     "OtlpGrpcReceiver",
@@ -87,6 +89,9 @@ def metrics_by_name(request: Any) -> dict[str, Any]:
     return found
 
 
+_R = TypeVar("_R", bound="_Recorder")
+
+
 class _Recorder:
     """What both receivers share: the received requests and a way to wait for them."""
 
@@ -124,18 +129,20 @@ class _Recorder:
         """Block until at least `count` requests arrived."""
         return self.wait_for(lambda received: len(received) >= count, timeout_s)
 
-    def __enter__(self) -> Any:
-        self.start()  # type: ignore[attr-defined]
+    def start(self) -> None:
+        """Start serving (again, after `stop()`), on the same port."""
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        """Stop serving: new connections are refused, open ones dropped."""
+        raise NotImplementedError
+
+    def __enter__(self: _R) -> _R:
+        self.start()
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        self.stop()  # type: ignore[attr-defined]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        self.stop()
 
 
 class _ClosingHTTPServer(http.server.ThreadingHTTPServer):
@@ -177,7 +184,7 @@ class OtlpHttpReceiver(_Recorder):
 
     def __init__(self, port: int | None = None, *, status: int = 200) -> None:
         super().__init__()
-        self.port = port or _free_port()
+        self.port = port or free_port()
         self.status = status
         self._server: http.server.ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
@@ -264,7 +271,7 @@ class OtlpGrpcReceiver(_Recorder):
 
     def __init__(self, port: int | None = None) -> None:
         super().__init__()
-        self.port = port or _free_port()
+        self.port = port or free_port()
         self._server: Any = None
 
     @property
