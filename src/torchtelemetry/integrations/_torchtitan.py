@@ -1,0 +1,105 @@
+"""`TelemetryMetricLogger`: the `log(metrics, step)` / `close()` backend torchtitan-style loops plug in.
+
+It is also what the other adapters hand a framework's own logs to, so every
+adapter turns logged values into report values the same way.
+"""
+
+from __future__ import annotations
+
+import logging
+import numbers
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from torchtelemetry.export import ScalarValue
+from torchtelemetry.export._naming import InvalidMetricNameError, validate_path
+from torchtelemetry.telemetry import Telemetry
+
+__all__ = ["TelemetryMetricLogger"]
+
+logger = logging.getLogger(__name__)
+
+
+class TelemetryMetricLogger:
+    """Feeds values a training loop already reduced (loss, grad norm, throughput) to the exporters.
+
+    Implements torchtitan's metric-logger protocol (`BaseLogger`: `log(metrics, step)`
+    and `close()`), so such a trainer adds it next to its TensorBoard or W&B
+    logger without forking:
+
+    ```python
+    telemetry = Telemetry(metrics, exporters=[PrometheusExporter()], every=10)  # every rank
+    metric_logger = TelemetryMetricLogger(telemetry)
+    for step in range(1, steps + 1):
+        ...
+        telemetry.step(step)                                # every rank: the coalesced collection
+        if step % log_freq == 0:
+            metric_logger.log({"loss_metrics/global_avg_loss": loss}, step)   # any rank
+    ```
+
+    Numbers, one-element tensors (read with `.item()`: log host values to
+    avoid the sync) and mappings of label to number are exported; other values
+    (strings, images) and names that are not legal metric paths are skipped,
+    with one warning per name. Only global rank 0 exports (other ranks' hubs do
+    nothing), so it can be called on every rank or on rank 0 alone. Values
+    logged while a collection is in flight are exported in that collection's
+    report.
+
+    Args:
+        telemetry: the run's `Telemetry`.
+        prefix: prepended to every name (e.g. "trainer/").
+    """
+
+    def __init__(self, telemetry: Telemetry, *, prefix: str = "") -> None:
+        self.telemetry = telemetry
+        self.prefix = prefix
+        self._skipped: set[str] = set()
+
+    def log(self, metrics: Mapping[str, Any], step: int) -> None:
+        """Export `metrics` at `step` from rank 0, without waiting."""
+        values = self.scalars(metrics)
+        if values:
+            self.telemetry.log(values, step)
+
+    def close(self) -> None:
+        """Deliver what was logged (rank-local, no collective).
+
+        The `Telemetry` itself is closed by the loop, on every rank.
+        """
+        self.telemetry.hub.force_flush()
+
+    def scalars(self, metrics: Mapping[str, Any]) -> dict[str, ScalarValue]:
+        """The exportable entries of `metrics`, named with the prefix."""
+        out: dict[str, ScalarValue] = {}
+        for key, raw in metrics.items():
+            name = f"{self.prefix}{key}"
+            value = _scalar(raw)
+            if value is None:
+                self._skip(name, f"{type(raw).__name__} values are not exported")
+                continue
+            try:
+                validate_path(name)
+            except InvalidMetricNameError as error:
+                self._skip(name, str(error))
+                continue
+            out[name] = value
+        return out
+
+    def _skip(self, name: str, reason: str) -> None:
+        if name not in self._skipped:
+            self._skipped.add(name)
+            logger.warning("TelemetryMetricLogger: %r skipped: %s", name, reason)
+
+
+def _scalar(value: Any) -> ScalarValue | None:
+    if isinstance(value, torch.Tensor):
+        return float(value.detach().item()) if value.numel() == 1 else None
+    if isinstance(value, numbers.Real):
+        return float(value)
+    if isinstance(value, Mapping) and value:
+        labelled = {str(label): _scalar(entry) for label, entry in value.items()}
+        if all(isinstance(entry, float) for entry in labelled.values()):
+            return labelled  # type: ignore[return-value]
+    return None

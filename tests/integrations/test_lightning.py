@@ -1,0 +1,120 @@
+"""LightningTelemetryCallback and LightningTelemetryLogger on a real 2-process CPU DDP run."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.distributed import run_ranks
+
+L = pytest.importorskip("lightning.pytorch")
+
+from torchtelemetry import JsonlExporter, MaxMetric, SumMetric  # noqa: E402
+from torchtelemetry.integrations import LightningTelemetryCallback, LightningTelemetryLogger  # noqa: E402
+
+STEPS = 6
+EVERY = 2
+
+
+class TinyRegression(L.LightningModule):
+    def __init__(self, width: int = 4) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.layer = torch.nn.Linear(width, 1)
+        self.losses: list[float] = []
+        self.max_errors: list[float] = []
+
+    def training_step(
+        self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int
+    ) -> dict[str, torch.Tensor]:
+        x, y = batch
+        error = self.layer(x).squeeze(-1) - y
+        loss = (error**2).mean()
+        self.losses.append(loss.item())
+        self.max_errors.append(error.abs().max().item())
+        self.log("lightning_loss", loss)
+        return {"loss": loss, "abs_error": error.detach().abs()}
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        generator = torch.Generator().manual_seed(0)
+        x = torch.randn(2 * STEPS * 3, self.hparams.width, generator=generator)
+        y = x.sum(-1) + 0.1 * torch.randn(x.shape[0], generator=generator)
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=3)
+
+
+def _update(metrics, outputs, batch) -> None:
+    metrics["train/examples"].update(torch.tensor(float(batch[0].shape[0])))
+    metrics["train/max_abs_error"].update(outputs["abs_error"].max())
+
+
+def _fit(rank: int, world_size: int, path: str, tmp: str) -> dict:
+    os.environ["LOCAL_RANK"] = str(rank)
+    calls: list[str] = []
+    all_reduce = dist.all_reduce
+
+    def counting_all_reduce(*args, **kwargs):
+        calls.append(threading.current_thread().name)
+        return all_reduce(*args, **kwargs)
+
+    dist.all_reduce = counting_all_reduce
+    metrics = {"train/examples": SumMetric(kind="counter"), "train/max_abs_error": MaxMetric()}
+    callback = LightningTelemetryCallback(
+        metrics, [JsonlExporter(path)], every=EVERY, update=_update, run_id="lightning-test"
+    )
+    model = TinyRegression()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        strategy="ddp",
+        max_steps=STEPS,
+        log_every_n_steps=EVERY,
+        callbacks=[callback],
+        logger=LightningTelemetryLogger(callback),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp,
+    )
+    trainer.fit(model)
+    dist.all_reduce = all_reduce
+    collector_calls = sum(name.startswith("torchtelemetry-collector") for name in calls)
+    return {"losses": model.losses, "max_errors": model.max_errors, "collector_all_reduces": collector_calls}
+
+
+def _reports(path) -> list[dict]:
+    with open(path, encoding="utf-8") as file:
+        return [json.loads(line) for line in file]
+
+
+def test_ddp_run_exports_exact_global_values_with_one_collective_per_bucket(tmp_path) -> None:
+    path = tmp_path / "telemetry.jsonl"
+    ranks = run_ranks(_fit, 2, str(path), str(tmp_path), timeout_s=240)
+
+    reports = _reports(path)
+    assert [report["step"] for report in reports] == [2, 4, 6]
+    assert {report["run_id"] for report in reports} == {"lightning-test"}
+    for index, report in enumerate(reports):
+        window = slice(index * EVERY, (index + 1) * EVERY)
+        losses = [loss for rank in ranks for loss in rank["losses"][window]]
+        values = report["values"]
+        assert values["train/loss"] == pytest.approx(sum(losses) / len(losses), rel=1e-6)
+        assert values["train/max_abs_error"] == pytest.approx(
+            max(error for rank in ranks for error in rank["max_errors"][window]), rel=1e-6
+        )
+        assert values["train/examples"] == 2 * 3 * EVERY * (index + 1)
+        assert values["train/learning_rate"] == pytest.approx(0.05)
+        # What the module logged with self.log on rank 0, at the last batch of the window.
+        assert values["lightning_loss"] == pytest.approx(ranks[0]["losses"][window][-1], rel=1e-6)
+
+    # Eight metrics (loss, examples, max error, five built-in signals) in two buckets (SUM and MAX,
+    # float64): two all-reduces per collection, plus one layout check on the collector's new group.
+    windows = STEPS // EVERY
+    assert [rank["collector_all_reduces"] for rank in ranks] == [1 + 2 * windows] * 2
