@@ -21,6 +21,7 @@ retried by `force_flush()` and by `close()`.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import threading
@@ -134,14 +135,14 @@ class OTelExporter:
         name: str = "otlp",
     ) -> None:
         self.protocol = _resolve_protocol(protocol)
+        transport = "grpc" if self.protocol == "grpc" else "http"
         try:
-            import opentelemetry.sdk.metrics.export
-            import opentelemetry.sdk.resources
-
-            if self.protocol == "grpc":
-                import opentelemetry.exporter.otlp.proto.grpc.metric_exporter
-            else:
-                import opentelemetry.exporter.otlp.proto.http.metric_exporter  # noqa: F401
+            for module in (
+                "opentelemetry.sdk.metrics.export",
+                "opentelemetry.sdk.resources",
+                f"opentelemetry.exporter.otlp.proto.{transport}.metric_exporter",
+            ):
+                importlib.import_module(module)
         except ImportError as error:
             raise ImportError(f"{_EXTRA_HINT} ({error})") from error
         if compression is not None and compression not in _COMPRESSIONS:
