@@ -1,0 +1,78 @@
+"""TrainerTelemetryCallback on a real 2-process Hugging Face Trainer run launched with torchrun."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.distributed import free_port
+
+pytest.importorskip("transformers")
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS, LOGGING_STEPS = 6, 2
+
+
+def _torchrun(script: Path, out: Path) -> None:
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "CUDA_VISIBLE_DEVICES": "",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "src")]),
+    }
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+        str(script),
+        str(out),
+    ]
+    done = subprocess.run(command, env=env, cwd=out, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+
+
+def test_trainer_run_exports_exact_values_from_world_process_zero_only(tmp_path) -> None:
+    _torchrun(ROOT / "tests" / "integrations" / "_hf_train.py", tmp_path)
+
+    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert not (tmp_path / "telemetry-rank1.jsonl").exists()
+    with open(tmp_path / "telemetry-rank0.jsonl", encoding="utf-8") as file:
+        reports = [json.loads(line) for line in file]
+
+    trained = [report for report in reports if "train/token_loss" in report["values"]]
+    assert [report["step"] for report in trained] == [2, 4, 6]
+    assert {report["run_id"] for report in reports} == {"hf-test"}
+    trainer_logs = {entry["step"]: entry for entry in ranks[0]["log_history"] if "loss" in entry}
+    tokens = 0
+    for index, report in enumerate(trained):
+        window = [
+            r for rank in ranks for r in rank["records"][index * LOGGING_STEPS : (index + 1) * LOGGING_STEPS]
+        ]
+        values = report["values"]
+        tokens += sum(r["count"] for r in window)
+        assert values["train/token_loss"] == pytest.approx(
+            sum(r["sum"] for r in window) / sum(r["count"] for r in window), rel=1e-6
+        )
+        assert values["train/max_token_loss"] == pytest.approx(max(r["max"] for r in window), rel=1e-6)
+        assert values["train/label_tokens"] == tokens
+        assert values["train/learning_rate"] == pytest.approx(1e-3)
+        # The Trainer's own log of this step rides in the same report, unchanged.
+        logged = trainer_logs[report["step"]]
+        assert values["loss"] == logged["loss"]
+        assert values["grad_norm"] == pytest.approx(logged["grad_norm"])
+    assert tokens == 2 * STEPS * 2 * (8 - 1)
+
+    evaluated = [report for report in reports if "eval_loss" in report["values"]]
+    assert len(evaluated) == 1
+    assert evaluated[0]["step"] == STEPS
+    assert evaluated[0]["values"]["eval_loss"] == ranks[0]["eval"]["eval_loss"]
