@@ -5,7 +5,9 @@ from __future__ import annotations
 import datetime
 import os
 import queue
+import shutil
 import socket
+import tempfile
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -24,20 +26,18 @@ def _entry(
     fn: Callable[..., Any],
     rank: int,
     world_size: int,
-    port: int,
+    rendezvous: str,
     results: Any,
     args: tuple,
     env: dict[str, str],
     pg_timeout_s: float,
 ) -> None:
     os.environ.update(env)
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size)
-    )
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size))
     try:
         dist.init_process_group(
             "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
+            init_method=f"file://{rendezvous}",
             rank=rank,
             world_size=world_size,
             timeout=datetime.timedelta(seconds=pg_timeout_s),
@@ -74,11 +74,13 @@ def run_ranks(
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = free_port()
+    # A file rendezvous needs no port, so concurrent test runs never race for one.
+    rendezvous_dir = tempfile.mkdtemp(prefix="torchtelemetry-rdzv-")
+    rendezvous = os.path.join(rendezvous_dir, "store")
     procs = [
         ctx.Process(
             target=_entry,
-            args=(fn, rank, world_size, port, results, args, env or {}, pg_timeout_s),
+            args=(fn, rank, world_size, rendezvous, results, args, env or {}, pg_timeout_s),
             daemon=True,
         )
         for rank in range(world_size)
@@ -101,6 +103,7 @@ def run_ranks(
             if proc.is_alive():
                 proc.kill()
                 proc.join()
+        shutil.rmtree(rendezvous_dir, ignore_errors=True)
     errors = {rank: value for rank, (ok, value) in outcomes.items() if not ok}
     if errors:
         raise RankFailed(errors)

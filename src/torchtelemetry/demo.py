@@ -15,7 +15,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,7 +57,7 @@ class DemoConfig:
     pushgateway: str | None = None
     """Pushgateway URL, e.g. http://127.0.0.1:9091."""
     otlp: str | None = None
-    """OTLP endpoint, e.g. http://127.0.0.1:4318 (protocol from OTEL_EXPORTER_OTLP_PROTOCOL)."""
+    """OTLP base endpoint, e.g. http://127.0.0.1:4318 (HTTP); "" reads the OTEL_* variables."""
     wandb: str | None = None
     """W&B mode: "offline", "online" or "disabled"."""
     jsonl: str | None = None
@@ -119,10 +119,17 @@ def _build_exporters(config: DemoConfig, run_id: str) -> list[Any]:
         exporters.append(export.PrometheusExporter(port=config.prometheus_port))
     if config.pushgateway:
         exporters.append(export.PushgatewayExporter(config.pushgateway))
-    if config.otlp:
-        exporters.append(export.OTelExporter(endpoint=config.otlp))
+    if config.otlp is not None:
+        if config.otlp:
+            # A base endpoint, as the SDK reads it: /v1/metrics is appended for OTLP/HTTP.
+            os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = config.otlp
+        exporters.append(export.OTelExporter())
     if config.wandb:
-        exporters.append(export.WandbExporter(project="torchtelemetry-demo", mode=config.wandb))
+        exporters.append(
+            export.WandbExporter(
+                project="torchtelemetry-demo", mode=config.wandb, summaries={"train/loss": "min"}
+            )
+        )
     if config.jsonl != "":
         exporters.append(export.JsonlExporter(config.jsonl or Path("runs") / run_id / "metrics.jsonl"))
     return exporters
@@ -401,8 +408,9 @@ def parse_args(argv: Sequence[str] | None = None) -> DemoConfig:
     )
     parser.add_argument(
         "--otlp",
-        default=env.get("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_ENDPOINT"),
-        help="OTLP endpoint [$OTEL_EXPORTER_OTLP_ENDPOINT]; protocol from $OTEL_EXPORTER_OTLP_PROTOCOL",
+        default=None,
+        help="OTLP endpoint (default: on when $OTEL_EXPORTER_OTLP_[METRICS_]ENDPOINT is set); "
+        "protocol from $OTEL_EXPORTER_OTLP_PROTOCOL",
     )
     parser.add_argument(
         "--wandb",
@@ -428,7 +436,7 @@ def parse_args(argv: Sequence[str] | None = None) -> DemoConfig:
         device=args.device,
         prometheus_port=None if args.no_prometheus else args.prometheus_port,
         pushgateway=args.pushgateway,
-        otlp=args.otlp,
+        otlp=args.otlp if args.otlp is not None else _otlp_from_environment(env),
         wandb=args.wandb,
         jsonl=args.jsonl,
         console=not args.no_console,
@@ -436,6 +444,12 @@ def parse_args(argv: Sequence[str] | None = None) -> DemoConfig:
         seed=args.seed,
         step_delay_s=args.step_delay,
     )
+
+
+def _otlp_from_environment(env: Mapping[str, str]) -> str | None:
+    """ "" (let the exporter read the OTEL_* variables) when an OTLP endpoint is configured there."""
+    configured = env.get("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    return "" if configured else None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -16,6 +16,7 @@ from torchtelemetry.collect import AsyncMetricCollector
 from torchtelemetry.export import (
     Exporter,
     ExportHub,
+    HistogramValue,
     MetricDescriptor,
     NullHub,
     RunInfo,
@@ -108,7 +109,9 @@ class Telemetry:
         signal_metrics = self._signals.metrics if self._signals else {}
         self._leaves = self._user_leaves + metric_leaves(signal_metrics, op="Telemetry")
         self._descriptors = self._describe(metrics, signal_metrics)
-        self._counters = {d.name for d in self._descriptors if d.kind is MetricKind.COUNTER}
+        self._cumulative = {
+            d.name for d in self._descriptors if d.kind in (MetricKind.COUNTER, MetricKind.HISTOGRAM)
+        }
         self.is_exporting = not dist.is_initialized() or dist.get_rank() == 0
         if isinstance(exporters, str):
             exporters = exporters_from_spec(exporters)
@@ -129,7 +132,7 @@ class Telemetry:
         self.latest: dict[str, ScalarValue] = {}
         """The last exported values (running totals for counters), on every rank."""
         self.latest_step: int | None = None
-        self._riders: dict[str, ScalarValue] = {}
+        self._logged: dict[int, list[tuple[int, dict[str, ScalarValue], float]]] = {}
         self._closed = False
 
     def _describe(self, metrics: Any, signal_metrics: Any) -> list[MetricDescriptor]:
@@ -201,12 +204,13 @@ class Telemetry:
     def log(self, values: Mapping[str, ScalarValue], step: int) -> None:
         """Export values already on the host (a training framework's own logs) from rank 0, never waiting.
 
-        While a collection is in flight the values ride in its report (the newest one), so
-        each step gets one report, in step order; otherwise they are submitted at once.
+        While collections are in flight, reports keep step order: values logged at the step
+        of the newest collection ride in its report, others follow it; otherwise they are
+        submitted at once.
         """
         self._require_open("log")
-        if self._collector.pending:
-            self._riders.update(values)
+        if self._windows:
+            self._logged.setdefault(self._windows[-1].step, []).append((step, dict(values), time.time()))
         else:
             self.hub.submit(step, dict(values), time.time())
 
@@ -237,16 +241,32 @@ class Telemetry:
         window = flatten_results(self._leaves, results)
         if self._signals is not None:
             self._signals.publish(window, timing)
-        for name in self._counters & window.keys():
+        for name in self._cumulative & window.keys():
             window[name] = self._accumulate(name, window[name])
         self.latest = window
         self.latest_step = timing.step
-        if self._riders and not self._collector.pending:
-            window, self._riders = {**self._riders, **window}, {}
+        logged = self._logged.pop(timing.step, [])
+        riders = [values for step, values, _ in logged if step == timing.step]
+        window = dict(collections.ChainMap(window, *reversed(riders)))
         self.hub.submit(timing.step, window, timing.timestamp)
+        for step, values, timestamp in logged:
+            if step != timing.step:
+                self.hub.submit(step, values, timestamp)
 
     def _accumulate(self, name: str, value: ScalarValue) -> ScalarValue:
-        """Counters are exported as running totals across windows (and restarts)."""
+        """Counters and histograms are exported as running totals across windows (and restarts),
+        as Prometheus and OTel cumulative temporality expect."""
+        if isinstance(value, HistogramValue):
+            previous = self._totals.get(name)
+            if previous is not None:
+                value = HistogramValue(
+                    bounds=value.bounds,
+                    counts=tuple(a + b for a, b in zip(previous.counts, value.counts, strict=True)),
+                    sum=previous.sum + value.sum,
+                    count=previous.count + value.count,
+                )
+            self._totals[name] = value
+            return value
         if isinstance(value, Mapping):
             totals = self._totals.setdefault(name, {})
             for label, count in value.items():
@@ -298,7 +318,7 @@ class Telemetry:
             self._drain(block=True)
         return {
             "metrics": {name: metric.state_dict() for name, metric in self._user_leaves},
-            "counters": {name: total for name, total in self._totals.items()},
+            "counters": {name: _saved_total(total) for name, total in self._totals.items()},
             "signals": self._signals.state_dict() if self._signals else {},
             "step": -1 if self._last_step is None else self._last_step,
         }
@@ -310,11 +330,31 @@ class Telemetry:
             raise ValueError(f"Telemetry.load_state_dict: no saved state for metrics {missing}")
         for name, metric in self._user_leaves:
             metric.load_state_dict(saved[name])
-        self._totals = {
-            name: dict(total) if isinstance(total, Mapping) else float(total)
-            for name, total in state.get("counters", {}).items()
-        }
+        self._totals = {name: _restore_total(total) for name, total in state.get("counters", {}).items()}
         if self._signals is not None:
             self._signals.load_state_dict(state.get("signals", {}))
         step = int(state.get("step", -1))
         self._last_step = None if step < 0 else step
+
+
+def _saved_total(total: Any) -> Any:
+    """A running total as plain Python containers (checkpoint formats need no custom classes)."""
+    if isinstance(total, HistogramValue):
+        return {
+            "bounds": list(total.bounds),
+            "counts": list(total.counts),
+            "sum": total.sum,
+            "count": total.count,
+        }
+    return dict(total) if isinstance(total, Mapping) else float(total)
+
+
+def _restore_total(saved: Any) -> Any:
+    if isinstance(saved, Mapping) and "bounds" in saved:
+        return HistogramValue(
+            bounds=tuple(saved["bounds"]),
+            counts=tuple(saved["counts"]),
+            sum=saved["sum"],
+            count=saved["count"],
+        )
+    return dict(saved) if isinstance(saved, Mapping) else float(saved)
