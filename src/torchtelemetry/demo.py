@@ -26,7 +26,7 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ["DemoConfig", "main", "parse_args", "run"]
+__all__ = ["DemoConfig", "build_metrics", "main", "parse_args", "run"]
 
 INTERRUPTED_EXIT_CODE = 130
 """Exit status after Ctrl-C: the run stopped early, flushed everything and exited cleanly."""
@@ -109,6 +109,24 @@ def synthetic_batch(generator: torch.Generator, config: DemoConfig, device: torc
     return ((start + stride * positions) % config.vocab).to(device)
 
 
+def build_metrics(device: torch.device | str = "cpu") -> dict[str, dict[str, Any]]:
+    """The demo's metric tree: `train/loss`, `train/accuracy`, `train/grad_norm` (the dashboards' names)."""
+    import torchtelemetry as tt
+
+    metrics = {
+        "train": {
+            "loss": tt.WeightedMeanMetric(description="Cross-entropy per token"),
+            "accuracy": tt.AccuracyMetric(description="Next-token accuracy"),
+            "grad_norm": tt.HistogramMetric(
+                bins=[0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10], description="Global gradient norm before clipping"
+            ),
+        }
+    }
+    for metric in metrics["train"].values():
+        metric.to(device)
+    return metrics
+
+
 def _build_exporters(config: DemoConfig, run_id: str) -> list[Any]:
     from torchtelemetry import export
 
@@ -168,17 +186,7 @@ def train(config: DemoConfig, rank: int, world_size: int, device: torch.device) 
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=config.lr)
     generator = torch.Generator().manual_seed(config.seed * 1000 + rank)
 
-    metrics = {
-        "train": {
-            "loss": tt.WeightedMeanMetric(description="Cross-entropy per token"),
-            "accuracy": tt.AccuracyMetric(description="Next-token accuracy"),
-            "grad_norm": tt.HistogramMetric(
-                bins=[0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10], description="Global gradient norm before clipping"
-            ),
-        }
-    }
-    for metric in (m for group in metrics.values() for m in group.values()):
-        metric.to(device)
+    metrics = build_metrics(device)
     run_id = _agree_on_run_id(config.run_id, device)
     exporters = _build_exporters(config, run_id)
     telemetry = tt.Telemetry(

@@ -15,11 +15,17 @@ from typing import Any
 
 import yaml
 
+from torchtelemetry.demo import build_metrics
 from torchtelemetry.export import MetricDescriptor
 from torchtelemetry.export._hub import HEALTH_DESCRIPTORS
-from torchtelemetry.export._naming import STEP_METRIC, prometheus_label_name, prometheus_name
-from torchtelemetry.export._prometheus import _LAST_UPDATE, RUN_LABEL
-from torchtelemetry.metric import AccuracyMetric, HistogramMetric, MetricKind, WeightedMeanMetric
+from torchtelemetry.export._naming import (
+    LAST_UPDATE_METRIC,
+    STEP_METRIC,
+    prometheus_label_name,
+    prometheus_name,
+)
+from torchtelemetry.export._prometheus import RUN_LABEL
+from torchtelemetry.metric import MetricKind
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
@@ -58,15 +64,7 @@ _VARIABLE = re.compile(r"\$(?:\{(\w+)(?::\w+)?\}|(\w+))|\[\[(\w+)\]\]")
 
 def demo_metrics() -> dict[str, Any]:
     """The metric tree of `torchtelemetry demo` (loss, accuracy, gradient-norm histogram)."""
-    return {
-        "train": {
-            "loss": WeightedMeanMetric(description="Cross-entropy per token"),
-            "accuracy": AccuracyMetric(description="Next-token accuracy"),
-            "grad_norm": HistogramMetric(
-                bins=[0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10], description="Global gradient norm before clipping"
-            ),
-        }
-    }
+    return build_metrics()
 
 
 @cache
@@ -92,7 +90,7 @@ def health_descriptors() -> tuple[MetricDescriptor, ...]:
 
 def exporter_descriptors() -> tuple[MetricDescriptor, ...]:
     """What the Prometheus and Pushgateway exporters add to every report."""
-    return (STEP_METRIC, _LAST_UPDATE)
+    return (STEP_METRIC, LAST_UPDATE_METRIC)
 
 
 def sample_names(descriptor: MetricDescriptor) -> set[str]:

@@ -17,6 +17,7 @@ from torchtelemetry.metric import MetricKind
 __all__ = [
     "MAX_NAME_LENGTH",
     "NAMESPACE",
+    "LAST_UPDATE_METRIC",
     "STEP_METRIC",
     "InvalidMetricNameError",
     "NameCollisionError",
@@ -38,6 +39,11 @@ MAX_NAME_LENGTH = 200
 
 STEP_METRIC = MetricDescriptor("train/step", description="Training step of the latest report")
 """The step of each report, for backends without a step axis (`torchtelemetry_train_step`, `train.step`)."""
+
+LAST_UPDATE_METRIC = MetricDescriptor(
+    "last_update_timestamp", unit="seconds", description="Unix time at which the latest report was collected"
+)
+"""When the latest report was collected (`torchtelemetry_last_update_timestamp_seconds`): stall alerts."""
 
 _SEGMENT = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
 _PROMETHEUS_ILLEGAL = re.compile(r"[^A-Za-z0-9_]")

@@ -17,6 +17,7 @@ from typing import Any
 
 from torchtelemetry.export._hub import FailureLog
 from torchtelemetry.export._naming import (
+    LAST_UPDATE_METRIC,
     NAMESPACE,
     STEP_METRIC,
     NameCollisionError,
@@ -33,10 +34,6 @@ logger = logging.getLogger(__name__)
 
 RUN_LABEL = "run"
 """Label carrying `RunInfo.run_id` on every series."""
-
-_LAST_UPDATE = MetricDescriptor(
-    "last_update_timestamp", unit="seconds", description="Unix time at which the latest report was collected"
-)
 
 
 def import_prometheus_client() -> Any:
@@ -75,7 +72,7 @@ class PrometheusCollector:
         self._run_id: str | None = None
         self._families: list[Any] = []
         self._fixed = {
-            descriptor.name: self._make_series(descriptor) for descriptor in (STEP_METRIC, _LAST_UPDATE)
+            descriptor.name: self._make_series(descriptor) for descriptor in (STEP_METRIC, LAST_UPDATE_METRIC)
         }
 
     def set_descriptors(self, descriptors: Sequence[MetricDescriptor], run: RunInfo) -> None:
@@ -97,7 +94,7 @@ class PrometheusCollector:
         run = self._run_id
         families = [
             self._gauge_family(self._fixed[STEP_METRIC.name], run, float(step)),
-            self._gauge_family(self._fixed[_LAST_UPDATE.name], run, float(timestamp)),
+            self._gauge_family(self._fixed[LAST_UPDATE_METRIC.name], run, float(timestamp)),
         ]
         for path, value in scalars.items():
             series = self._series.get(path)
@@ -147,7 +144,7 @@ class PrometheusCollector:
             listed = "; ".join(f"{paths} -> {sample!r}" for sample, paths in sorted(clashes.items()))
             raise NameCollisionError(
                 f"Prometheus: series names collide ({listed}); "
-                f"{STEP_METRIC.name!r} and {_LAST_UPDATE.name!r} are reserved; rename one of each"
+                f"{STEP_METRIC.name!r} and {LAST_UPDATE_METRIC.name!r} are reserved; rename one of each"
             )
 
     def _gauge_family(self, series: _Series, run: str, value: float) -> Any:
