@@ -3,46 +3,18 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from tests.distributed import free_port
+from tests.integrations._torchrun import torchrun
 
 pytest.importorskip("transformers")
 
-ROOT = Path(__file__).resolve().parents[2]
 STEPS, LOGGING_STEPS = 6, 2
 
 
-def _torchrun(script: Path, out: Path) -> None:
-    env = {
-        **os.environ,
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "CUDA_VISIBLE_DEVICES": "",
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "src")]),
-    }
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        "--master_addr=127.0.0.1",
-        f"--master_port={free_port()}",
-        str(script),
-        str(out),
-    ]
-    done = subprocess.run(command, env=env, cwd=out, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
-
-
 def test_trainer_run_exports_exact_values_from_world_process_zero_only(tmp_path) -> None:
-    _torchrun(ROOT / "tests" / "integrations" / "_hf_train.py", tmp_path)
+    torchrun("_hf_train.py", tmp_path)
 
     ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     assert not (tmp_path / "telemetry-rank1.jsonl").exists()

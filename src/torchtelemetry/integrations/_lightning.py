@@ -98,7 +98,8 @@ class LightningTelemetryCallback(pl.Callback):
         self.telemetry: Telemetry | None = None
         """The run's `Telemetry` between `setup` and `teardown` of a fit, else None."""
         self._pending_state: Mapping[str, Any] | None = None
-        self._last_global_step: int | None = None
+        self.global_step = 0
+        """The trainer's global step (optimizer steps) at the last training batch; every report's step."""
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Build the `Telemetry` (collective: every rank of the group binds the collector)."""
@@ -116,7 +117,7 @@ class LightningTelemetryCallback(pl.Callback):
             config={**_hparams(trainer, pl_module), **self.config},
             **self.options,
         )
-        self._last_global_step = trainer.global_step
+        self.global_step = trainer.global_step
         if self._pending_state is not None:
             self.telemetry.load_state_dict(self._pending_state)
             self._pending_state = None
@@ -132,8 +133,8 @@ class LightningTelemetryCallback(pl.Callback):
             self.loss_metric.update(loss.detach())
         if self.update is not None:
             self.update(self.metrics, outputs, batch)
-        if trainer.global_step != self._last_global_step:
-            self._last_global_step = trainer.global_step
+        if trainer.global_step != self.global_step:
+            self.global_step = trainer.global_step
             self.telemetry.step(trainer.global_step, learning_rate=_learning_rate(trainer))
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -199,11 +200,14 @@ class LightningTelemetryLogger(pl.loggers.Logger):
         return telemetry.run.run_id if telemetry is not None else self.callback.run_id
 
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
-        """Export `metrics` from rank 0 without waiting (dropped, with a warning, outside a fit)."""
+        """Export `metrics` from rank 0 without waiting (dropped, with a warning, outside a fit).
+
+        They are reported at the trainer's global step, the step of the collections, not at
+        Lightning's logging step (which counts from 0), so a batch's logs join its collection.
+        """
         metric_logger = self._logger("log_metrics")
         if metric_logger is not None:
-            telemetry = metric_logger.telemetry
-            metric_logger.log(metrics, step if step is not None else telemetry.latest_step or 0)
+            metric_logger.log(metrics, self.callback.global_step)
 
     def log_hyperparams(self, params: Mapping[str, Any] | Namespace, *args: Any, **kwargs: Any) -> None:
         """Add `params` to the run config (before `setup`), else warn about the ones it lacks."""
