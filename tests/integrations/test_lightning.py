@@ -118,3 +118,38 @@ def test_ddp_run_exports_exact_global_values_with_one_collective_per_bucket(tmp_
     # float64): two all-reduces per collection, plus one layout check on the collector's new group.
     windows = STEPS // EVERY
     assert [rank["collector_all_reduces"] for rank in ranks] == [1 + 2 * windows] * 2
+
+
+def _single_process_fit(callback, max_steps: int, tmp, ckpt_path=None) -> None:
+    checkpoints = L.callbacks.ModelCheckpoint(dirpath=tmp / "ckpt", every_n_train_steps=3, save_top_k=-1)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=max_steps,
+        callbacks=[callback, checkpoints],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp,
+    )
+    trainer.fit(TinyRegression(), ckpt_path=ckpt_path)
+
+
+def test_counter_totals_survive_a_checkpoint_and_resume(tmp_path) -> None:
+    def callback(path):
+        metrics = {"train/examples": SumMetric(kind="counter"), "train/max_abs_error": MaxMetric()}
+        return LightningTelemetryCallback(metrics, [JsonlExporter(path)], every=EVERY, update=_update)
+
+    _single_process_fit(callback(tmp_path / "first.jsonl"), 3, tmp_path)
+    # The checkpoint at step 3 exported the partial window first, so nothing is counted twice.
+    assert [(r["step"], r["values"]["train/examples"]) for r in _reports(tmp_path / "first.jsonl")] == [
+        (2, 6.0),
+        (3, 9.0),
+    ]
+
+    (checkpoint,) = (tmp_path / "ckpt").glob("*.ckpt")
+    _single_process_fit(callback(tmp_path / "resumed.jsonl"), 6, tmp_path, ckpt_path=checkpoint)
+    assert [(r["step"], r["values"]["train/examples"]) for r in _reports(tmp_path / "resumed.jsonl")] == [
+        (5, 15.0),
+        (6, 18.0),
+    ]
