@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import datetime
 import itertools
+import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -17,7 +18,14 @@ from torch.utils import _pytree as pytree
 from torchtelemetry.collect._executors import ThreadExecutor, make_executor
 from torchtelemetry.collect._results import to_python
 from torchtelemetry.metric._accumulator import window_state
-from torchtelemetry.sync import BucketLayout, GroupLike, metric_leaves, reduce_buffers, resolve_group
+from torchtelemetry.sync import (
+    BucketLayout,
+    GroupLike,
+    LayoutMismatchError,
+    metric_leaves,
+    reduce_buffers,
+    resolve_group,
+)
 
 __all__ = ["AsyncMetricCollector", "CollectionError"]
 
@@ -144,11 +152,11 @@ class AsyncMetricCollector:
         if self._state != "bound":
             return
         self._state = "unbound"
-        deadline = timeout_s if timeout_s is not None else self.timeout_s
+        deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.timeout_s)
         wait_ok = True
         for window in self._pending:
             try:
-                window.future.result(timeout=deadline)
+                window.future.result(timeout=max(0.0, deadline - time.monotonic()))
             except FutureTimeout:
                 wait_ok = False
                 break
@@ -196,15 +204,26 @@ class AsyncMetricCollector:
         snapshot = self._layout.pack(self._locals)
         torch._foreach_copy_(self._locals, self._initials)
         fence = executor.fence()
-        future = executor.submit(self._collect, snapshot, fence, pg)
+        future = executor.submit(self._collect, executor, snapshot, fence, pg)
         self._pending.append(_Window(next(self._windows), future))
 
-    def _collect(self, snapshot: dict, fence: Any, pg: dist.ProcessGroup | None) -> tuple[list[Any], Any]:
+    def _collect(
+        self, executor: ThreadExecutor, snapshot: dict, fence: Any, pg: dist.ProcessGroup | None
+    ) -> tuple[list[Any], Any]:
         """Worker thread: reduce one window, compute every metric on it, copy results to the host."""
-        executor = self._executor
-        assert executor is not None and self._layout is not None
+        assert self._layout is not None
         with executor.running_after(fence, snapshot.values()):
-            reduce_buffers(self._layout, snapshot, pg)
+            try:
+                reduce_buffers(self._layout, snapshot, pg)
+            except LayoutMismatchError:
+                raise
+            except Exception as error:  # gloo / NCCL: a peer died, timed out or never joined
+                raise CollectionError(
+                    f"the all-reduce on the collector's process group (ranks "
+                    f"{dist.get_process_group_ranks(pg) if pg is not None else []}) failed: a rank may have "
+                    f"died or not called schedule_collection() within timeout_s={self.timeout_s:g}s "
+                    f"({type(error).__name__}: {error})"
+                ) from error
             states = self._layout.unpack(snapshot)
             window = {id(acc): state for acc, state in zip(self._accumulators, states, strict=True)}
             with window_state(window):
@@ -255,9 +274,10 @@ class AsyncMetricCollector:
             ) from None
         except Exception as error:
             self._pending.popleft()
-            raise CollectionError(
-                f"AsyncMetricCollector.{op}: window {window.index} failed: {type(error).__name__}: {error}"
-            ) from error
+            reason = str(error) if isinstance(error, CollectionError) else f"{type(error).__name__}: {error}"
+            raise CollectionError(f"AsyncMetricCollector.{op}: window {window.index} failed: {reason}") from (
+                error.__cause__ if isinstance(error, CollectionError) else error
+            )
         self._pending.popleft()
         executor.wait_host(handle)
         return [to_python(result) for result in results]
