@@ -401,3 +401,16 @@ def test_bad_options_fail_at_construction() -> None:
         PrometheusExporter(port=0, certfile="cert.pem")
     with pytest.raises(ValueError, match="registry"):
         PrometheusExporter(port=None)
+
+
+def test_a_series_keeps_its_last_value_when_a_report_does_not_carry_it() -> None:
+    registry = CollectorRegistry()
+    exporter = PrometheusExporter(port=None, registry=registry)
+    exporter.describe([MetricDescriptor("train/loss"), MetricDescriptor("eval/loss")], RunInfo(run_id="r"))
+    exporter.export(10, {"train/loss": 1.5}, 100.0)
+    exporter.export(10, {"eval/loss": 2.5}, 101.0)  # a framework's own log at the same step
+    text = generate_latest(registry).decode()
+    assert 'torchtelemetry_train_loss{run="r"} 1.5' in text
+    assert 'torchtelemetry_eval_loss{run="r"} 2.5' in text
+    assert 'torchtelemetry_last_update_timestamp_seconds{run="r"} 101.0' in text
+    exporter.close()

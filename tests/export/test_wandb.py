@@ -110,21 +110,23 @@ def test_two_ranks_offline_run_holds_every_step_and_value(tmp_path):
 # -- steps ------------------------------------------------------------------------------
 
 
-def test_out_of_order_steps_are_dropped_and_counted(wandb_dir, caplog):
+def test_out_of_order_steps_are_dropped_and_counted_and_a_repeated_step_merges(wandb_dir, caplog):
     exporter = WandbExporter("tt", mode="offline")
     hub = ExportHub([exporter], run=RunInfo(run_id="out-of-order"))
     hub.describe([LOSS])
     with caplog.at_level(logging.WARNING):
-        for step in (1, 5, 3, 5, 6):
-            hub.submit(step, {"train/loss": float(step)})
+        for step, values in ((1, {"train/loss": 1.0}), (5, {"train/loss": 5.0}), (3, {"train/loss": 3.0}),
+                             (5, {"eval/loss": 7.0}), (6, {"train/loss": 6.0})):  # fmt: skip
+            hub.submit(step, values)
         hub.close(60)
-    assert exporter.dropped_steps == 2
+    assert exporter.dropped_steps == 1
     health = hub.health()["wandb"]
-    assert (health.reports_exported, health.export_errors) == (3, 2)
+    assert (health.reports_exported, health.export_errors) == (4, 1)
     assert "step 3 dropped" in caplog.text
     log = _only_log(wandb_dir)
     assert log.steps == [1, 5, 6]
     assert [row["train/loss"] for row in log.history] == [1.0, 5.0, 6.0]
+    assert log.history[1]["eval/loss"] == 7.0, "a second report at the same step joins its row"
 
 
 def test_histogram_edges():

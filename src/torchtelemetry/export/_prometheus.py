@@ -58,10 +58,12 @@ class _Series:
 
 
 class PrometheusCollector:
-    """A prometheus_client collector over the latest report; `collect()` returns one step's families.
+    """A prometheus_client collector over the reports; `collect()` returns a consistent snapshot.
 
     `set_descriptors()` checks names (collisions raise `NameCollisionError`), `set_report()`
-    builds the families of a new report and swaps them in under a lock.
+    builds the families of a new report and swaps them in under a lock. A series keeps its
+    last reported value until a report carries it again (a report of a framework's own logs
+    does not hide the collected metrics).
     """
 
     def __init__(self, namespace: str = NAMESPACE) -> None:
@@ -71,6 +73,7 @@ class PrometheusCollector:
         self._series: dict[str, _Series] = {}
         self._run_id: str | None = None
         self._families: list[Any] = []
+        self._latest: dict[str, Any] = {}
         self._fixed = {
             descriptor.name: self._make_series(descriptor) for descriptor in (STEP_METRIC, LAST_UPDATE_METRIC)
         }
@@ -92,21 +95,23 @@ class PrometheusCollector:
         if self._run_id is None:
             return ["describe() was not called"]
         run = self._run_id
-        families = [
+        fixed = [
             self._gauge_family(self._fixed[STEP_METRIC.name], run, float(step)),
             self._gauge_family(self._fixed[LAST_UPDATE_METRIC.name], run, float(timestamp)),
         ]
+        updates = {}
         for path, value in scalars.items():
             series = self._series.get(path)
             if series is None:
                 problems.append(f"{path!r} was not described")
                 continue
             try:
-                families.append(self._family(series, run, value))
+                updates[path] = self._family(series, run, value)
             except (TypeError, ValueError) as error:
                 problems.append(f"{path!r}: {error}")
         with self._lock:
-            self._families = families
+            self._latest.update(updates)
+            self._families = [*fixed, *self._latest.values()]
         return problems
 
     def describe(self) -> list[Any]:
@@ -119,9 +124,10 @@ class PrometheusCollector:
             return self._families
 
     def clear(self) -> None:
-        """Forget the latest report."""
+        """Forget every reported value."""
         with self._lock:
             self._families = []
+            self._latest = {}
 
     def _make_series(self, descriptor: MetricDescriptor) -> _Series:
         help_text = descriptor.description or f"{descriptor.name} ({descriptor.kind.value})"

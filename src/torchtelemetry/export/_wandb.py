@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from torchtelemetry.export._hub import FailureLog
 from torchtelemetry.export._naming import check_unique, wandb_label_name, wandb_name
 from torchtelemetry.export._protocol import ExportResult, HistogramValue, MetricDescriptor, RunInfo, Scalars
 
@@ -109,6 +110,7 @@ class WandbExporter:
         self._started = False
         self._closed = False
         self._last_step: int | None = None
+        self._failures = FailureLog(f"WandbExporter {name!r}", logger)
         self.dropped_steps = 0
         """Reports dropped because their step was not above the last logged step."""
         self.failed_exports = 0
@@ -143,9 +145,9 @@ class WandbExporter:
                 )
                 self.failed_exports += 1
                 return ExportResult.FAILURE
-            if self._last_step is not None and step <= self._last_step:
+            if self._last_step is not None and step < self._last_step:
                 logger.warning(
-                    "WandbExporter %r: step %d dropped: W&B only keeps steps above the last logged step %d",
+                    "WandbExporter %r: step %d dropped: W&B only keeps steps from the last logged step %d on",
                     self.name,
                     step,
                     self._last_step,
@@ -155,10 +157,11 @@ class WandbExporter:
                 return ExportResult.FAILURE
             try:
                 self._run.log(self._row(scalars), step=step)
-            except Exception:
-                logger.exception("WandbExporter %r: run.log failed at step %d", self.name, step)
+            except Exception as error:
+                self._failures.failed(f"run.log failed at step {step}", error)
                 self.failed_exports += 1
                 return ExportResult.FAILURE
+            self._failures.succeeded()
             self._last_step = step
             return ExportResult.SUCCESS
 
@@ -192,11 +195,11 @@ class WandbExporter:
         else:
             args = {key: value for key, value in self._init_args.items() if value is not None}
             args.setdefault("id", info.run_id)
-            if "dir" in args:
-                Path(args["dir"]).mkdir(parents=True, exist_ok=True)
             config = {**info.config, **self._config}
             config.setdefault("world_size", info.world_size)
             try:
+                if "dir" in args:
+                    Path(args["dir"]).mkdir(parents=True, exist_ok=True)
                 self._run = wandb.init(config=config, **args)
             except Exception as error:
                 logger.error(
