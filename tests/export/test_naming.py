@@ -28,6 +28,7 @@ from torchtelemetry.export._naming import (
     otel_unit,
     prometheus_label_name,
     prometheus_name,
+    sanitize_path,
     validate_path,
 )
 from torchtelemetry.metric import MetricKind
@@ -132,3 +133,21 @@ def test_describe_and_flatten_a_metric_tree() -> None:
 def test_illegal_metric_tree_names_fail_when_described() -> None:
     with pytest.raises(InvalidMetricNameError, match="bad key"):
         describe_metrics({"bad key": SumMetric()})
+
+
+@pytest.mark.parametrize(
+    ("raw", "path"),
+    [
+        ("mfu(%)", "mfu_pct"),
+        ("memory/max_active(GiB)", "memory/max_active_GiB"),
+        ("throughput(tps)", "throughput_tps"),
+        ("loss_metrics//global avg loss", "loss_metrics/global_avg_loss"),
+    ],
+)
+def test_sanitize_path_makes_framework_keys_legal(raw: str, path: str) -> None:
+    assert sanitize_path(raw) == path
+
+
+def test_sanitize_path_rejects_what_cannot_be_made_legal() -> None:
+    with pytest.raises(InvalidMetricNameError):
+        sanitize_path("()/(!)")

@@ -26,6 +26,7 @@ __all__ = [
     "otel_unit",
     "prometheus_label_name",
     "prometheus_name",
+    "sanitize_path",
     "validate_path",
     "wandb_label_name",
     "wandb_name",
@@ -47,6 +48,7 @@ LAST_UPDATE_METRIC = MetricDescriptor(
 
 _SEGMENT = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
 _PROMETHEUS_ILLEGAL = re.compile(r"[^A-Za-z0-9_]")
+_PATH_ILLEGAL = re.compile(r"[^A-Za-z0-9_.\-]+")
 _UCUM = {
     "seconds": "s",
     "milliseconds": "ms",
@@ -83,6 +85,15 @@ def validate_path(name: str) -> str:
                 "digits, '_', '.', '-' (segments are separated by '/')"
             )
     return name
+
+
+def sanitize_path(name: str) -> str:
+    """A legal metric path from a framework's free-form key, or `InvalidMetricNameError`.
+
+    `mfu(%)` -> `mfu_pct`, `memory/max_active(GiB)` -> `memory/max_active_GiB`.
+    """
+    segments = (_PATH_ILLEGAL.sub("_", segment.replace("%", "pct")).strip("_") for segment in name.split("/"))
+    return validate_path("/".join(segment for segment in segments if segment))
 
 
 def _snake(text: str) -> str:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from torchtelemetry.export import ScalarValue
-from torchtelemetry.export._naming import InvalidMetricNameError, validate_path
+from torchtelemetry.export._naming import InvalidMetricNameError, sanitize_path
 from torchtelemetry.telemetry import Telemetry
 
 __all__ = ["TelemetryMetricLogger"]
@@ -41,9 +41,10 @@ class TelemetryMetricLogger:
 
     Numbers, one-element tensors (read with `.item()`: log host values to
     avoid the sync) and mappings of label to number are exported; other values
-    (strings, images) and names that are not legal metric paths are skipped,
-    with one warning per name. Only global rank 0 exports (other ranks' hubs do
-    nothing), so it can be called on every rank or on rank 0 alone. Values
+    (strings, images) are skipped with one warning per name; free-form names are
+    made legal metric paths (`mfu(%)` -> `mfu_pct`, see `sanitize_path`). Only
+    global rank 0 exports (other ranks' hubs do nothing), so it can be called on
+    every rank or on rank 0 alone. Values
     logged while a collection is in flight are exported in that collection's
     report.
 
@@ -80,11 +81,9 @@ class TelemetryMetricLogger:
                 self._skip(name, f"{type(raw).__name__} values are not exported")
                 continue
             try:
-                validate_path(name)
+                out[sanitize_path(name)] = value
             except InvalidMetricNameError as error:
                 self._skip(name, str(error))
-                continue
-            out[name] = value
         return out
 
     def _skip(self, name: str, reason: str) -> None:
