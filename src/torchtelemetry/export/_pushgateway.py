@@ -7,6 +7,8 @@ import threading
 import time
 import warnings
 from collections.abc import Mapping, Sequence
+from typing import Any
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 from torchtelemetry.export._hub import FailureLog
 from torchtelemetry.export._naming import NAMESPACE
@@ -24,6 +26,8 @@ class PushgatewayExporter:
     Pushes run on the exporter's hub thread, each bounded by `timeout_s`. On
     close the group is deleted from the gateway unless `keep_on_close`. Scrape
     the gateway with `honor_labels: true` so `job` and `run` are kept.
+    Credentials in the URL (`https://user:password@host:9091`) are sent as HTTP
+    basic auth and kept out of `url`, logs and repr.
     """
 
     def __init__(
@@ -53,7 +57,8 @@ class PushgatewayExporter:
         if timeout_s <= 0:
             raise ValueError(f"PushgatewayExporter.timeout_s: must be positive, got {timeout_s}")
         self.name = name
-        self.url = url
+        self.url, self._credentials = _split_credentials(url)
+        """The gateway address, without credentials."""
         self.job = job
         self.keep_on_close = keep_on_close
         self.timeout_s = timeout_s
@@ -65,7 +70,7 @@ class PushgatewayExporter:
         self._lock = threading.Lock()
         self._pending = False
         self._closed = False
-        self._failures = FailureLog(f"PushgatewayExporter {name!r} ({url})", logger)
+        self._failures = FailureLog(f"PushgatewayExporter {name!r} ({self.url})", logger)
 
     @property
     def grouping_key(self) -> dict[str, str] | None:
@@ -115,6 +120,7 @@ class PushgatewayExporter:
                     job=self.job,
                     grouping_key=self._grouping_key,
                     timeout=max(0.001, deadline - time.monotonic()),
+                    handler=self._handler,
                 )
             except Exception as error:
                 logger.warning("PushgatewayExporter %r: deleting its group failed: %s", self.name, error)
@@ -129,6 +135,7 @@ class PushgatewayExporter:
                 registry=self._registry,
                 grouping_key=self._grouping_key,
                 timeout=timeout_s,
+                handler=self._handler,
             )
         except Exception as error:
             self._failures.failed("push failed", error)
@@ -137,5 +144,21 @@ class PushgatewayExporter:
         self._failures.succeeded()
         return True
 
+    def _handler(self, url: str, method: str, timeout: float | None, headers: Any, data: bytes) -> Any:
+        exposition = self._client.exposition
+        if self._credentials is None:
+            return exposition.default_handler(url, method, timeout, headers, data)
+        return exposition.basic_auth_handler(url, method, timeout, headers, data, *self._credentials)
+
     def __repr__(self) -> str:
         return f"PushgatewayExporter(url={self.url!r}, job={self.job!r}, grouping_key={self._extra_key!r})"
+
+
+def _split_credentials(url: str) -> tuple[str, tuple[str, str] | None]:
+    """`url` without its `user:password@`, and the (unquoted) user and password if it had them."""
+    parts = urlsplit(url if "//" in url else f"//{url}")
+    if "@" not in parts.netloc:
+        return url, None
+    bare = urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
+    credentials = (unquote(parts.username or ""), unquote(parts.password or ""))
+    return (bare if "//" in url else bare.removeprefix("//")), credentials
