@@ -120,7 +120,8 @@ class Telemetry:
             ExportHub(exporters, run=self.run, queue_size=queue_size) if self.is_exporting else NullHub()
         )
         self.hub.describe(self._descriptors)
-        self._collector = AsyncMetricCollector((metrics, signal_metrics), group, timeout_s=timeout_s).bind()
+        # Keyed by metric path, so errors (a layout mismatch across ranks) name metrics as the user does.
+        self._collector = AsyncMetricCollector(dict(self._leaves), group, timeout_s=timeout_s).bind()
         self._totals: dict[str, Any] = {}
         self._windows: collections.deque[WindowTiming] = collections.deque()
         self._steps_in_window = 0

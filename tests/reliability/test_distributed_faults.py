@@ -1,0 +1,206 @@
+"""Distributed faults at the `Telemetry` level, on real gloo ranks: every rank gets a clear error
+within the configured timeout, `close()` returns, and no thread or process is left behind.
+
+The collector-level cases live in tests/collect/test_collector_failures.py; these run the whole
+façade (the collector, the rank-0 hub and a real JSONL exporter) through the same faults.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import torchtelemetry as tt
+from tests.collect.test_collector_failures import _run_with_victim
+from tests.distributed import run_ranks
+from torchtelemetry.collect import CollectionError
+from torchtelemetry.sync import LayoutMismatchError
+
+TIMEOUT_S = 3.0
+EVERY = 2
+# Generous bound for "returned instead of hanging" on a slow, shared CI machine: not a speed check.
+NOT_A_HANG_S = TIMEOUT_S + 60
+THREAD_PREFIX = "torchtelemetry-"
+
+
+def _child_processes() -> list[int]:
+    """Pids whose parent is this process (a leaked worker would show up here)."""
+    children = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except OSError:  # exited while listing
+            continue
+        if int(fields[1]) == os.getpid():
+            children.append(int(entry))
+    return children
+
+
+def _error(error: BaseException, started: float) -> dict[str, Any]:
+    return {
+        "type": type(error).__name__,
+        "message": str(error),
+        "cause": type(error.__cause__).__name__ if error.__cause__ is not None else None,
+        "elapsed_s": time.monotonic() - started,
+    }
+
+
+def _close(telemetry: tt.Telemetry) -> dict[str, Any]:
+    """Close after a fault: how long it took, what it raised, and what it left running."""
+    started = time.monotonic()
+    outcome: dict[str, Any] = {"close_error": None}
+    try:
+        telemetry.close(timeout_s=TIMEOUT_S)
+    except CollectionError as error:
+        outcome["close_error"] = _error(error, started)
+    outcome["close_s"] = time.monotonic() - started
+    outcome["threads"] = sorted(t.name for t in threading.enumerate() if t.name.startswith(THREAD_PREFIX))
+    outcome["children"] = _child_processes()
+    with pytest.raises(RuntimeError, match="telemetry is closed"):
+        telemetry.step(10_000)
+    return outcome
+
+
+def _train(telemetry: tt.Telemetry, metrics: dict[str, tt.Metric], steps: range) -> dict[str, Any] | None:
+    """Step through `steps`; the first error as an outcome, or None if every step returned."""
+    started = time.monotonic()
+    for step in steps:
+        metrics["loss"].update(torch.tensor(float(step)))
+        try:
+            telemetry.step(step)
+        except CollectionError as error:
+            return {**_error(error, started), "step": step}
+        time.sleep(0.01)
+    return None
+
+
+def _exported_steps(path: str) -> list[int]:
+    return [json.loads(line)["step"] for line in Path(path).read_text().splitlines()]
+
+
+# -- a rank that stops calling step() ---------------------------------------------------------
+
+
+def _stalled_rank(rank: int, world_size: int, path: str) -> dict[str, Any]:
+    metrics: dict[str, tt.Metric] = {"loss": tt.WeightedMeanMetric()}
+    telemetry = tt.Telemetry(
+        metrics, [tt.JsonlExporter(path)], every=EVERY, timeout_s=TIMEOUT_S, signals=False
+    )
+    # Both ranks finish windows 0 and 1 (steps 0-3); then rank 1 stops in the middle of window 2
+    # (a stuck data loader, a rank in another code path) while rank 0 trains on.
+    first = _train(telemetry, metrics, range(4))
+    assert first is None, first
+    error = _train(telemetry, metrics, range(4, 200) if rank == 0 else range(4, 5))
+    dist.barrier()  # rank 1 comes back only after rank 0 has given up
+    return {"error": error, **_close(telemetry)}
+
+
+@pytest.mark.timeout(180)
+def test_a_rank_that_stops_stepping_gives_every_rank_a_clear_error_and_close_returns(tmp_path: Path) -> None:
+    path = str(tmp_path / "metrics.jsonl")
+    training, stalled = run_ranks(_stalled_rank, 2, path, timeout_s=150)
+
+    error = training["error"]
+    assert error is not None, "rank 0 trained on although rank 1 stopped scheduling collections"
+    assert error["type"] == "CollectionError"
+    assert "a rank may have died or not called schedule_collection() within timeout_s=3s" in error["message"]
+    assert error["elapsed_s"] < NOT_A_HANG_S
+    assert stalled["error"] is None  # rank 1 never waited on anything while it was away
+    # The stalled rank learns it on close(): its last window has no partner any more.
+    assert stalled["close_error"] is not None
+    assert "collector's process group (ranks [0, 1]) failed" in stalled["close_error"]["message"]
+    for outcome in (training, stalled):
+        assert outcome["close_s"] < NOT_A_HANG_S
+        assert outcome["threads"] == [] and outcome["children"] == []
+    # What was collected before the fault was exported, in order.
+    assert _exported_steps(path)[:2] == [1, 3]
+
+
+# -- ranks with different metric sets -----------------------------------------------------------
+
+
+def _mismatched_rank(rank: int, world_size: int, path: str, case: str) -> dict[str, Any]:
+    metrics: dict[str, tt.Metric] = {"loss": tt.WeightedMeanMetric()}
+    if case == "extra metric" and rank == 1:
+        metrics["grad_norm"] = tt.MaxMetric()
+    if case == "other shape":
+        metrics["confusion"] = tt.ConfusionMatrixMetric(3 + rank)
+    telemetry = tt.Telemetry(
+        metrics, [tt.JsonlExporter(path)], every=EVERY, timeout_s=TIMEOUT_S, signals=False
+    )
+    error = _train(telemetry, metrics, range(50))
+    return {"error": error, **_close(telemetry)}
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    ("case", "named"),
+    [
+        ("extra metric", "rank 1 lacks [] and has extra ['grad_norm.extremum'] vs rank 0"),
+        (
+            "other shape",
+            "'confusion.matrix' is sum:torch.float64:[3, 3] on rank 0 but sum:torch.float64:[4, 4] on rank 1",
+        ),
+    ],
+)
+def test_ranks_with_different_metric_sets_fail_on_every_rank_naming_the_metric(
+    tmp_path: Path, case: str, named: str
+) -> None:
+    path = str(tmp_path / "metrics.jsonl")
+    for rank, outcome in enumerate(run_ranks(_mismatched_rank, 2, path, case, timeout_s=150)):
+        error = outcome["error"]
+        assert error is not None, f"rank {rank} trained on with mismatched metrics"
+        assert error["type"] == "CollectionError" and error["cause"] == LayoutMismatchError.__name__
+        assert "ranks hold different metric sets" in error["message"]
+        assert named in error["message"], error["message"]
+        assert error["step"] < 10, "the mismatch is found at the first collection, not later"
+        assert error["elapsed_s"] < NOT_A_HANG_S
+        assert outcome["close_s"] < NOT_A_HANG_S
+        assert outcome["threads"] == [] and outcome["children"] == []
+    assert not Path(path).exists() or _exported_steps(path) == [], "no mixed-up window was exported"
+
+
+# -- a rank killed mid-run --------------------------------------------------------------------
+
+
+def _killed_rank(rank: int, world_size: int) -> dict[str, Any]:
+    path = os.environ["TORCHTELEMETRY_TEST_JSONL"]
+    metrics: dict[str, tt.Metric] = {"loss": tt.WeightedMeanMetric()}
+    telemetry = tt.Telemetry(
+        metrics, [tt.JsonlExporter(path)], every=EVERY, timeout_s=TIMEOUT_S, signals=False
+    )
+    first = _train(telemetry, metrics, range(4))
+    assert first is None, first
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)  # an OOM-killed or crashed rank: no cleanup, no goodbye
+    error = _train(telemetry, metrics, range(4, 200))
+    return {"error": error, **_close(telemetry)}
+
+
+@pytest.mark.timeout(180)
+def test_a_killed_rank_gives_the_survivor_a_clear_error_and_close_returns(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = str(tmp_path / "metrics.jsonl")
+    monkeypatch.setenv("TORCHTELEMETRY_TEST_JSONL", path)  # spawned ranks inherit the environment
+    survivor = _run_with_victim(_killed_rank, 2, victim=1, timeout_s=150)[0]
+    error = survivor["error"]
+    assert error is not None, "rank 0 trained on although rank 1 was killed"
+    assert error["type"] == "CollectionError"
+    assert "collector's process group (ranks [0, 1]) failed: a rank may have died" in error["message"]
+    assert error["elapsed_s"] < NOT_A_HANG_S
+    assert survivor["close_s"] < NOT_A_HANG_S
+    assert survivor["threads"] == [] and survivor["children"] == []
+    assert _exported_steps(path)[:2] == [1, 3]
