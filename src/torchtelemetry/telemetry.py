@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import json
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -310,18 +311,25 @@ class Telemetry:
     # -- checkpointing (torch.distributed.checkpoint Stateful) ---------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """Local metric state, counter totals and the last step.
+        """Local metric state (built-in signals included), counter totals, the last step and how
+        many steps of the current window have passed.
 
         Waits for collections in flight (and exports them) first, so a restart
-        from this state neither loses nor repeats a window.
+        from this state neither loses nor repeats a window, and the windows after it
+        end at the same steps. Counter totals are one JSON string: `torch.distributed.checkpoint`
+        loads only the keys of the state dict it loads into, and a fresh `Telemetry` cannot know
+        which counters (or label values) the saved run had.
         """
         if not self._closed:
             self._drain(block=True)
+            if self._signals is not None:
+                self._signals.flush_to_device()
         return {
-            "metrics": {name: metric.state_dict() for name, metric in self._user_leaves},
-            "counters": {name: _saved_total(total) for name, total in self._totals.items()},
+            "metrics": {name: metric.state_dict() for name, metric in self._leaves},
+            "counters": json.dumps({name: _saved_total(total) for name, total in self._totals.items()}),
             "signals": self._signals.state_dict() if self._signals else {},
             "step": -1 if self._last_step is None else self._last_step,
+            "steps_in_window": self._steps_in_window,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -329,13 +337,18 @@ class Telemetry:
         missing = sorted({name for name, _ in self._user_leaves} - set(saved))
         if missing:
             raise ValueError(f"Telemetry.load_state_dict: no saved state for metrics {missing}")
-        for name, metric in self._user_leaves:
-            metric.load_state_dict(saved[name])
-        self._totals = {name: _restore_total(total) for name, total in state.get("counters", {}).items()}
+        for name, metric in self._leaves:
+            if name in saved:  # signal states are absent from checkpoints of older versions
+                metric.load_state_dict(saved[name])
+        counters = state.get("counters", {})
+        if isinstance(counters, str):
+            counters = json.loads(counters)
+        self._totals = {name: _restore_total(total) for name, total in counters.items()}
         if self._signals is not None:
             self._signals.load_state_dict(state.get("signals", {}))
         step = int(state.get("step", -1))
         self._last_step = None if step < 0 else step
+        self._steps_in_window = int(state.get("steps_in_window", 0))
 
 
 def _saved_total(total: Any) -> Any:

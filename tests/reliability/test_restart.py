@@ -1,0 +1,136 @@
+"""Checkpoint and restart: a 2-rank run killed after a torch.distributed.checkpoint save and
+restarted from it exports exactly what an uninterrupted run exports (counters keep counting,
+every window after the checkpoint holds the same values).
+
+The ranks are plain subprocesses running tests/reliability/restart_train.py, so the test can
+SIGKILL all of them the way a preemption or a crashed node does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+WORLD_SIZE = 2
+STEPS = 17
+EVERY = 3  # windows end at steps 2, 5, 8, 11, 14; close() exports the partial window ending at 16
+SAVE_EVERY = 4  # checkpoints after steps 3, 7, 11, 15: in the middle of a window
+STALL_AFTER = 9  # the killed run got past the checkpoint at step 7 and scheduled the window ending at 8
+CHECKPOINT_STEP = 7
+# Measured on the host, so they differ between any two runs; everything else must be identical.
+HOST_TIMED = {"train/step_time", "train/tokens_per_second", "train/samples_per_second", "train/peak_memory"}
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _launch(tmp_path: Path, name: str, out: Path, extra: list[str]) -> list[subprocess.Popen]:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    rendezvous = tmp_path / f"rendezvous-{name}"
+    command = [
+        sys.executable,
+        "-m",
+        "tests.reliability.restart_train",
+        "--rendezvous",
+        str(rendezvous),
+        "--out",
+        str(out),
+        "--checkpoints",
+        str(tmp_path / "checkpoints"),
+        "--steps",
+        str(STEPS),
+        "--every",
+        str(EVERY),
+        "--save-every",
+        str(SAVE_EVERY),
+        *extra,
+    ]
+    return [
+        subprocess.Popen(
+            command,
+            cwd=REPO,
+            env={**os.environ, "RANK": str(rank), "WORLD_SIZE": str(WORLD_SIZE), "OMP_NUM_THREADS": "1"},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(WORLD_SIZE)
+    ]
+
+
+def _finish(procs: list[subprocess.Popen], timeout_s: float = 120) -> None:
+    outputs = []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=timeout_s)[0])
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    for rank, (proc, output) in enumerate(zip(procs, outputs, strict=True)):
+        assert proc.returncode == 0, f"rank {rank} exited with {proc.returncode}:\n{output}"
+
+
+def _kill_when_stalled(procs: list[subprocess.Popen], out: Path, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    try:
+        markers = [Path(f"{out}.stalled.{rank}") for rank in range(WORLD_SIZE)]
+        while not all(marker.exists() for marker in markers):
+            failed = [proc for proc in procs if proc.poll() is not None]
+            assert not failed, f"a rank exited before the stall: {failed[0].communicate()[0]}"
+            assert time.monotonic() < deadline, "the ranks never reached the stall point"
+            time.sleep(0.1)
+    finally:
+        for proc in procs:
+            proc.send_signal(signal.SIGKILL)
+        for proc in procs:
+            proc.communicate()
+    assert [proc.returncode for proc in procs] == [-signal.SIGKILL] * WORLD_SIZE
+
+
+def _reports(path: Path) -> dict[int, dict[str, Any]]:
+    """Exported values by step, without the host-timed signals and the exporter health metrics."""
+    reports = {}
+    for line in path.read_text().splitlines():
+        record = json.loads(line)
+        reports[record["step"]] = {
+            name: value
+            for name, value in record["values"].items()
+            if name not in HOST_TIMED and not name.startswith("exporter/")
+        }
+    return reports
+
+
+@pytest.mark.timeout(300)
+def test_a_run_killed_after_a_checkpoint_continues_exactly_where_it_left_off(tmp_path: Path) -> None:
+    reference_out = tmp_path / "reference.jsonl"
+    _finish(_launch(tmp_path / "reference", "reference", reference_out, []))
+
+    killed_out, resumed_out = tmp_path / "killed.jsonl", tmp_path / "resumed.jsonl"
+    _kill_when_stalled(
+        _launch(tmp_path, "killed", killed_out, ["--stall-after", str(STALL_AFTER)]), killed_out
+    )
+    checkpoints = sorted(path.name for path in (tmp_path / "checkpoints").iterdir())
+    assert checkpoints == ["step_3", f"step_{CHECKPOINT_STEP}"]
+    _finish(_launch(tmp_path, "resumed", resumed_out, ["--resume"]))
+
+    reference, killed, resumed = _reports(reference_out), _reports(killed_out), _reports(resumed_out)
+    assert sorted(reference) == [2, 5, 8, 11, 14, 16]
+    # Saving the checkpoint at step 7 exported every window collected by then; the window ending
+    # at 8 may have been exported too before the kill. The restart redoes it either way.
+    assert sorted(killed)[:2] == [2, 5] and set(killed) <= {2, 5, 8}
+    assert sorted(resumed) == [8, 11, 14, 16]
+    for step in killed:
+        assert killed[step] == reference[step], f"before the kill, step {step}"
+    for step in resumed:
+        assert resumed[step] == reference[step], f"after the restart, step {step}"
+    # Counters kept counting from the checkpointed totals rather than starting again from zero.
+    assert resumed[8]["train/seen"] > killed[5]["train/seen"] > 0
+    assert resumed[16]["train/grad_norm"]["count"] == 4 * WORLD_SIZE * STEPS
