@@ -440,3 +440,19 @@ def test_unbind_in_flight_keeps_later_updates_for_the_next_binding() -> None:
     with collector:
         collector.schedule_collection()
         assert collector.collect_results() == 5.0
+
+
+def test_metrics_changed_after_bind_are_picked_up() -> None:
+    """A metric created after bind() changes nothing; an accumulator replaced after bind() is read anew."""
+    metric = tt.SumMetric()
+    with AsyncMetricCollector(metric) as collector:
+        metric.update(torch.tensor(1.0))
+        collector.schedule_collection()
+        tt.MaxMetric()  # registers accumulators elsewhere in the process
+        metric.update(torch.tensor(2.0))
+        collector.schedule_collection()
+        assert [collector.collect_results() for _ in range(2)] == [1.0, 2.0]
+        metric.total = tt.MetricAccumulator(0.0, "sum", dtype=torch.float64)  # nothing in flight
+        metric.update(torch.tensor(4.0))
+        collector.schedule_collection()
+        assert collector.collect_results() == 4.0

@@ -17,7 +17,8 @@ from torch.utils import _pytree as pytree
 
 from torchtelemetry.collect._executors import ThreadExecutor, make_executor
 from torchtelemetry.collect._results import to_python
-from torchtelemetry.metric._accumulator import window_state
+from torchtelemetry.metric import Metric, MetricAccumulator
+from torchtelemetry.metric._accumulator import layout_generation, window_state
 from torchtelemetry.sync import (
     BucketLayout,
     GroupLike,
@@ -41,6 +42,62 @@ class CollectionError(RuntimeError):
 class _Window:
     index: int
     future: Future
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """What a snapshot needs, built once at bind(): the main thread then only packs and resets."""
+
+    layout: BucketLayout
+    accumulators: tuple[MetricAccumulator, ...]
+    locals: tuple[torch.Tensor, ...]
+    """Flat views of the local states (packing them needs no reshape per window)."""
+    zeroed: tuple[torch.Tensor, ...]
+    """The `locals` whose initial state is all zeros (sums): reset with one `_foreach_zero_`."""
+    copied: tuple[torch.Tensor, ...]
+    """The other `locals` (max, min, custom starts): reset by copying `initials` into them."""
+    initials: tuple[torch.Tensor, ...]
+    """Flat views of the initial states of `copied`."""
+    device: torch.device
+    generation: int
+    """`layout_generation()` when built; a metric moved or re-registered since makes it stale."""
+
+    def reset(self) -> None:
+        """Restore every local state to its initial value, in place (two calls, however many states)."""
+        if self.zeroed:
+            torch._foreach_zero_(self.zeroed)
+        if self.copied:
+            torch._foreach_copy_(self.copied, self.initials)
+
+    @classmethod
+    def build(cls, named: list[tuple[str, Metric]]) -> _Plan:
+        states = [
+            (f"{name}.{attr}", acc) for name, metric in named for attr, acc in metric.accumulators.items()
+        ]
+        devices = {acc.device for _, acc in states}
+        if len(devices) > 1:
+            raise RuntimeError(
+                f"AsyncMetricCollector: metrics live on several devices {sorted(map(str, devices))}; "
+                "move them to one device with metric.to(device) first"
+            )
+        accumulators = [acc for _, acc in states]
+        device = devices.pop() if devices else torch.device("cpu")
+        # On CPU, where each reset op costs per state, states starting at zero (sums) get the cheaper
+        # zero_. Reading the initial states is a host read: on accelerators every state is copied (a
+        # fused foreach op there), so that building a plan never syncs with the device.
+        starts_at_zero = {id(acc): device.type == "cpu" and not acc.initial.any() for acc in accumulators}
+        zero = [acc for acc in accumulators if starts_at_zero[id(acc)]]
+        other = [acc for acc in accumulators if not starts_at_zero[id(acc)]]
+        return cls(
+            layout=BucketLayout([(name, acc.local, acc.reduce_op) for name, acc in states]),
+            accumulators=tuple(accumulators),
+            locals=tuple(acc.local.view(-1) for acc in accumulators),
+            zeroed=tuple(acc.local.view(-1) for acc in zero),
+            copied=tuple(acc.local.view(-1) for acc in other),
+            initials=tuple(acc.initial.reshape(-1) for acc in other),
+            device=device,
+            generation=layout_generation(),
+        )
 
 
 class AsyncMetricCollector:
@@ -77,11 +134,10 @@ class AsyncMetricCollector:
         self._metrics = metrics
         self._named = metric_leaves(metrics, op="AsyncMetricCollector")
         self._spec = pytree.tree_structure(metrics)
-        self._accumulators = [acc for _, metric in self._named for acc in metric.accumulators.values()]
         self._group = group
         self.timeout_s = timeout_s
         self.max_pending = max_pending
-        self._layout: BucketLayout | None = None
+        self._plan: _Plan | None = None
         self._executor: ThreadExecutor | None = None
         self._dedicated_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
         self._pending: collections.deque[_Window] = collections.deque()
@@ -97,27 +153,25 @@ class AsyncMetricCollector:
         """
         if self._state == "bound":
             raise RuntimeError("AsyncMetricCollector.bind: already bound; call unbind() before binding again")
-        devices = {acc.device for acc in self._accumulators}
-        if len(devices) > 1:
-            raise RuntimeError(
-                f"AsyncMetricCollector.bind: metrics live on several devices {sorted(map(str, devices))}; "
-                "move them to one device with metric.to(device) first"
-            )
-        device = devices.pop() if devices else torch.device("cpu")
-        self._layout = BucketLayout([(name, acc.local, acc.reduce_op) for name, acc in self._named_states()])
-        self._initials = [acc.initial for acc in self._accumulators]
-        self._locals = [acc.local for acc in self._accumulators]
+        self._plan = _Plan.build(self._named)
         self._bound_group = self._dedicated_group(self._group)
-        self._executor = make_executor(device, f"{_THREAD_PREFIX}-{next(_collector_ids)}")
+        self._executor = make_executor(self._plan.device, f"{_THREAD_PREFIX}-{next(_collector_ids)}")
         self._state = "bound"
         return self
 
-    def _named_states(self) -> list[tuple[str, Any]]:
-        return [
-            (f"{name}.{attr}", acc)
-            for name, metric in self._named
-            for attr, acc in metric.accumulators.items()
-        ]
+    def _current_plan(self) -> _Plan:
+        """The bound plan, rebuilt if metrics were moved or changed their accumulators since."""
+        plan = self._plan
+        assert plan is not None
+        if plan.generation != layout_generation():
+            rebuilt = _Plan.build(self._named)
+            if rebuilt.device != plan.device:
+                raise RuntimeError(
+                    f"AsyncMetricCollector.schedule_collection: metrics moved from {plan.device} to "
+                    f"{rebuilt.device} since bind(); call unbind() and bind() again"
+                )
+            plan = self._plan = rebuilt
+        return plan
 
     def _dedicated_group(self, group: GroupLike) -> dist.ProcessGroup | None:
         """A new process group of the same ranks, for this collector only, with its timeout.
@@ -200,21 +254,20 @@ class AsyncMetricCollector:
                 "call collect_results() first"
             )
         pg = self._bound_group if group is None else self._dedicated_group(group)
-        assert self._layout is not None
-        snapshot = self._layout.pack(self._locals)
-        torch._foreach_copy_(self._locals, self._initials)
+        plan = self._current_plan()
+        snapshot = plan.layout.pack(plan.locals)
+        plan.reset()
         fence = executor.fence()
-        future = executor.submit(self._collect, executor, snapshot, fence, pg)
+        future = executor.submit(self._collect, executor, plan, snapshot, fence, pg)
         self._pending.append(_Window(next(self._windows), future))
 
     def _collect(
-        self, executor: ThreadExecutor, snapshot: dict, fence: Any, pg: dist.ProcessGroup | None
+        self, executor: ThreadExecutor, plan: _Plan, snapshot: dict, fence: Any, pg: dist.ProcessGroup | None
     ) -> tuple[list[Any], Any]:
         """Worker thread: reduce one window, compute every metric on it, copy results to the host."""
-        assert self._layout is not None
         with executor.running_after(fence, snapshot.values()):
             try:
-                reduce_buffers(self._layout, snapshot, pg)
+                reduce_buffers(plan.layout, snapshot, pg)
             except LayoutMismatchError:
                 raise
             except Exception as error:  # gloo / NCCL: a peer died, timed out or never joined
@@ -224,8 +277,8 @@ class AsyncMetricCollector:
                     f"died or not called schedule_collection() within timeout_s={self.timeout_s:g}s "
                     f"({type(error).__name__}: {error})"
                 ) from error
-            states = self._layout.unpack(snapshot)
-            window = {id(acc): state for acc, state in zip(self._accumulators, states, strict=True)}
+            states = plan.layout.unpack(snapshot)
+            window = {id(acc): state for acc, state in zip(plan.accumulators, states, strict=True)}
             with window_state(window):
                 results = [metric.compute() for _, metric in self._named]
             return executor.to_host(results)

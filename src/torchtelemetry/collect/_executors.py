@@ -8,6 +8,8 @@ results to host memory. The CPU executor is the CUDA one minus the device work.
 from __future__ import annotations
 
 import contextlib
+import os
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -25,7 +27,10 @@ class ThreadExecutor:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name, initializer=self._init_thread)
 
     def _init_thread(self) -> None:
-        """Per-thread set-up (the CUDA executor selects the device)."""
+        """Per-thread set-up (the CUDA executor also selects the device)."""
+        # Yield the CPU to the training thread when cores are oversubscribed (Linux: per-thread nice).
+        with contextlib.suppress(AttributeError, OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
 
     def fence(self) -> Any:
         """Mark the snapshot's position in the training stream (nothing to do on CPU)."""
