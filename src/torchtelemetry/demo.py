@@ -26,7 +26,19 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ["DemoConfig", "build_metrics", "main", "parse_args", "run"]
+__all__ = [
+    "DemoConfig",
+    "StepResult",
+    "TinyLM",
+    "build_metrics",
+    "learning_rate_at",
+    "main",
+    "parse_args",
+    "run",
+    "synthetic_batch",
+    "train_step",
+    "update_metrics",
+]
 
 INTERRUPTED_EXIT_CODE = 130
 """Exit status after Ctrl-C: the run stopped early, flushed everything and exited cleanly."""
@@ -168,7 +180,49 @@ class _ProgressSafeStream:
         sys.stderr.flush()
 
 
-def _learning_rate(config: DemoConfig, step: int) -> float:
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """What one training step hands to the metrics (device tensors, detached)."""
+
+    loss: torch.Tensor
+    logits: torch.Tensor
+    targets: torch.Tensor
+    grad_norm: torch.Tensor
+    tokens: int
+
+
+def train_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, batch: torch.Tensor, learning_rate: float
+) -> StepResult:
+    """One optimizer step of next-token prediction on `batch` (sequences of `seq_len + 1` tokens)."""
+    for group in optimizer.param_groups:
+        group["lr"] = learning_rate
+    inputs, targets = batch[:, :-1], batch[:, 1:]
+    logits = model(inputs)
+    vocab = logits.shape[-1]
+    loss = nn.functional.cross_entropy(logits.reshape(-1, vocab), targets.reshape(-1))
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    grad_norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
+    optimizer.step()
+    return StepResult(
+        loss.detach(),
+        logits.detach().reshape(-1, vocab),
+        targets.reshape(-1),
+        grad_norm.detach(),
+        targets.numel(),
+    )
+
+
+def update_metrics(metrics: dict[str, dict[str, Any]], result: StepResult) -> None:
+    """Fold one step into the demo's metrics: device-side only, no host sync."""
+    metrics["train"]["loss"].update(result.loss, result.tokens)
+    metrics["train"]["accuracy"].update(result.logits, result.targets)
+    metrics["train"]["grad_norm"].update(result.grad_norm)
+
+
+def learning_rate_at(config: DemoConfig, step: int) -> float:
+    """Linear warm-up over the first 5 % of steps, then cosine decay to zero."""
     warmup = max(1, config.steps // 20)
     if step < warmup:
         return config.lr * (step + 1) / warmup
@@ -212,25 +266,10 @@ def train(config: DemoConfig, rank: int, world_size: int, device: torch.device) 
             if step % config.every == 0 and stop.agreed(device):
                 status = INTERRUPTED_EXIT_CODE
                 break
-            learning_rate = _learning_rate(config, step)
-            for group in optimizer.param_groups:
-                group["lr"] = learning_rate
-            batch = synthetic_batch(generator, config, device)
-            inputs, targets = batch[:, :-1], batch[:, 1:]
-            logits = ddp(inputs)
-            loss = nn.functional.cross_entropy(logits.reshape(-1, config.vocab), targets.reshape(-1))
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            grad_norm = nn.utils.clip_grad_norm_(ddp.parameters(), max_norm=1.0)
-            optimizer.step()
-
-            n_tokens = targets.numel()
-            metrics["train"]["loss"].update(loss.detach(), n_tokens)
-            metrics["train"]["accuracy"].update(
-                logits.detach().reshape(-1, config.vocab), targets.reshape(-1)
-            )
-            metrics["train"]["grad_norm"].update(grad_norm.detach())
-            telemetry.step(step, tokens=n_tokens, samples=config.batch_size, learning_rate=learning_rate)
+            learning_rate = learning_rate_at(config, step)
+            result = train_step(ddp, optimizer, synthetic_batch(generator, config, device), learning_rate)
+            update_metrics(metrics, result)
+            telemetry.step(step, tokens=result.tokens, samples=config.batch_size, learning_rate=learning_rate)
             last_step = step
             if config.step_delay_s:
                 time.sleep(config.step_delay_s)
