@@ -167,10 +167,10 @@ class PerRankMetric(Metric):
         mask = self._finite_mask(value)
         if mask is not None:
             value = torch.where(mask, value, 0)
-            self.counts.update(self.slot * mask.sum())
-        else:
-            self.counts.update(self.slot * value.numel())
+        # The sums first: the only update that can fail (a float value into an integer state dtype),
+        # and it fails before any state has changed.
         self.sums.update(self.slot * value.sum())
+        self.counts.update(self.slot * (value.numel() if mask is None else mask.sum()))
 
     def compute(self) -> torch.Tensor:
         """One mean per rank; NaN for a rank that reported nothing."""

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 __all__ = ["Metric", "MetricKind", "NanPolicy"]
 
 NanPolicy = Literal["error", "ignore", "propagate"]
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 _NAN_POLICIES = ("error", "ignore", "propagate")
 
 
@@ -178,15 +179,27 @@ class Metric:
                         f"{device}; move the input or call metric.to({str(value.device)!r})"
                     )
                 value = value.to(device, non_blocking=True)
-            return value.detach() if value.requires_grad else value
-        if type(value) in (int, float, bool):
+            return self._real(value.detach() if value.requires_grad else value, what)
+        if type(value) in (float, bool) or (type(value) is int and _INT64_MIN <= value <= _INT64_MAX):
             return torch.full((), value, device=device)
+        if type(value) is int:
+            raise ValueError(f"{self.display_name()}: {what}={value} does not fit in a 64-bit integer")
         try:
-            return torch.as_tensor(value, device=device)
+            tensor = torch.as_tensor(value, device=device)
         except (TypeError, ValueError, RuntimeError) as error:
             raise TypeError(
                 f"{self.display_name()}: {what} must be a tensor or a number, got {type(value).__name__}"
             ) from error
+        return self._real(tensor, what)
+
+    def _real(self, tensor: torch.Tensor, what: str) -> torch.Tensor:
+        """`tensor`, unless it is complex (no metric state can hold it)."""
+        if tensor.is_complex():
+            raise TypeError(
+                f"{self.display_name()}: {what} has complex dtype {tensor.dtype}; metrics take real "
+                "numbers (pass .real or .abs())"
+            )
+        return tensor
 
     def _inspects_values(self, tensor: torch.Tensor) -> bool:
         """Whether value checks may read tensor data: never a device sync, never in a compiled graph."""

@@ -47,6 +47,14 @@ class _LabelledMetric(Metric):
                 f"{preds.dtype}, expected integer labels of the target's shape {tuple(target.shape)}"
             )
 
+    def _finite_rows(self, preds: torch.Tensor) -> torch.Tensor | None:
+        """nan_policy on logits: "error" raises on NaN or Inf; "ignore" gives the samples whose
+        logits are all finite (the others are skipped); "propagate" gives None (they count as
+        argmax / top-k rank them: NaN above everything)."""
+        self._check_finite(preds, "preds")
+        mask = self._finite_mask(preds)
+        return None if mask is None else mask.all(dim=-1)
+
     def _valid(self, target: torch.Tensor, num_classes: int | None) -> torch.Tensor:
         """Entries that count: not `ignore_index`, and (device-side) inside [0, num_classes)."""
         valid = torch.ones_like(target, dtype=torch.bool)
@@ -89,6 +97,7 @@ class AccuracyMetric(_LabelledMetric):
         preds = self._as_tensor(preds, "preds")
         target = self._labels(target)
         self._check_preds(preds, target)
+        finite = self._finite_rows(preds)
         num_classes = self._num_classes(preds)
         if preds.is_floating_point():
             if self.top_k > preds.shape[-1]:
@@ -102,6 +111,8 @@ class AccuracyMetric(_LabelledMetric):
         else:
             hit = preds == target
         valid = self._valid(target, num_classes)
+        if finite is not None:
+            valid = valid & finite
         self.correct.update((hit & valid).sum())
         self.total.update(valid.sum())
 
@@ -135,8 +146,11 @@ class ConfusionMatrixMetric(_LabelledMetric):
         preds = self._as_tensor(preds, "preds")
         target = self._labels(target)
         self._check_preds(preds, target)
+        finite = self._finite_rows(preds)
         labels = preds.argmax(dim=-1) if preds.is_floating_point() else preds
         valid = self._valid(target, self.num_classes)
+        if finite is not None:
+            valid = valid & finite
         pred_ok = (labels >= 0) & (labels < self.num_classes)
         if self._inspects_values(labels) and bool((valid & ~pred_ok).any()):
             raise ValueError(

@@ -59,8 +59,10 @@ class HistogramMetric(Metric):
             buckets = torch.bucketize(value.to(self.bounds.dtype), self.bounds)
         counts = torch.zeros(self.bounds.numel() + 1, dtype=self.counts.dtype, device=value.device)
         counts.index_add_(0, buckets, weights)
-        self.counts.update(counts)
+        # The sum first: the only update that can fail (a float value into an integer state dtype),
+        # and it fails before any state has changed.
         self.sum.update((value * weights).sum())
+        self.counts.update(counts)
         self.count.update(weights.sum())
 
     def compute(self) -> dict[str, torch.Tensor]:

@@ -41,7 +41,13 @@ def metric_leaves(metrics: Any, *, op: str = "sync_metrics") -> list[tuple[str, 
     leaves, _ = pytree.tree_flatten_with_path(metrics)
     named = []
     for path, leaf in leaves:
-        name = "/".join(str(_key_name(key)) for key in path) or (getattr(leaf, "name", None) or "metric")
+        # Only a bare Metric (no path) is named after itself: an empty key stays empty, and naming
+        # rules reject it instead of renaming it silently.
+        name = (
+            "/".join(str(_key_name(key)) for key in path)
+            if path
+            else (getattr(leaf, "name", None) or "metric")
+        )
         if not isinstance(leaf, Metric):
             raise TypeError(f"{op}: {name!r} is a {type(leaf).__name__}, expected a Metric")
         named.append((name, leaf))

@@ -1,0 +1,438 @@
+"""Bad input, one table row per case: a clear error naming the metric, or the documented handling,
+and never a loss of what was already accumulated. docs/reliability.md "Bad input" lists every row.
+
+tests/metric/test_metrics.py already covers the basic cases (NaN under each policy for the
+aggregating metrics, negative weights, logits shapes, float targets, out-of-range targets with
+logits, AUROC targets, a meta input to a CPU metric, strings, empty batches, histogram edges);
+these are the rest.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+
+import torchtelemetry as tt
+from tests.metric.test_metrics import _good_input, assert_same_state, computed, states
+from torchtelemetry.export import PrometheusExporter
+
+NAN, INF = float("nan"), float("inf")
+BINS = [1.0, 2.0]
+
+
+@dataclass(frozen=True)
+class Row:
+    """One bad input: fed after a good one, it raises `error` matching `match` and changes no state,
+    or (error None) it is handled as `check` asserts on the computed result."""
+
+    make: Callable[[], tt.Metric]
+    args: tuple
+    error: type[Exception] | None = None
+    match: str = ""
+    check: Callable[[Any, tt.Metric], Any] | None = None
+    good: tuple | None = None
+    """The good input fed first (default: `_good_input` of tests/metric/test_metrics.py)."""
+
+
+def _equals(expected: Any) -> Callable[[Any, tt.Metric], None]:
+    def check(result: Any, metric: tt.Metric) -> None:
+        actual = {k: v.tolist() for k, v in result.items()} if isinstance(result, dict) else result.tolist()
+        np.testing.assert_equal(actual, expected)
+
+    return check
+
+
+def _total(attr: str, expected: float) -> Callable[[Any, tt.Metric], None]:
+    """The accumulator `attr` holds `expected`: the bad entries were skipped, the good ones kept."""
+
+    def check(result: Any, metric: tt.Metric) -> None:
+        assert metric.accumulators[attr].local.sum().item() == expected
+
+    return check
+
+
+# Good inputs (from _good_input): Sum/Max/Histogram/PerRank 4.0; weighted mean of [1, 2] with
+# weights [1, 3] = 1.75; accuracy 3/3; confusion pairs (0, 0), (1, 2); AUROC 1.0.
+ROWS: dict[str, Row] = {
+    # -- NaN / Inf under each nan_policy ------------------------------------------------------
+    "accuracy NaN logits, error": Row(
+        lambda: tt.AccuracyMetric(nan_policy="error"),
+        (torch.tensor([[NAN, 0.0, 1.0]]), torch.tensor([2])),
+        ValueError,
+        r"AccuracyMetric: preds contains NaN or Inf and nan_policy='error'",
+    ),
+    "accuracy NaN logits, ignore: sample skipped": Row(
+        lambda: tt.AccuracyMetric(nan_policy="ignore"),
+        (torch.tensor([[NAN, 0.0, 1.0], [0.0, 0.0, 1.0]]), torch.tensor([2, 2])),
+        check=_total("total", 4),  # 3 good + the finite row; both rows' predictions are right
+    ),
+    "accuracy NaN logits, propagate: NaN ranks highest": Row(
+        tt.AccuracyMetric, (torch.tensor([[NAN, 0.0, 1.0]]), torch.tensor([2])), check=_equals(0.75)
+    ),
+    "confusion Inf logits, error": Row(
+        lambda: tt.ConfusionMatrixMetric(3, nan_policy="error"),
+        (torch.tensor([[INF, 0.0, 1.0]]), torch.tensor([2])),
+        ValueError,
+        r"ConfusionMatrixMetric: preds contains NaN or Inf",
+    ),
+    "confusion NaN logits, ignore: sample skipped": Row(
+        lambda: tt.ConfusionMatrixMetric(3, nan_policy="ignore"),
+        (torch.tensor([[NAN, 0.0, 1.0]]), torch.tensor([2])),
+        check=_total("matrix", 2),
+    ),
+    "AUROC NaN score, propagate: sample skipped": Row(
+        tt.BinaryAUROCMetric, (torch.tensor([NAN, 0.1]), torch.tensor([1, 1])), check=_total("positives", 2)
+    ),
+    "counter NaN, propagate: total becomes NaN": Row(
+        lambda: tt.SumMetric(kind="counter"), (torch.tensor([NAN]),), check=_equals(NAN)
+    ),
+    "counter NaN, ignore: skipped": Row(
+        lambda: tt.SumMetric(kind="counter", nan_policy="ignore"),
+        (torch.tensor([NAN, 1.0]),),
+        check=_equals(5.0),
+    ),
+    "counter +Inf, propagate": Row(lambda: tt.SumMetric(kind="counter"), (INF,), check=_equals(INF)),
+    "counter -Inf": Row(
+        lambda: tt.SumMetric(kind="counter"), (-INF,), ValueError, "SumMetric: a counter cannot decrease"
+    ),
+    "max +Inf, propagate": Row(tt.MaxMetric, (torch.tensor([INF]),), check=_equals(INF)),
+    "max +Inf, ignore: skipped": Row(
+        lambda: tt.MaxMetric(nan_policy="ignore"), (torch.tensor([INF, 5.0]),), check=_equals(5.0)
+    ),
+    "weighted mean NaN weight, propagate": Row(tt.WeightedMeanMetric, (1.0, NAN), check=_equals(NAN)),
+    "weighted mean -Inf weight": Row(
+        tt.WeightedMeanMetric, (1.0, -INF), ValueError, "WeightedMeanMetric: weight must be non-negative"
+    ),
+    "histogram +Inf, propagate: +Inf bucket": Row(
+        lambda: tt.HistogramMetric(BINS),
+        (torch.tensor([INF]),),
+        check=_equals({"bounds": BINS, "counts": [0, 0, 2], "sum": INF, "count": 2}),
+    ),
+    "histogram -Inf, propagate: first bucket": Row(
+        lambda: tt.HistogramMetric(BINS),
+        (torch.tensor([-INF]),),
+        check=_equals({"bounds": BINS, "counts": [1, 0, 1], "sum": -INF, "count": 2}),
+    ),
+    "histogram NaN, propagate: +Inf bucket, sum NaN": Row(
+        lambda: tt.HistogramMetric(BINS),
+        (torch.tensor([NAN]),),
+        check=_equals({"bounds": BINS, "counts": [0, 0, 2], "sum": NAN, "count": 2}),
+    ),
+    # -- zero and negative weights ------------------------------------------------------------------
+    "zero weights: nothing counted": Row(
+        tt.WeightedMeanMetric, (torch.tensor([9.0, 9.0]), torch.zeros(2)), check=_equals(1.75)
+    ),
+    "zero scalar weight": Row(tt.WeightedMeanMetric, (9.0, 0), check=_equals(1.75)),
+    "negative zero weight": Row(tt.WeightedMeanMetric, (9.0, -0.0), check=_equals(1.75)),
+    "boolean weights: a mask": Row(
+        tt.WeightedMeanMetric, (torch.tensor([10.0, 20.0]), torch.tensor([True, False])), check=_equals(3.4)
+    ),
+    # -- shapes ---------------------------------------------------------------------------------------
+    "weight shape differs from value": Row(
+        tt.WeightedMeanMetric,
+        (torch.ones(2, 2), torch.ones(2)),
+        ValueError,
+        r"WeightedMeanMetric: weight has shape \(2,\), expected the shape of value \(2, 2\) or a scalar",
+    ),
+    "accuracy label predictions shape": Row(
+        tt.AccuracyMetric,
+        (torch.tensor([1, 2, 0]), torch.tensor([1, 2])),
+        ValueError,
+        r"AccuracyMetric: label predictions have shape \(3,\)",
+    ),
+    "accuracy boolean predictions": Row(
+        tt.AccuracyMetric, (torch.tensor([True]), torch.tensor([1])), ValueError, "dtype torch.bool"
+    ),
+    "confusion label predictions shape": Row(
+        lambda: tt.ConfusionMatrixMetric(3),
+        (torch.tensor([1, 2]), torch.tensor([1])),
+        ValueError,
+        r"ConfusionMatrixMetric: label predictions have shape \(2,\)",
+    ),
+    "histogram 2-D values: every entry": Row(
+        lambda: tt.HistogramMetric(BINS),
+        (torch.tensor([[0.5, 1.0], [1.5, 3.0]]),),
+        check=_equals({"bounds": BINS, "counts": [2, 1, 2], "sum": 10.0, "count": 5}),
+    ),
+    "per-rank 2-D values: every entry": Row(
+        lambda: tt.PerRankMetric(2, 0), (torch.full((2, 2), 2.0),), check=_equals([2.4, NAN])
+    ),
+    # -- dtypes ----------------------------------------------------------------------------------------
+    "complex value": Row(
+        tt.SumMetric,
+        (torch.tensor([1 + 2j]),),
+        TypeError,
+        "SumMetric: value has complex dtype torch.complex64",
+    ),
+    "complex numpy histogram values": Row(
+        lambda: tt.HistogramMetric(BINS), (np.array([1j]),), TypeError, "HistogramMetric: value has complex"
+    ),
+    "complex weight": Row(
+        tt.WeightedMeanMetric, (1.0, 1j), TypeError, "WeightedMeanMetric: weight has complex dtype"
+    ),
+    "Python int beyond int64": Row(
+        tt.SumMetric, (2**70,), ValueError, "SumMetric: value=1180591620717411303424 does not fit in a 64-bit"
+    ),
+    "float16 value": Row(tt.SumMetric, (torch.tensor([1.5], dtype=torch.float16),), check=_equals(5.5)),
+    "bfloat16 value": Row(
+        tt.SumMetric, (torch.tensor([0.1], dtype=torch.bfloat16),), check=_equals(4.0 + 0.10009765625)
+    ),
+    "bfloat16 value on an edge: its own bucket": Row(
+        lambda: tt.HistogramMetric([0.1, 2.0]),
+        (torch.tensor([0.1], dtype=torch.bfloat16),),
+        check=_equals({"bounds": [0.1, 2.0], "counts": [1, 0, 1], "sum": 4.10009765625, "count": 2}),
+    ),
+    "integer values on edges": Row(
+        lambda: tt.HistogramMetric(BINS),
+        (torch.tensor([1, 2, 3]),),
+        check=_equals({"bounds": BINS, "counts": [1, 1, 2], "sum": 10.0, "count": 4}),
+    ),
+    "uint8 targets": Row(
+        tt.AccuracyMetric, (torch.eye(3)[:1], torch.tensor([0], dtype=torch.uint8)), check=_equals(1.0)
+    ),
+    "float into an integer state: sum": Row(
+        lambda: tt.SumMetric(dtype=torch.int64),
+        (0.5,),
+        RuntimeError,
+        "result type Float can't be cast to the desired output type Long",
+        good=(torch.tensor([4]),),
+    ),
+    "float into an integer state: histogram": Row(
+        lambda: tt.HistogramMetric(BINS, dtype=torch.int64),
+        (torch.tensor([0.5]),),
+        RuntimeError,
+        "can't be cast",
+        good=(torch.tensor([4]),),
+    ),
+    "float into an integer state: per-rank": Row(
+        lambda: tt.PerRankMetric(2, 0, dtype=torch.int64),
+        (torch.tensor([0.5]),),
+        RuntimeError,
+        "can't be cast",
+        good=(torch.tensor([4]),),
+    ),
+    # -- devices (`meta` stands in for another device) ------------------------------------------------
+    "weight on another device": Row(
+        tt.WeightedMeanMetric,
+        (torch.ones(2), torch.ones(2, device="meta")),
+        ValueError,
+        "WeightedMeanMetric: weight is on meta, but the metric lives on cpu",
+    ),
+    "0-d value on another device": Row(
+        tt.SumMetric, (torch.tensor(1.0, device="meta"),), ValueError, "SumMetric: value is on meta"
+    ),
+    "logits on another device": Row(
+        tt.AccuracyMetric,
+        (torch.zeros(1, 3, device="meta"), torch.tensor([0])),
+        ValueError,
+        "AccuracyMetric: preds is on meta",
+    ),
+    "targets on another device": Row(
+        lambda: tt.ConfusionMatrixMetric(3),
+        (torch.tensor([0]), torch.tensor([0], device="meta")),
+        ValueError,
+        "ConfusionMatrixMetric: target is on meta",
+    ),
+    "AUROC targets on another device": Row(
+        tt.BinaryAUROCMetric,
+        (torch.tensor([0.5]), torch.tensor([1], device="meta")),
+        ValueError,
+        "BinaryAUROCMetric: target is on meta",
+    ),
+    "histogram values on another device": Row(
+        lambda: tt.HistogramMetric(BINS),
+        (torch.ones(2, device="meta"),),
+        ValueError,
+        "HistogramMetric: value is on",
+    ),
+    # -- non-tensor inputs ----------------------------------------------------------------------------
+    "None value": Row(tt.MinMetric, (None,), TypeError, "MinMetric: value must be a tensor or a number"),
+    "None weight": Row(tt.WeightedMeanMetric, (1.0, None), TypeError, "weight must be a tensor or a number"),
+    "dict value": Row(
+        tt.SumMetric, ({"a": 1.0},), TypeError, "SumMetric: value must be a tensor or a number"
+    ),
+    "ragged list": Row(
+        tt.SumMetric, ([1.0, [2.0]],), TypeError, "value must be a tensor or a number, got list"
+    ),
+    # -- empty batches ---------------------------------------------------------------------------------
+    "empty per-rank batch": Row(lambda: tt.PerRankMetric(2, 0), (torch.empty(0),), check=_equals([4.0, NAN])),
+    "empty min batch": Row(tt.MinMetric, (torch.empty(0),), check=_equals(4.0)),
+    "empty label batch": Row(
+        tt.AccuracyMetric,
+        (torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long)),
+        check=_equals(1.0),
+    ),
+    "empty values with a scalar weight": Row(
+        tt.WeightedMeanMetric, (torch.empty(0), 2.0), check=_equals(1.75)
+    ),
+    # -- labels out of range ------------------------------------------------------------------------------
+    "negative target": Row(
+        tt.AccuracyMetric,
+        (torch.zeros(1, 3), torch.tensor([-1])),
+        ValueError,
+        r"AccuracyMetric: target has labels outside \[0, 3\); set ignore_index",
+    ),
+    "label target above num_classes": Row(
+        lambda: tt.AccuracyMetric(num_classes=3),
+        (torch.tensor([5]), torch.tensor([5])),
+        ValueError,
+        r"target has labels outside \[0, 3\)",
+    ),
+    "ignored target skipped": Row(
+        lambda: tt.AccuracyMetric(ignore_index=-100),
+        (torch.eye(3)[:1], torch.tensor([-100])),
+        check=_total("total", 3),
+    ),
+    "labels without num_classes: compared as given": Row(
+        tt.AccuracyMetric, (torch.tensor([7]), torch.tensor([7])), check=_equals(1.0)
+    ),
+    "confusion ignored target skipped": Row(
+        lambda: tt.ConfusionMatrixMetric(3, ignore_index=-1),
+        (torch.tensor([0]), torch.tensor([-1])),
+        check=_total("matrix", 2),
+    ),
+}
+
+
+@pytest.mark.parametrize("row", ROWS.values(), ids=ROWS.keys())
+def test_bad_input_raises_or_is_handled_and_keeps_what_was_accumulated(row: Row) -> None:
+    metric = row.make()
+    metric.update(*(row.good if row.good is not None else _good_input(metric)))
+    before = states(metric)
+    if row.error is not None:
+        with pytest.raises(row.error, match=row.match):
+            metric.update(*row.args)
+        assert_same_state(before, metric)
+        return
+    metric.update(*row.args)
+    assert row.check is not None
+    row.check(computed(metric), metric)
+
+
+# -- non-tensor inputs give what the same tensors give -----------------------------------------------
+
+NON_TENSOR = {
+    "Python float": (tt.SumMetric, (2.5,), (torch.tensor(2.5),)),
+    "numpy float32 scalar": (tt.MaxMetric, (np.float32(2.5),), (torch.tensor(2.5),)),
+    "numpy int64 scalar": (tt.MinMetric, (np.int64(-3),), (torch.tensor(-3),)),
+    "Python bool": (tt.SumMetric, (True,), (torch.tensor(1.0),)),
+    "numpy arrays, value and weight": (
+        tt.WeightedMeanMetric,
+        (np.array([1.0, 3.0]), np.array([1.0, 2.0])),
+        (torch.tensor([1.0, 3.0]), torch.tensor([1.0, 2.0])),
+    ),
+    "Python list": (lambda: tt.PerRankMetric(2, 1), ([1.0, 2.0],), (torch.tensor([1.0, 2.0]),)),
+    "numpy histogram values": (
+        lambda: tt.HistogramMetric(BINS),
+        (np.array([0.5, 1.0, 2.5], dtype=np.float32),),
+        (torch.tensor([0.5, 1.0, 2.5]),),
+    ),
+    "numpy logits, list targets": (
+        tt.AccuracyMetric,
+        (np.eye(3)[[0, 2]], [0, 1]),
+        (torch.eye(3, dtype=torch.float64)[[0, 2]], torch.tensor([0, 1])),
+    ),
+    "lists of labels": (
+        lambda: tt.ConfusionMatrixMetric(3),
+        ([0, 2], [0, 1]),
+        (torch.tensor([0, 2]), torch.tensor([0, 1])),
+    ),
+    "numpy scores, list targets": (
+        tt.BinaryAUROCMetric,
+        (np.array([0.2, 0.7]), [0, 1]),
+        (torch.tensor([0.2, 0.7], dtype=torch.float64), torch.tensor([0, 1])),
+    ),
+}
+
+
+@pytest.mark.parametrize(("make", "given", "as_tensors"), NON_TENSOR.values(), ids=NON_TENSOR.keys())
+def test_non_tensor_inputs_count_like_the_same_tensors(make, given, as_tensors) -> None:
+    metric, twin = make(), make()
+    metric.update(*given)
+    twin.update(*as_tensors)
+    torch.testing.assert_close(computed(metric), computed(twin), rtol=0, atol=0, equal_nan=True)
+
+
+def test_a_metric_on_another_device_takes_numbers_but_not_host_tensors() -> None:
+    metric = tt.SumMetric().to("meta")
+    for number in (1.0, 3, np.float64(2.0), torch.tensor(1.0)):  # filled on the device, no host copy
+        metric.update(number)
+    with pytest.raises(ValueError, match=r"SumMetric: value is on cpu, but the metric lives on meta"):
+        metric.update(torch.ones(3))
+    assert metric.total.local.device.type == "meta"
+
+
+# -- metric names -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("metrics", "message"),
+    [
+        ({"": tt.SumMetric()}, "metric name '': must be a non-empty string"),
+        ({"train": {"": tt.SumMetric()}}, "segment '' must be non-empty"),
+        ({"a" * 201: tt.SumMetric()}, "201 characters, at most 200 allowed"),
+        ({"lösung": tt.SumMetric()}, "segment 'lösung' must be non-empty and use only letters"),
+        ({'say "hi"': tt.SumMetric()}, "use only letters, digits"),
+        ({"line\nbreak": tt.SumMetric()}, "use only letters, digits"),
+    ],
+    ids=["empty", "empty segment", "too long", "unicode", "quotes", "newline"],
+)
+def test_illegal_metric_names_fail_when_telemetry_is_built(metrics: dict, message: str) -> None:
+    with pytest.raises(tt.InvalidMetricNameError, match=message):
+        tt.Telemetry(metrics, [], signals=False)
+
+
+def test_the_longest_legal_name_is_accepted() -> None:
+    name = "a" * 200
+    with tt.Telemetry({name: tt.SumMetric()}, [], signals=False) as telemetry:
+        assert [d.name for d in telemetry.descriptors] == [name]
+
+
+def test_names_that_one_backend_cannot_tell_apart_fail_when_telemetry_is_built() -> None:
+    metrics = {"train": {"loss-x": tt.SumMetric(), "loss_x": tt.SumMetric()}}
+    with pytest.raises(
+        tt.NameCollisionError, match=r"\['train/loss-x', 'train/loss_x'\] -> 'torchtelemetry_train_loss_x'"
+    ):
+        tt.Telemetry(metrics, [PrometheusExporter(port=None, registry=CollectorRegistry())], signals=False)
+
+
+# -- label values and a bad update in the loop -----------------------------------------------------------
+
+AWKWARD_LABELS = {'quote "q"': 1.0, "new\nline": 2.0, "ünïcødé ✓": 3.0, "back\\slash": 4.0}
+
+
+def test_awkward_label_values_and_run_id_reach_jsonl_intact(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    run_id = 'run "7"\nü'
+    with tt.Telemetry(
+        {"x": tt.SumMetric()}, [tt.JsonlExporter(path)], signals=False, run_id=run_id
+    ) as telemetry:
+        telemetry.log({"eval/score": AWKWARD_LABELS}, step=3)
+    (record,) = [json.loads(line) for line in path.read_text().splitlines()]
+    assert record["run_id"] == run_id
+    assert record["values"]["eval/score"] == AWKWARD_LABELS
+
+
+def test_a_bad_update_inside_the_loop_loses_nothing_already_accumulated(tmp_path: Path) -> None:
+    metrics = {"loss": tt.WeightedMeanMetric(), "tokens": tt.SumMetric(kind="counter")}
+    with tt.Telemetry(metrics, [], every=2, signals=False) as telemetry:
+        for step in range(4):
+            metrics["loss"].update(torch.tensor(float(step)), 2.0)
+            metrics["tokens"].update(10.0)
+            with pytest.raises(ValueError, match="weight must be non-negative"):
+                metrics["loss"].update(torch.tensor([1.0, 1.0]), torch.tensor([1.0, -1.0]))
+            with pytest.raises(ValueError, match="a counter cannot decrease"):
+                metrics["tokens"].update(-5.0)
+            telemetry.step(step)
+        telemetry.flush()
+        assert telemetry.latest == {"loss": 2.5, "tokens": 40.0}
+        assert not math.isnan(telemetry.latest["loss"])
