@@ -295,6 +295,9 @@ ROWS: dict[str, Row] = {
     "labels without num_classes: compared as given": Row(
         tt.AccuracyMetric, (torch.tensor([7]), torch.tensor([7])), check=_equals(1.0)
     ),
+    "AUROC scores outside [0, 1]: clamped": Row(
+        tt.BinaryAUROCMetric, (torch.tensor([-0.5, 1.5]), torch.tensor([0, 1])), check=_equals(1.0)
+    ),
     "confusion ignored target skipped": Row(
         lambda: tt.ConfusionMatrixMetric(3, ignore_index=-1),
         (torch.tensor([0]), torch.tensor([-1])),
