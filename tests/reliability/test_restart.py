@@ -111,12 +111,15 @@ def _reports(path: Path) -> dict[int, dict[str, Any]]:
 @pytest.mark.timeout(300)
 def test_a_run_killed_after_a_checkpoint_continues_exactly_where_it_left_off(tmp_path: Path) -> None:
     reference_out = tmp_path / "reference.jsonl"
-    _finish(_launch(tmp_path / "reference", "reference", reference_out, []))
-
     killed_out, resumed_out = tmp_path / "killed.jsonl", tmp_path / "resumed.jsonl"
-    _kill_when_stalled(
-        _launch(tmp_path, "killed", killed_out, ["--stall-after", str(STALL_AFTER)]), killed_out
-    )
+    # The uninterrupted reference (own directory) runs alongside the run that gets killed.
+    reference_run = _launch(tmp_path / "reference", "reference", reference_out, [])
+    try:
+        _kill_when_stalled(
+            _launch(tmp_path, "killed", killed_out, ["--stall-after", str(STALL_AFTER)]), killed_out
+        )
+    finally:
+        _finish(reference_run)
     checkpoints = sorted(path.name for path in (tmp_path / "checkpoints").iterdir())
     assert checkpoints == ["step_3", f"step_{CHECKPOINT_STEP}"]
     _finish(_launch(tmp_path, "resumed", resumed_out, ["--resume"]))
