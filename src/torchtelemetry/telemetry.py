@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from torchtelemetry._signals import SAMPLES, TOKENS, TrainingSignals, WindowTiming
-from torchtelemetry.collect import AsyncMetricCollector
+from torchtelemetry.collect import AsyncMetricCollector, CollectionError
 from torchtelemetry.export import (
     Exporter,
     ExportHub,
@@ -135,6 +135,7 @@ class Telemetry:
         """The last exported values (running totals for counters), on every rank."""
         self.latest_step: int | None = None
         self._logged: dict[int, list[tuple[int, dict[str, ScalarValue], float]]] = {}
+        self._failure: CollectionError | None = None
         self._closed = False
 
     def _describe(self, metrics: Any, signal_metrics: Any) -> list[MetricDescriptor]:
@@ -234,7 +235,11 @@ class Telemetry:
         while self._collector.pending and (block or self._collector.ready()):
             if limit is not None and collected >= limit:
                 return
-            results = self._collector.collect_results_by_metric()
+            try:
+                results = self._collector.collect_results_by_metric()
+            except CollectionError as error:
+                self._failure = error
+                raise
             timing = self._windows.popleft()
             self._publish(timing, [result for _, result in results])
             collected += 1
@@ -286,13 +291,18 @@ class Telemetry:
         return self.hub.force_flush(timeout_s)
 
     def close(self, timeout_s: float = 30.0) -> None:
-        """Collect and export the last partial window, then close every exporter. Idempotent."""
+        """Collect and export the last partial window, then close every exporter. Idempotent.
+
+        After a failed collection (a rank died or diverged) nothing more is collected: close
+        only releases the collector and flushes what was already exported.
+        """
         if self._closed:
             return
         try:
-            if self._steps_in_window:
-                self._schedule()
-            self._drain(block=True)
+            if self._failure is None:
+                if self._steps_in_window:
+                    self._schedule()
+                self._drain(block=True)
         finally:
             self._closed = True
             self._collector.unbind(timeout_s=timeout_s)
@@ -301,6 +311,10 @@ class Telemetry:
     def _require_open(self, op: str) -> None:
         if self._closed:
             raise RuntimeError(f"Telemetry.{op}: telemetry is closed; create a new Telemetry")
+        if self._failure is not None:
+            raise RuntimeError(
+                f"Telemetry.{op}: stopped after a failed collection ({self._failure}); call close()"
+            ) from self._failure
 
     def __enter__(self) -> Telemetry:
         return self

@@ -186,6 +186,8 @@ def _killed_rank(rank: int, world_size: int) -> dict[str, Any]:
     if rank == 1:
         os.kill(os.getpid(), signal.SIGKILL)  # an OOM-killed or crashed rank: no cleanup, no goodbye
     error = _train(telemetry, metrics, range(4, 200))
+    with pytest.raises(RuntimeError, match="stopped after a failed collection"):
+        telemetry.step(10_001)  # the peers are gone: no further collection is attempted
     return {"error": error, **_close(telemetry)}
 
 
@@ -202,5 +204,6 @@ def test_a_killed_rank_gives_the_survivor_a_clear_error_and_close_returns(
     assert "collector's process group (ranks [0, 1]) failed: a rank may have died" in error["message"]
     assert error["elapsed_s"] < NOT_A_HANG_S
     assert survivor["close_s"] < NOT_A_HANG_S
+    assert survivor["close_error"] is None, "close() after a failed collection only releases resources"
     assert survivor["threads"] == [] and survivor["children"] == []
     assert _exported_steps(path)[:2] == [1, 3]
