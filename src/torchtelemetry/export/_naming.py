@@ -9,7 +9,7 @@ metric tree is known, and duplicates raise one `NameCollisionError` listing all.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 from torchtelemetry.export._protocol import MetricDescriptor
 from torchtelemetry.metric import MetricKind
@@ -22,6 +22,7 @@ __all__ = [
     "InvalidMetricNameError",
     "NameCollisionError",
     "check_unique",
+    "merge_descriptors",
     "otel_name",
     "otel_unit",
     "prometheus_label_name",
@@ -137,6 +138,21 @@ def wandb_name(descriptor: MetricDescriptor) -> str:
 def wandb_label_name(descriptor: MetricDescriptor, label_value: str) -> str:
     """One W&B key per label value: `perf/step_time` at rank "0" -> `perf/step_time/rank_0`."""
     return f"{wandb_name(descriptor)}/{descriptor.label_name or 'label'}_{label_value}"
+
+
+def merge_descriptors(
+    known: Mapping[str, MetricDescriptor],
+    descriptors: Iterable[MetricDescriptor],
+    mapper: Callable[[MetricDescriptor], str],
+    backend: str,
+    *,
+    reserved: Iterable[MetricDescriptor] = (),
+) -> dict[str, MetricDescriptor]:
+    """`known` with `descriptors` added or replaced by path, checked with `check_unique`
+    (together with the backend's `reserved` names); raises before anything changes."""
+    merged = {**known, **{descriptor.name: descriptor for descriptor in descriptors}}
+    check_unique([*merged.values(), *reserved], mapper, backend)
+    return merged
 
 
 def check_unique(

@@ -30,7 +30,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from torchtelemetry.export._naming import STEP_METRIC, check_unique, otel_name, otel_unit
+from torchtelemetry.export._naming import STEP_METRIC, merge_descriptors, otel_name, otel_unit
 from torchtelemetry.export._protocol import ExportResult, HistogramValue, MetricDescriptor, RunInfo, Scalars
 from torchtelemetry.metric import MetricKind
 
@@ -184,9 +184,9 @@ class OTelExporter:
     def describe(self, descriptors: Sequence[MetricDescriptor], run: RunInfo) -> None:
         """Learn the names (collisions raise `NameCollisionError`); the first call creates the OTLP client."""
         with self._lock:
-            merged = {**self._descriptors, **{d.name: d for d in descriptors}}
-            check_unique([*merged.values(), STEP_METRIC], otel_name, "OpenTelemetry")
-            self._descriptors = merged
+            self._descriptors = merge_descriptors(
+                self._descriptors, descriptors, otel_name, "OpenTelemetry", reserved=[STEP_METRIC]
+            )
             if not self._started:
                 self._started = True
                 self._start(run)

@@ -21,7 +21,7 @@ from torchtelemetry.export._naming import (
     NAMESPACE,
     STEP_METRIC,
     NameCollisionError,
-    check_unique,
+    merge_descriptors,
     prometheus_label_name,
     prometheus_name,
 )
@@ -80,10 +80,11 @@ class PrometheusCollector:
 
     def set_descriptors(self, descriptors: Sequence[MetricDescriptor], run: RunInfo) -> None:
         """Add (or replace, by path) the descriptors; raise `NameCollisionError` on any clash."""
-        merged = {path: series.descriptor for path, series in self._series.items()}
-        merged.update((descriptor.name, descriptor) for descriptor in descriptors)
+        known = {path: series.descriptor for path, series in self._series.items()}
+        merged = merge_descriptors(
+            known, descriptors, lambda d: prometheus_name(d, self._namespace), "Prometheus"
+        )
         series = {path: self._make_series(descriptor) for path, descriptor in merged.items()}
-        check_unique(merged.values(), lambda d: prometheus_name(d, self._namespace), "Prometheus")
         self._check_exposition(series)
         with self._lock:
             self._series = series

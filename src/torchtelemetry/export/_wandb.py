@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from torchtelemetry.export._hub import FailureLog
-from torchtelemetry.export._naming import check_unique, wandb_label_name, wandb_name
+from torchtelemetry.export._naming import merge_descriptors, wandb_label_name, wandb_name
 from torchtelemetry.export._protocol import ExportResult, HistogramValue, MetricDescriptor, RunInfo, Scalars
 
 __all__ = ["WandbExporter", "histogram_edges"]
@@ -126,15 +126,13 @@ class WandbExporter:
     def describe(self, descriptors: Sequence[MetricDescriptor], run: RunInfo) -> None:
         """Learn the names (collisions raise `NameCollisionError`); the first call starts the W&B run."""
         with self._lock:
-            merged = {**self._descriptors, **{d.name: d for d in descriptors}}
-            check_unique(merged.values(), wandb_name, "W&B")
-            self._descriptors = merged
+            self._descriptors = merge_descriptors(self._descriptors, descriptors, wandb_name, "W&B")
             if not self._started:
                 self._started = True
                 self._start(run)
 
     def export(self, step: int, scalars: Scalars, timestamp: float) -> ExportResult:
-        """`run.log(row, step=step)`; FAILURE (logged, counted) for a step not above the last one."""
+        """`run.log(row, step=step)`; FAILURE (logged, counted) for a step below the last one."""
         with self._lock:
             if self._closed:
                 logger.warning("WandbExporter %r: export after close() ignored", self.name)
