@@ -6,6 +6,7 @@ import datetime
 import os
 import queue
 import shutil
+import signal
 import socket
 import tempfile
 import traceback
@@ -66,11 +67,13 @@ def run_ranks(
     timeout_s: float = 120.0,
     pg_timeout_s: float = 60.0,
     env: dict[str, str] | None = None,
+    victim: int | None = None,
 ) -> list[Any]:
     """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; return the per-rank results.
 
     `fn` must be importable (module level). Raises `RankFailed` if a rank raised,
     `TimeoutError` (after killing every rank) if the ranks did not finish in time.
+    Rank `victim`, if given, must die by SIGKILL without reporting; its result is None.
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -88,8 +91,9 @@ def run_ranks(
     for proc in procs:
         proc.start()
     outcomes: dict[int, tuple[bool, Any]] = {}
+    expected = world_size if victim is None else world_size - 1
     try:
-        while len(outcomes) < world_size:
+        while len(outcomes) < expected:
             try:
                 rank, ok, value = results.get(timeout=timeout_s)
             except queue.Empty:
@@ -97,6 +101,11 @@ def run_ranks(
                     f"ranks {sorted(set(range(world_size)) - set(outcomes))} did not finish in {timeout_s}s"
                 ) from None
             outcomes[rank] = (ok, value)
+        if victim is not None:
+            procs[victim].join(timeout=timeout_s)
+            if procs[victim].exitcode != -signal.SIGKILL:
+                raise AssertionError(f"rank {victim} ended with {procs[victim].exitcode}, expected SIGKILL")
+            outcomes[victim] = (True, None)
     finally:
         for proc in procs:
             proc.join(timeout=10)

@@ -3,18 +3,15 @@
 from __future__ import annotations
 
 import os
-import shutil
 import signal
-import tempfile
 import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import torchtelemetry as tt
-from tests.distributed import _entry, run_ranks
+from tests.distributed import run_ranks
 from torchtelemetry.collect import AsyncMetricCollector, CollectionError
 from torchtelemetry.sync import LayoutMismatchError
 
@@ -112,41 +109,8 @@ def _victim_rank(rank: int, world_size: int) -> dict[str, Any]:
     return outcome
 
 
-def _run_with_victim(fn: Any, world_size: int, victim: int, timeout_s: float) -> dict[int, Any]:
-    """`run_ranks`, except that rank `victim` is expected to die without reporting; the others' results."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    rendezvous_dir = tempfile.mkdtemp(prefix="torchtelemetry-rdzv-")
-    procs = [
-        ctx.Process(
-            target=_entry,
-            args=(fn, rank, world_size, os.path.join(rendezvous_dir, "store"), results, (), {}, 60.0),
-            daemon=True,
-        )
-        for rank in range(world_size)
-    ]
-    for proc in procs:
-        proc.start()
-    outcomes: dict[int, Any] = {}
-    try:
-        while len(outcomes) < world_size - 1:
-            rank, ok, value = results.get(timeout=timeout_s)
-            assert ok, f"rank {rank} raised: {value}"
-            outcomes[rank] = value
-        procs[victim].join(timeout=timeout_s)
-        assert procs[victim].exitcode == -signal.SIGKILL
-    finally:
-        for proc in procs:
-            proc.join(timeout=10)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-        shutil.rmtree(rendezvous_dir, ignore_errors=True)
-    return outcomes
-
-
 def test_a_killed_rank_gives_the_others_a_clear_error_within_the_timeout() -> None:
-    outcome = _run_with_victim(_victim_rank, 2, victim=1, timeout_s=120)[0]
+    outcome = run_ranks(_victim_rank, 2, victim=1, timeout_s=120)[0]
     assert outcome["first"] == 3.0  # both ranks' first window, before the kill
     assert outcome["type"] == "CollectionError", outcome
     assert "window 1" in outcome["message"]

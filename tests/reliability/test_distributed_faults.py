@@ -20,7 +20,6 @@ import torch
 import torch.distributed as dist
 
 import torchtelemetry as tt
-from tests.collect.test_collector_failures import _run_with_victim
 from tests.distributed import run_ranks
 from torchtelemetry.collect import CollectionError
 from torchtelemetry.sync import LayoutMismatchError
@@ -197,7 +196,7 @@ def test_a_killed_rank_gives_the_survivor_a_clear_error_and_close_returns(
 ) -> None:
     path = str(tmp_path / "metrics.jsonl")
     monkeypatch.setenv("TORCHTELEMETRY_TEST_JSONL", path)  # spawned ranks inherit the environment
-    survivor = _run_with_victim(_killed_rank, 2, victim=1, timeout_s=150)[0]
+    survivor = run_ranks(_killed_rank, 2, victim=1, timeout_s=150)[0]
     error = survivor["error"]
     assert error is not None, "rank 0 trained on although rank 1 was killed"
     assert error["type"] == "CollectionError"
