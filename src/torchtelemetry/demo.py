@@ -419,8 +419,9 @@ def run(config: DemoConfig) -> int:
 
     previous = signal.signal(signal.SIGINT, forward_interrupt)
     try:
-        while not context.join():
-            pass
+        finished = False
+        while not finished:  # join() returns False while some rank is still running
+            finished = context.join()
     except mp.ProcessExitedException as error:
         print(f"torchtelemetry demo: {error}", file=sys.stderr)
         return 1
