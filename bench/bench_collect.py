@@ -2,7 +2,7 @@
 
 Run from the repository root (2 gloo ranks on this machine's CPUs):
 
-    .venv/bin/python -m bench.bench_collect [--metrics 128] [--windows 200] [--reps 15] [--steps 200]
+    .venv/bin/python -m bench.bench_collect [--metrics 128] [--windows 200] [--reps 30] [--steps 100]
 
 1. **schedule vs blocking**: 128 metrics (weighted mean / sum / max / min, cycling). Per
    window every metric gets one update, then rank 0 times, alternately, the main thread's
@@ -15,7 +15,8 @@ Run from the repository root (2 gloo ranks on this machine's CPUs):
    and the same metrics collected every 10 steps (`schedule_collection()`, results read
    whenever `ready()`, the way `Telemetry.step` does), optionally also collecting 124 more
    idle metrics. The variants run interleaved in the same processes, `--reps` repetitions of
-   `--steps` steps each, rotating their order; medians are compared.
+   `--steps` steps each, rotating their order; the overhead is the median over repetitions of
+   the slowdown against "no metrics" in the same repetition.
 """
 
 from __future__ import annotations
@@ -145,7 +146,12 @@ def _run_variant(loop: _Loop, variant: str, steps: int, state: dict[str, Any]) -
     return steps / elapsed
 
 
-def _training_loop(rank: int, reps: int, steps: int, width: int, batch: int, idle: int) -> dict[str, float]:
+def _training_loop(
+    rank: int, reps: int, steps: int, width: int, batch: int, idle: int
+) -> dict[str, tuple[float, float, float]]:
+    """Per variant: the median steps/s, and the median over repetitions of the slowdown against
+    "no metrics" and against "updates only" run in the same repetition (paired, so that load
+    changes on a shared machine cancel out)."""
     loop = _Loop(rank, width, batch)
     state: dict[str, Any] = {"updates only": (_design_metrics(), None)}
     collected = _design_metrics()
@@ -164,7 +170,18 @@ def _training_loop(rank: int, reps: int, steps: int, width: int, batch: int, idl
     for _, collector in state.values():
         if collector is not None:
             collector.unbind()
-    return {variant: statistics.median(values) for variant, values in rates.items()}
+
+    def slowdown(values: list[float], reference: list[float]) -> float:
+        return statistics.median(1 - rate / base for rate, base in zip(values, reference, strict=True))
+
+    return {
+        variant: (
+            statistics.median(values),
+            slowdown(values, rates["no metrics"]),
+            slowdown(values, rates["updates only"]),
+        )
+        for variant, values in rates.items()
+    }
 
 
 def _bench_rank(rank: int, world_size: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -186,12 +203,12 @@ def _report(result: dict[str, Any], args: argparse.Namespace) -> str:
         f"({schedule['schedule_cpu_us'] / schedule['blocking_us']:.1%}) |",
         f"| `sync_metrics` + `compute()` + `.item()`s | {schedule['blocking_us']:.0f} |",
         "",
-        f"| training loop (MLP width {args.width}, batch {args.batch}, DDP) | steps/s (median) | overhead |",
-        "|---|---|---|",
+        f"| training loop (MLP width {args.width}, batch {args.batch}, DDP) | steps/s "
+        "| overhead vs no metrics | vs updates only |",
+        "|---|---|---|---|",
     ]
-    base = result["loop"]["no metrics"]
-    for variant, rate in result["loop"].items():
-        lines.append(f"| {variant} | {rate:.1f} | {1 - rate / base:+.1%} |")
+    for variant, (rate, overhead, collection) in result["loop"].items():
+        lines.append(f"| {variant} | {rate:.1f} | {overhead:+.1%} | {collection:+.1%} |")
     return "\n".join(lines)
 
 
@@ -199,8 +216,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--metrics", type=int, default=128)
     parser.add_argument("--windows", type=int, default=200)
-    parser.add_argument("--reps", type=int, default=15)
-    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--idle", type=int, default=124, help="extra idle metrics collected (0: skip)")
