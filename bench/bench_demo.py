@@ -38,19 +38,20 @@ from torchtelemetry.demo import (
 )
 
 
-def _exporters(otlp_endpoint: str, workdir: str) -> list[Any]:
+def _exporters(names: list[str], otlp_endpoint: str, workdir: str) -> list[Any]:
     os.environ.update(
         OTEL_EXPORTER_OTLP_ENDPOINT=otlp_endpoint,
         WANDB_DIR=workdir,
         WANDB_SILENT="true",
         WANDB_MODE="offline",
     )
-    return [
-        tt.PrometheusExporter(port=0),
-        tt.OTelExporter(),
-        tt.WandbExporter(project="bench"),
-        tt.JsonlExporter(os.path.join(workdir, "metrics.jsonl")),
-    ]
+    build = {
+        "prometheus": lambda: tt.PrometheusExporter(port=0),
+        "otlp": tt.OTelExporter,
+        "wandb": lambda: tt.WandbExporter(project="bench"),
+        "jsonl": lambda: tt.JsonlExporter(os.path.join(workdir, "metrics.jsonl")),
+    }
+    return [build[name]() for name in names]
 
 
 def _rank(rank: int, world_size: int, args: argparse.Namespace, otlp_endpoint: str, workdir: str) -> Any:
@@ -61,7 +62,8 @@ def _rank(rank: int, world_size: int, args: argparse.Namespace, otlp_endpoint: s
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
     generator = torch.Generator().manual_seed(rank)
     metrics = build_metrics()
-    telemetry = tt.Telemetry(metrics, _exporters(otlp_endpoint, workdir), every=args.every, run_id="bench")
+    exporters = _exporters(args.exporters, otlp_endpoint, workdir)
+    telemetry = tt.Telemetry(metrics, exporters, every=args.every, run_id="bench")
 
     rates: dict[str, list[float]] = {"bare": [], "telemetry": []}
     step = 0
@@ -92,6 +94,12 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=6, help="measured blocks per variant")
     parser.add_argument("--steps-per-block", type=int, default=60)
     parser.add_argument("--every", type=int, default=10)
+    parser.add_argument(
+        "--exporters",
+        type=lambda text: [name for name in text.split(",") if name],
+        default=["prometheus", "otlp", "wandb", "jsonl"],
+        help="comma-separated subset of prometheus,otlp,wandb,jsonl ('' for none)",
+    )
     args = parser.parse_args()
     with OtlpHttpReceiver() as receiver, tempfile.TemporaryDirectory() as workdir:
         results = run_ranks(_rank, 2, args, receiver.endpoint, workdir, timeout_s=3600)
