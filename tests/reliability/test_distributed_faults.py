@@ -183,6 +183,7 @@ def _killed_rank(rank: int, world_size: int) -> dict[str, Any]:
     first = _train(telemetry, metrics, range(4))
     assert first is None, first
     if rank == 1:
+        telemetry.flush()  # its windows up to step 3 complete on both ranks before it dies
         os.kill(os.getpid(), signal.SIGKILL)  # an OOM-killed or crashed rank: no cleanup, no goodbye
     error = _train(telemetry, metrics, range(4, 200))
     with pytest.raises(RuntimeError, match="stopped after a failed collection"):
