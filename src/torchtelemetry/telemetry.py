@@ -352,11 +352,9 @@ class Telemetry:
         if missing:
             raise ValueError(f"Telemetry.load_state_dict: no saved state for metrics {missing}")
         for name, metric in self._leaves:
-            if name in saved:  # signal states are absent from checkpoints of older versions
+            if name in saved:  # a checkpoint taken with signals=False has no signal states
                 metric.load_state_dict(saved[name])
-        counters = state.get("counters", {})
-        if isinstance(counters, str):
-            counters = json.loads(counters)
+        counters = json.loads(state.get("counters", "{}"))
         self._totals = {name: _restore_total(total) for name, total in counters.items()}
         if self._signals is not None:
             self._signals.load_state_dict(state.get("signals", {}))
