@@ -95,19 +95,29 @@ class TrainingSignals:
     # -- per window ----------------------------------------------------------------------
 
     def flush_to_device(self) -> None:
-        """Hand the host accumulators to the metrics: one small host-to-device copy per window."""
-        if self._step_times:
-            self.step_time.update(_to_device(self._step_times, self.device))
-            self._step_times = []
-        host_values = [self._host_counts[TOKENS], self._host_counts[SAMPLES], _peak_memory(self.device)]
-        if self._learning_rate is not None:
-            host_values.append(self._learning_rate)
-        values = _to_device(host_values, self.device)
-        self.tokens.update(values[0])
-        self.samples.update(values[1])
-        self.peak_memory.update(values[2])
-        if self._learning_rate is not None:
-            self.learning_rate.update(values[3])
+        """Hand the host accumulators to the metrics: one small host-to-device copy per window.
+
+        The values are the signals' own, already checked on the host, so they go straight
+        into the accumulators.
+        """
+        learning_rate = float("-inf") if self._learning_rate is None else self._learning_rate
+        values = _to_device(
+            [
+                sum(self._step_times),
+                len(self._step_times),
+                self._host_counts[TOKENS],
+                self._host_counts[SAMPLES],
+                _peak_memory(self.device),
+                learning_rate,
+            ],
+            self.device,
+        )
+        self.step_time.update_total(values[0], values[1])
+        self.tokens.total.update(values[2])
+        self.samples.total.update(values[3])
+        self.peak_memory.extremum.update(values[4])
+        self.learning_rate.extremum.update(values[5])
+        self._step_times = []
         self._host_counts = {TOKENS: 0.0, SAMPLES: 0.0}
 
     def descriptors(self, described: list[MetricDescriptor]) -> list[MetricDescriptor]:

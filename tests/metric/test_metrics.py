@@ -592,3 +592,13 @@ def test_load_state_dict_rejects_missing_extra_and_misshaped_keys_without_change
     with pytest.raises(TypeError, match="HistogramMetric: saved state must be a tensor"):
         metric.load_state_dict({**{k: v * 0 for k, v in good.items()}, "count": "nope"})
     assert_same_state(before, metric)
+
+
+def test_per_rank_update_total_adds_a_presummed_total_to_this_ranks_slot() -> None:
+    metric = tt.PerRankMetric(3, 1)
+    metric.update_total(torch.tensor(6.0, dtype=torch.float64), torch.tensor(3.0, dtype=torch.float64))
+    metric.update(torch.tensor([2.0]))
+    metric.sync()
+    means = metric.compute().tolist()
+    assert means[1] == 2.0  # (6 + 2) / (3 + 1)
+    assert np.isnan(means[0]) and np.isnan(means[2])

@@ -172,6 +172,12 @@ class PerRankMetric(Metric):
         self.sums.update(self.slot * value.sum())
         self.counts.update(self.slot * (value.numel() if mask is None else mask.sum()))
 
+    def update_total(self, total: torch.Tensor, count: torch.Tensor) -> None:
+        """Add `count` values already summed to `total` (0-d tensors on the metric's device), e.g.
+        host timings accumulated over a window; no checks, no reduction."""
+        self.sums.update(self.slot * total)
+        self.counts.update(self.slot * count)
+
     def compute(self) -> torch.Tensor:
         """One mean per rank; NaN for a rank that reported nothing."""
         return self.sums.value / self.counts.value
