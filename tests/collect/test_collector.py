@@ -456,3 +456,36 @@ def test_metrics_changed_after_bind_are_picked_up() -> None:
         metric.update(torch.tensor(4.0))
         collector.schedule_collection()
         assert collector.collect_results() == 4.0
+
+
+def test_bind_keeps_values_and_the_local_storage_then_stays_put() -> None:
+    metrics = {"loss": tt.WeightedMeanMetric(), "worst": tt.MaxMetric(), "best": tt.MinMetric()}
+    metrics["loss"].update(torch.tensor(3.0), 2.0)  # before bind: must land in the first window
+    metrics["worst"].update(torch.tensor(-1.0))
+    collector = AsyncMetricCollector(metrics).bind()
+    pointers = {
+        name: [acc.local.data_ptr() for acc in metric.accumulators.values()]
+        for name, metric in metrics.items()
+    }
+    for window in range(3):
+        metrics["loss"].update(torch.tensor(1.0), 2.0)
+        metrics["best"].update(torch.tensor(float(window)))
+        collector.schedule_collection()
+        results = collector.collect_results()
+        assert results["loss"] == (2.0 if window == 0 else 1.0)
+        assert results["worst"] == (-1.0 if window == 0 else -math.inf)
+        assert results["best"] == float(window)
+    # A CUDA graph captured after bind() replays against these addresses: they never change.
+    assert pointers == {
+        name: [acc.local.data_ptr() for acc in metric.accumulators.values()]
+        for name, metric in metrics.items()
+    }
+    collector.unbind()
+
+
+def test_adopt_refuses_storage_of_another_shape_or_dtype() -> None:
+    accumulator = tt.MetricAccumulator(torch.zeros(3), "sum", dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"storage is torch.float32\(3,\), expected torch.float64\(3,\)"):
+        accumulator.adopt(torch.zeros(3, dtype=torch.float32))
+    with pytest.raises(ValueError, match=r"expected torch.float64\(3,\)"):
+        accumulator.adopt(torch.zeros(4, dtype=torch.float64))

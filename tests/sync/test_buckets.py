@@ -60,6 +60,22 @@ def test_pack_unpack_round_trip(layout_entries) -> None:
         assert torch.equal(output, original.reshape(-1))
 
 
+@given(layout_entries=entries())
+def test_entries_kept_in_flat_storage_pack_like_separate_tensors(layout_entries) -> None:
+    layout = BucketLayout(layout_entries)
+    tensors = [tensor for _, tensor, _ in layout_entries]
+    storage = layout.storage(tensors)
+    views = layout.views(storage)
+    for original, view in zip(tensors, views, strict=True):
+        assert view.shape == original.shape and torch.equal(view, original)
+        assert any(
+            view.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() for b in storage.values()
+        )
+    packed, from_storage = layout.pack(tensors), layout.pack_storage(storage)
+    assert all(torch.equal(packed[key], from_storage[key]) for key in packed)
+    assert all(torch.equal(view, original) for view, original in zip(views, tensors, strict=True))
+
+
 @settings(max_examples=60, deadline=None)
 @given(layout_entries=entries(), ranks=st.integers(2, 4))
 def test_reducing_packed_buffers_equals_reducing_each_tensor(layout_entries, ranks) -> None:

@@ -20,6 +20,7 @@ from torchtelemetry.collect._results import to_python
 from torchtelemetry.metric import Metric, MetricAccumulator
 from torchtelemetry.metric._accumulator import layout_generation, window_state
 from torchtelemetry.sync import (
+    BucketKey,
     BucketLayout,
     GroupLike,
     LayoutMismatchError,
@@ -46,28 +47,26 @@ class _Window:
 
 @dataclass(frozen=True, slots=True)
 class _Plan:
-    """What a snapshot needs, built once at bind(): the main thread then only packs and resets."""
+    """What a snapshot needs, built at bind(): every local state lives in one flat buffer per
+    bucket, so a snapshot is one copy and a reset one copy per bucket, however many states."""
 
     layout: BucketLayout
     accumulators: tuple[MetricAccumulator, ...]
-    locals: tuple[torch.Tensor, ...]
-    """Flat views of the local states (packing them needs no reshape per window)."""
-    zeroed: tuple[torch.Tensor, ...]
-    """The `locals` whose initial state is all zeros (sums): reset with one `_foreach_zero_`."""
-    copied: tuple[torch.Tensor, ...]
-    """The other `locals` (max, min, custom starts): reset by copying `initials` into them."""
-    initials: tuple[torch.Tensor, ...]
-    """Flat views of the initial states of `copied`."""
+    storage: dict[BucketKey, torch.Tensor]
+    """The flat buffers the accumulators keep their local state in (`MetricAccumulator.adopt`)."""
+    initials: dict[BucketKey, torch.Tensor]
+    """The initial states, laid out like `storage`."""
     device: torch.device
     generation: int
     """`layout_generation()` when built; a metric moved or re-registered since makes it stale."""
 
+    def snapshot(self) -> dict[BucketKey, torch.Tensor]:
+        """The packed buffers of the current local states."""
+        return self.layout.pack_storage(self.storage)
+
     def reset(self) -> None:
-        """Restore every local state to its initial value, in place (two calls, however many states)."""
-        if self.zeroed:
-            torch._foreach_zero_(self.zeroed)
-        if self.copied:
-            torch._foreach_copy_(self.copied, self.initials)
+        """Restore every local state to its initial value, in place."""
+        torch._foreach_copy_(list(self.storage.values()), list(self.initials.values()))
 
     @classmethod
     def build(cls, named: list[tuple[str, Metric]]) -> _Plan:
@@ -81,21 +80,16 @@ class _Plan:
                 "move them to one device with metric.to(device) first"
             )
         accumulators = [acc for _, acc in states]
-        device = devices.pop() if devices else torch.device("cpu")
-        # On CPU, where each reset op costs per state, states starting at zero (sums) get the cheaper
-        # zero_. Reading the initial states is a host read: on accelerators every state is copied (a
-        # fused foreach op there), so that building a plan never syncs with the device.
-        starts_at_zero = {id(acc): device.type == "cpu" and not acc.initial.any() for acc in accumulators}
-        zero = [acc for acc in accumulators if starts_at_zero[id(acc)]]
-        other = [acc for acc in accumulators if not starts_at_zero[id(acc)]]
+        layout = BucketLayout([(name, acc.local, acc.reduce_op) for name, acc in states])
+        storage = layout.storage([acc.local for acc in accumulators])
+        for accumulator, view in zip(accumulators, layout.views(storage), strict=True):
+            accumulator.adopt(view)
         return cls(
-            layout=BucketLayout([(name, acc.local, acc.reduce_op) for name, acc in states]),
+            layout=layout,
             accumulators=tuple(accumulators),
-            locals=tuple(acc.local.view(-1) for acc in accumulators),
-            zeroed=tuple(acc.local.view(-1) for acc in zero),
-            copied=tuple(acc.local.view(-1) for acc in other),
-            initials=tuple(acc.initial.reshape(-1) for acc in other),
-            device=device,
+            storage=storage,
+            initials=layout.storage([acc.initial for acc in accumulators]),
+            device=devices.pop() if devices else torch.device("cpu"),
             generation=layout_generation(),
         )
 
@@ -150,6 +144,8 @@ class AsyncMetricCollector:
         """Prepare the executor (worker thread; side stream and events on CUDA) and the process group.
 
         Collective across the ranks of `group` when torch.distributed is initialized.
+        Moves every local state into one flat buffer per bucket (values kept): capture
+        CUDA graphs of `update()` after `bind()`.
         """
         if self._state == "bound":
             raise RuntimeError("AsyncMetricCollector.bind: already bound; call unbind() before binding again")
@@ -255,7 +251,7 @@ class AsyncMetricCollector:
             )
         pg = self._bound_group if group is None else self._dedicated_group(group)
         plan = self._current_plan()
-        snapshot = plan.layout.pack(plan.locals)
+        snapshot = plan.snapshot()
         plan.reset()
         fence = executor.fence()
         future = executor.submit(self._collect, executor, plan, snapshot, fence, pg)

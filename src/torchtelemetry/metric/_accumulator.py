@@ -120,8 +120,10 @@ class MetricAccumulator:
     """A local tensor updated in place every step, plus the synchronized copy.
 
     The local tensor keeps its storage for the life of the accumulator (only
-    `to()` moves it), so a CUDA graph that captured `update()` stays attached.
-    `value` is the synchronized state filled by `sync()`.
+    `to()` and `adopt()` move it, both set-up steps: `AsyncMetricCollector.bind()`
+    adopts every state into one flat buffer per bucket), so a CUDA graph that
+    captured `update()` after set-up stays attached. `value` is the synchronized
+    state filled by `sync()`.
     """
 
     __slots__ = ("_initial", "_local", "_synced", "reduce_op")
@@ -210,6 +212,22 @@ class MetricAccumulator:
         self._synced = self._synced.to(device)
         bump_layout_generation()
         return self
+
+    def adopt(self, storage: torch.Tensor) -> None:
+        """Keep the local state in `storage` from now on (a view of the same shape, dtype and device,
+        e.g. a slice of a collector's flat buffer); the current values are copied into it."""
+        if storage.shape != self._local.shape or storage.dtype != self._local.dtype:
+            raise ValueError(
+                f"MetricAccumulator.adopt: storage is {storage.dtype}{tuple(storage.shape)}, expected "
+                f"{self._local.dtype}{tuple(self._local.shape)}"
+            )
+        if storage.device != self._local.device:
+            raise ValueError(
+                f"MetricAccumulator.adopt: storage is on {storage.device}, not {self._local.device}"
+            )
+        storage.copy_(self._local)
+        self._local = storage
+        bump_layout_generation()
 
     def flat_views(self) -> tuple[torch.Tensor, torch.Tensor]:
         """1-D views of the local and the synchronized state (valid until `to()`), for packed syncs."""

@@ -100,16 +100,40 @@ class BucketLayout:
         """A stable 60-bit hash of names, ops, dtypes and shapes (devices excluded)."""
         return self._hash
 
-    def pack(self, tensors: Sequence[torch.Tensor]) -> dict[BucketKey, torch.Tensor]:
-        """New flat buffers holding `tensors` (in entry order); MIN entries negated."""
+    def storage(self, tensors: Sequence[torch.Tensor]) -> dict[BucketKey, torch.Tensor]:
+        """New flat buffers holding `tensors` as they are, laid out as `pack` lays them out.
+
+        With each entry then kept in its view (`views`), a pack is one copy per bucket
+        (`pack_storage`) instead of one per entry.
+        """
         if len(tensors) != len(self._shapes):
             raise ValueError(f"pack: got {len(tensors)} tensors for a layout of {len(self._shapes)}")
-        buffers = {}
+        return {
+            key: torch.cat([_flat(tensors[i]) for i in bucket.entries])
+            for key, bucket in self._buckets.items()
+        }
+
+    def views(self, buffers: dict[BucketKey, torch.Tensor]) -> list[torch.Tensor]:
+        """Each entry's view into `buffers`, in entry order and in its own shape (no negation)."""
+        out: list[torch.Tensor] = [torch.empty(0)] * len(self._shapes)
         for key, bucket in self._buckets.items():
-            buffer = torch.cat([_flat(tensors[i]) for i in bucket.entries])
-            if bucket.negate_from < buffer.numel():
-                _negate_(buffer[bucket.negate_from :])
-            buffers[key] = buffer
+            for index, piece in zip(bucket.entries, buffers[key].split(bucket.sizes), strict=True):
+                out[index] = piece.view(self._shapes[index])
+        return out
+
+    def pack(self, tensors: Sequence[torch.Tensor]) -> dict[BucketKey, torch.Tensor]:
+        """New flat buffers holding `tensors` (in entry order); MIN entries negated."""
+        return self._negate_min_(self.storage(tensors))
+
+    def pack_storage(self, storage: dict[BucketKey, torch.Tensor]) -> dict[BucketKey, torch.Tensor]:
+        """`pack` of the entries kept in `storage` (see `storage`): one copy per bucket."""
+        return self._negate_min_({key: buffer.clone() for key, buffer in storage.items()})
+
+    def _negate_min_(self, buffers: dict[BucketKey, torch.Tensor]) -> dict[BucketKey, torch.Tensor]:
+        """Negate, in place, the MIN part at the end of each bucket; returns `buffers`."""
+        for key, bucket in self._buckets.items():
+            if bucket.negate_from < buffers[key].numel():
+                _negate_(buffers[key][bucket.negate_from :])
         return buffers
 
     def unpack(self, buffers: dict[BucketKey, torch.Tensor]) -> list[torch.Tensor]:
@@ -118,15 +142,11 @@ class BucketLayout:
         Entries are views of `buffers` except MIN entries, which are new tensors;
         `buffers` are left unchanged.
         """
-        out: list[torch.Tensor] = [torch.empty(0)] * len(self._shapes)
-        for key, bucket in self._buckets.items():
-            buffer = buffers[key]
-            if bucket.negate_from < buffer.numel():
-                buffer = buffer.clone()
-                _negate_(buffer[bucket.negate_from :])
-            for index, piece in zip(bucket.entries, buffer.split(bucket.sizes), strict=True):
-                out[index] = piece.view(self._shapes[index])
-        return out
+        restored = {
+            key: buffers[key].clone() if bucket.negate_from < buffers[key].numel() else buffers[key]
+            for key, bucket in self._buckets.items()
+        }
+        return self.views(self._negate_min_(restored))
 
     def unpack_into(self, buffers: dict[BucketKey, torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
         """Copy each entry into `outputs[i]` (flat 1-D tensors of the entries' sizes, entry order).
