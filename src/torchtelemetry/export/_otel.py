@@ -21,7 +21,6 @@ retried by `force_flush()` and by `close()`.
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 import threading
@@ -30,6 +29,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+from torchtelemetry._optional import import_optional
 from torchtelemetry.export._naming import STEP_METRIC, merge_descriptors, otel_name, otel_unit
 from torchtelemetry.export._protocol import ExportResult, HistogramValue, MetricDescriptor, RunInfo, Scalars
 from torchtelemetry.metric import MetricKind
@@ -61,9 +61,6 @@ _METRICS_ENDPOINT_ENV = "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT"
 _PROTOCOLS = ("http/protobuf", "grpc")
 _DEFAULT_PROTOCOL = "http/protobuf"
 _COMPRESSIONS = ("none", "gzip", "deflate")
-_EXTRA_HINT = (
-    "OTelExporter needs the OpenTelemetry SDK and OTLP exporters: pip install 'torchtelemetry[otel]'"
-)
 
 
 def _resolve_protocol(protocol: str | None) -> str:
@@ -136,15 +133,12 @@ class OTelExporter:
     ) -> None:
         self.protocol = _resolve_protocol(protocol)
         transport = "grpc" if self.protocol == "grpc" else "http"
-        try:
-            for module in (
-                "opentelemetry.sdk.metrics.export",
-                "opentelemetry.sdk.resources",
-                f"opentelemetry.exporter.otlp.proto.{transport}.metric_exporter",
-            ):
-                importlib.import_module(module)
-        except ImportError as error:
-            raise ImportError(f"{_EXTRA_HINT} ({error})") from error
+        for module in (
+            "opentelemetry.sdk.metrics.export",
+            "opentelemetry.sdk.resources",
+            f"opentelemetry.exporter.otlp.proto.{transport}.metric_exporter",
+        ):
+            import_optional(module, "otel", "OTelExporter")
         if compression is not None and compression not in _COMPRESSIONS:
             raise ValueError(f"OTelExporter: compression must be one of {_COMPRESSIONS}, got {compression!r}")
         if self.protocol == "grpc":

@@ -15,6 +15,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from torchtelemetry._optional import import_optional
 from torchtelemetry.export._hub import FailureLog
 from torchtelemetry.export._naming import (
     LAST_UPDATE_METRIC,
@@ -38,15 +39,9 @@ RUN_LABEL = "run"
 
 def import_prometheus_client() -> Any:
     """`prometheus_client`, or an ImportError that names the pip extra."""
-    try:
-        import prometheus_client
-        import prometheus_client.metrics_core
-        import prometheus_client.utils
-    except ImportError as error:
-        raise ImportError(
-            "the Prometheus exporters need prometheus_client: pip install 'torchtelemetry[prometheus]'"
-        ) from error
-    return prometheus_client
+    for module in ("prometheus_client.metrics_core", "prometheus_client.utils"):
+        import_optional(module, "prometheus", "the Prometheus exporters")
+    return import_optional("prometheus_client", "prometheus", "the Prometheus exporters")
 
 
 @dataclass(frozen=True, slots=True)

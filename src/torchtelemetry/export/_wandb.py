@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from torchtelemetry._optional import import_optional
 from torchtelemetry.export._hub import FailureLog
 from torchtelemetry.export._naming import merge_descriptors, wandb_label_name, wandb_name
 from torchtelemetry.export._protocol import ExportResult, HistogramValue, MetricDescriptor, RunInfo, Scalars
@@ -19,7 +20,6 @@ logger = logging.getLogger(__name__)
 _MODES = ("online", "offline", "disabled", "shared")
 _RESUME = ("allow", "must", "never")
 _SUMMARIES = ("min", "max", "mean", "last", "first", "none")
-_EXTRA_HINT = "WandbExporter needs wandb: pip install 'torchtelemetry[wandb]'"
 
 
 def histogram_edges(bounds: Sequence[float]) -> list[float]:
@@ -74,11 +74,7 @@ class WandbExporter:
         summaries: Mapping[str, str] | None = None,
         name: str = "wandb",
     ) -> None:
-        try:
-            import wandb
-        except ImportError as error:
-            raise ImportError(f"{_EXTRA_HINT} ({error})") from error
-        self._wandb = wandb
+        self._wandb = import_optional("wandb", "wandb", "WandbExporter")
         if mode is not None and mode not in _MODES:
             raise ValueError(f"WandbExporter: mode must be one of {_MODES} or None, got {mode!r}")
         if resume not in _RESUME:

@@ -15,7 +15,6 @@ from torchtelemetry.integrations import LightningTelemetryCallback  # imports li
 from __future__ import annotations
 
 import importlib
-from types import ModuleType
 from typing import Any
 
 __all__ = [
@@ -24,7 +23,6 @@ __all__ = [
     "TelemetryMetricLogger",
     "TelemetryTracker",
     "TrainerTelemetryCallback",
-    "import_framework",
 ]
 
 _MODULES = {
@@ -34,17 +32,6 @@ _MODULES = {
     "TelemetryTracker": "_accelerate",
     "TrainerTelemetryCallback": "_transformers",
 }
-
-
-def import_framework(module: str, extra: str, adapter: str) -> ModuleType:
-    """Import a framework module, or raise ImportError naming the extra that installs it."""
-    try:
-        return importlib.import_module(module)
-    except ImportError as error:
-        package = module.split(".")[0]
-        raise ImportError(
-            f"{adapter} needs {package}, which is not installed: pip install 'torchtelemetry[{extra}]'"
-        ) from error
 
 
 def __getattr__(name: str) -> Any:

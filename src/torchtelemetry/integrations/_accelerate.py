@@ -6,14 +6,14 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from torchtelemetry._optional import import_optional
 from torchtelemetry.export import Exporter
-from torchtelemetry.integrations import import_framework
 from torchtelemetry.integrations._torchtitan import TelemetryMetricLogger
 from torchtelemetry.sync import GroupLike, metric_leaves
 from torchtelemetry.telemetry import Telemetry
 
-tracking = import_framework("accelerate.tracking", "accelerate", "TelemetryTracker")
-state = import_framework("accelerate.state", "accelerate", "TelemetryTracker")
+tracking = import_optional("accelerate.tracking", "accelerate", "TelemetryTracker")
+state = import_optional("accelerate.state", "accelerate", "TelemetryTracker")
 
 __all__ = ["TelemetryTracker"]
 

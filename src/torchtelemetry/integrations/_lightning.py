@@ -9,14 +9,14 @@ from typing import Any
 
 import torch
 
+from torchtelemetry._optional import import_optional
 from torchtelemetry.export import Exporter, RunInfo
-from torchtelemetry.integrations import import_framework
 from torchtelemetry.integrations._torchtitan import TelemetryMetricLogger
 from torchtelemetry.metric import Metric, WeightedMeanMetric
 from torchtelemetry.sync import GroupLike, metric_leaves
 from torchtelemetry.telemetry import Telemetry
 
-pl = import_framework("lightning.pytorch", "lightning", "LightningTelemetryCallback")
+pl = import_optional("lightning.pytorch", "lightning", "LightningTelemetryCallback")
 
 __all__ = ["LightningTelemetryCallback", "LightningTelemetryLogger"]
 

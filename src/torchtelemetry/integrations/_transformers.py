@@ -5,13 +5,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from torchtelemetry._optional import import_optional
 from torchtelemetry.export import Exporter
-from torchtelemetry.integrations import import_framework
 from torchtelemetry.integrations._torchtitan import TelemetryMetricLogger
 from torchtelemetry.sync import GroupLike, metric_leaves
 from torchtelemetry.telemetry import Telemetry
 
-transformers = import_framework("transformers", "transformers", "TrainerTelemetryCallback")
+transformers = import_optional("transformers", "transformers", "TrainerTelemetryCallback")
 
 __all__ = ["TrainerTelemetryCallback"]
 
