@@ -257,8 +257,11 @@ def test_collectives_use_a_dedicated_group_on_the_worker_thread() -> None:
 def _leak_rank(rank: int, world_size: int, collections: int) -> dict[str, Any]:
     from torch.distributed.distributed_c10d import _world
 
+    from torchtelemetry.sync._sync import _VERIFIED_LAYOUTS
+
     metrics = {"loss": tt.WeightedMeanMetric(), "tokens": tt.SumMetric(kind="counter")}
     groups_before = len(_world.pg_map)
+    layouts_before = len(_VERIFIED_LAYOUTS)
     collector = AsyncMetricCollector(metrics, timeout_s=60, max_pending=8).bind()
     threads_while_bound = []
     tokens = []
@@ -286,6 +289,7 @@ def _leak_rank(rank: int, world_size: int, collections: int) -> dict[str, Any]:
         "in_flight_at_unbind": in_flight,
         "after_unbind": after_unbind,
         "after_cycles": {"threads": len(collector_threads()), "groups": len(_world.pg_map) - groups_before},
+        "remembered_layouts": len(_VERIFIED_LAYOUTS) - layouts_before,
         "tokens": tokens,
     }
 
@@ -297,6 +301,7 @@ def test_no_thread_or_group_leak_after_1000_collections_and_unbind_in_flight() -
         assert outcome["in_flight_at_unbind"] == 7
         assert outcome["after_unbind"] == {"threads": 0, "groups": 0}
         assert outcome["after_cycles"] == {"threads": 0, "groups": 0}
+        assert outcome["remembered_layouts"] == 0, "a destroyed group's verified layouts are forgotten"
         # Window i holds rank 0's i and rank 1's i + 1; the first collected is window 0.
         assert outcome["tokens"] == [float(2 * i + 1) for i in range(collections - 7)]
 

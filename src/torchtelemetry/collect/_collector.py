@@ -28,6 +28,7 @@ from torchtelemetry.sync import (
     reduce_buffers,
     resolve_group,
 )
+from torchtelemetry.sync._sync import forget_group
 
 __all__ = ["AsyncMetricCollector", "CollectionError"]
 
@@ -218,6 +219,7 @@ class AsyncMetricCollector:
         self._executor = None
         if wait_ok:
             for pg in self._dedicated_groups.values():
+                forget_group(pg)
                 dist.destroy_process_group(pg)
         self._dedicated_groups.clear()
 

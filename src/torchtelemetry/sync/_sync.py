@@ -19,6 +19,7 @@ from torchtelemetry.sync._group import GroupLike, comm_device, resolve_group
 __all__ = [
     "LayoutMismatchError",
     "SyncHandle",
+    "forget_group",
     "metric_leaves",
     "named_accumulators",
     "reduce_buffers",
@@ -195,6 +196,11 @@ def reduce_buffers(
         if work is not None:
             works.append(work)
     return works
+
+
+def forget_group(group: dist.ProcessGroup) -> None:
+    """Drop what `verify_layout` remembers of `group` (call when destroying it)."""
+    _VERIFIED_LAYOUTS.pop(group.group_name, None)
 
 
 def verify_layout(layout: BucketLayout, group: dist.ProcessGroup, device: torch.device) -> None:
