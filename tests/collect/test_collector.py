@@ -494,3 +494,14 @@ def test_adopt_refuses_storage_of_another_shape_or_dtype() -> None:
         accumulator.adopt(torch.zeros(3, dtype=torch.float32))
     with pytest.raises(ValueError, match=r"expected torch.float64\(3,\)"):
         accumulator.adopt(torch.zeros(4, dtype=torch.float64))
+
+
+def test_bind_moves_the_metrics_to_the_given_device() -> None:
+    metrics = {"loss": tt.WeightedMeanMetric(), "hist": tt.HistogramMetric(bins=[1.0, 2.0])}
+    metrics["loss"].update(torch.tensor(2.0), 1.0)
+    collector = AsyncMetricCollector(metrics, device="meta").bind()  # "meta": a device without data
+    assert all(
+        acc.device.type == "meta" for metric in metrics.values() for acc in metric.accumulators.values()
+    )
+    assert metrics["hist"].bounds.device.type == "meta"
+    collector.unbind()

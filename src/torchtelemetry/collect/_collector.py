@@ -112,6 +112,8 @@ class AsyncMetricCollector:
         timeout_s: bound on one collection; a rank that never schedules, or
             dies, makes `collect_results` raise within it instead of hanging.
         max_pending: scheduled windows allowed before `collect_results` must be called.
+        device: where `bind()` moves the metrics (e.g. the rank's GPU); None keeps them where
+            they are.
     """
 
     def __init__(
@@ -121,6 +123,7 @@ class AsyncMetricCollector:
         *,
         timeout_s: float = 300.0,
         max_pending: int = 64,
+        device: torch.device | str | None = None,
     ) -> None:
         if timeout_s <= 0:
             raise ValueError(f"AsyncMetricCollector: timeout_s must be positive, got {timeout_s}")
@@ -132,6 +135,7 @@ class AsyncMetricCollector:
         self._group = group
         self.timeout_s = timeout_s
         self.max_pending = max_pending
+        self.device = None if device is None else torch.device(device)
         self._plan: _Plan | None = None
         self._executor: ThreadExecutor | None = None
         self._dedicated_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
@@ -145,11 +149,14 @@ class AsyncMetricCollector:
         """Prepare the executor (worker thread; side stream and events on CUDA) and the process group.
 
         Collective across the ranks of `group` when torch.distributed is initialized.
-        Moves every local state into one flat buffer per bucket (values kept): capture
-        CUDA graphs of `update()` after `bind()`.
+        Moves the metrics to `device` if one was given, and every local state into one
+        flat buffer per bucket (values kept): capture CUDA graphs of `update()` after `bind()`.
         """
         if self._state == "bound":
             raise RuntimeError("AsyncMetricCollector.bind: already bound; call unbind() before binding again")
+        if self.device is not None:
+            for _, metric in self._named:
+                metric.to(self.device)
         self._plan = _Plan.build(self._named)
         self._bound_group = self._dedicated_group(self._group)
         self._executor = make_executor(self._plan.device, f"{_THREAD_PREFIX}-{next(_collector_ids)}")
