@@ -20,14 +20,20 @@ TIMEOUT_S = 3.0
 NOT_A_HANG_S = TIMEOUT_S + 60
 
 
-def _error_outcome(error: BaseException, started: float) -> dict[str, Any]:
-    return {
-        "type": type(error).__name__,
-        "is_runtime_error": isinstance(error, RuntimeError),
-        "message": str(error),
-        "cause": type(error.__cause__).__name__ if error.__cause__ is not None else None,
-        "elapsed_s": time.monotonic() - started,
-    }
+def _collect_outcome(collector: AsyncMetricCollector) -> dict[str, Any]:
+    """What `collect_results()` raised, and after how long (`{"type": None}` if it returned)."""
+    started = time.monotonic()
+    try:
+        collector.collect_results()
+    except CollectionError as error:
+        return {
+            "type": type(error).__name__,
+            "is_runtime_error": isinstance(error, RuntimeError),
+            "message": str(error),
+            "cause": type(error.__cause__).__name__ if error.__cause__ is not None else None,
+            "elapsed_s": time.monotonic() - started,
+        }
+    return {"type": None}
 
 
 def _never_scheduled_rank(rank: int, world_size: int) -> dict[str, Any] | None:
@@ -37,11 +43,7 @@ def _never_scheduled_rank(rank: int, world_size: int) -> dict[str, Any] | None:
     if rank == 0:
         metric.update(torch.tensor(1.0))
         collector.schedule_collection()
-        started = time.monotonic()
-        try:
-            collector.collect_results()
-        except CollectionError as error:
-            outcome = _error_outcome(error, started)
+        outcome = _collect_outcome(collector)
     # Rank 1 never schedules: it stays alive (waiting on the training's group) until rank 0 gave up.
     dist.barrier()
     collector.unbind()
@@ -64,13 +66,7 @@ def _mismatch_rank(rank: int, world_size: int) -> dict[str, Any]:
     collector = AsyncMetricCollector(metrics, timeout_s=TIMEOUT_S).bind()
     metrics["loss"].update(torch.tensor(1.0))
     collector.schedule_collection()
-    started = time.monotonic()
-    try:
-        collector.collect_results()
-    except CollectionError as error:
-        outcome = _error_outcome(error, started)
-    else:
-        outcome = {"type": None}
+    outcome = _collect_outcome(collector)
     collector.unbind()
     return outcome
 
@@ -97,13 +93,7 @@ def _victim_rank(rank: int, world_size: int) -> dict[str, Any]:
         os.kill(os.getpid(), signal.SIGKILL)  # dies mid-run, as a crashed or OOM-killed rank would
     metric.update(torch.tensor(1.0))
     collector.schedule_collection()
-    started = time.monotonic()
-    try:
-        collector.collect_results()
-    except CollectionError as error:
-        outcome = _error_outcome(error, started)
-    else:
-        outcome = {"type": None}
+    outcome = _collect_outcome(collector)
     collector.unbind(timeout_s=TIMEOUT_S)
     outcome["first"] = first
     return outcome
