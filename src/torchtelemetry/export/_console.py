@@ -6,11 +6,10 @@ import logging
 import math
 import sys
 import time
-import warnings
 from collections.abc import Mapping, Sequence
 from typing import TextIO
 
-from torchtelemetry.export._hub import HEALTH_PREFIX, FailureLog
+from torchtelemetry.export._hub import HEALTH_PREFIX, FailureLog, warn_closed_again
 from torchtelemetry.export._protocol import ExportResult, HistogramValue, MetricDescriptor, RunInfo, Scalars
 
 __all__ = ["ConsoleExporter"]
@@ -84,7 +83,7 @@ class ConsoleExporter:
     def close(self, timeout_s: float = 10.0) -> None:
         """Flush; the stream is the caller's and stays open. A second call only warns."""
         if self._closed:
-            warnings.warn(f"ConsoleExporter {self.name!r}: already closed", RuntimeWarning, stacklevel=2)
+            warn_closed_again(f"ConsoleExporter {self.name!r}")
             return
         self.force_flush(timeout_s)
         self._closed = True

@@ -80,6 +80,11 @@ HEALTH_DESCRIPTORS = (
 """Descriptors of the health metrics every report carries."""
 
 
+def warn_closed_again(owner: str) -> None:
+    """The warning a second `close()` gives, for the hub and every exporter alike."""
+    warnings.warn(f"{owner}: already closed", RuntimeWarning, stacklevel=3)
+
+
 class FailureLog:
     """Logs the first failure of a burst with its reason and only counts the rest; a success ends the burst.
 
@@ -425,7 +430,7 @@ class ExportHub:
         """
         with self._lock:
             if self._closed:
-                warnings.warn("ExportHub.close: already closed", RuntimeWarning, stacklevel=2)
+                warn_closed_again("ExportHub.close")
                 return
             self._closed = True
         if self._started:

@@ -6,12 +6,11 @@ import json
 import logging
 import math
 import os
-import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from torchtelemetry.export._hub import FailureLog
+from torchtelemetry.export._hub import FailureLog, warn_closed_again
 from torchtelemetry.export._protocol import ExportResult, HistogramValue, MetricDescriptor, RunInfo, Scalars
 
 __all__ = ["JsonlExporter"]
@@ -77,7 +76,7 @@ class JsonlExporter:
     def close(self, timeout_s: float = 10.0) -> None:
         """Flush and close the file; a second call only warns."""
         if self._closed:
-            warnings.warn(f"JsonlExporter {self.name!r}: already closed", RuntimeWarning, stacklevel=2)
+            warn_closed_again(f"JsonlExporter {self.name!r}")
             return
         self.force_flush(timeout_s)
         self._closed = True

@@ -30,6 +30,7 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from torchtelemetry._optional import import_optional
+from torchtelemetry.export._hub import warn_closed_again
 from torchtelemetry.export._naming import STEP_METRIC, merge_descriptors, otel_name, otel_unit
 from torchtelemetry.export._protocol import ExportResult, HistogramValue, MetricDescriptor, RunInfo, Scalars
 from torchtelemetry.metric import MetricKind
@@ -216,7 +217,7 @@ class OTelExporter:
         """Final flush, then shut the OTLP client down; a second call only warns."""
         with self._lock:
             if self._closed:
-                logger.warning("OTelExporter %r: close() called twice", self.name)
+                warn_closed_again(f"OTelExporter {self.name!r}")
                 return
             self._closed = True
             if self._otlp is None:

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import logging
 import threading
-import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from torchtelemetry._optional import import_optional
-from torchtelemetry.export._hub import FailureLog
+from torchtelemetry.export._hub import FailureLog, warn_closed_again
 from torchtelemetry.export._naming import (
     LAST_UPDATE_METRIC,
     NAMESPACE,
@@ -308,9 +307,7 @@ class PrometheusExporter:
         """Stop serving and unregister the collector; a second call only warns."""
         with self._lock:
             if self._closed:
-                warnings.warn(
-                    f"PrometheusExporter {self.name!r}: already closed", RuntimeWarning, stacklevel=2
-                )
+                warn_closed_again(f"PrometheusExporter {self.name!r}")
                 return
             self._closed = True
             server, thread, self._server, self._thread = self._server, self._thread, None, None

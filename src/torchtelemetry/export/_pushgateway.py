@@ -5,12 +5,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 from urllib.parse import unquote, urlsplit, urlunsplit
 
-from torchtelemetry.export._hub import FailureLog
+from torchtelemetry.export._hub import FailureLog, warn_closed_again
 from torchtelemetry.export._naming import NAMESPACE
 from torchtelemetry.export._prometheus import RUN_LABEL, PrometheusCollector, import_prometheus_client
 from torchtelemetry.export._protocol import ExportResult, MetricDescriptor, RunInfo, Scalars
@@ -106,9 +105,7 @@ class PushgatewayExporter:
         """Delete the group from the gateway (unless `keep_on_close`); a second call only warns."""
         with self._lock:
             if self._closed:
-                warnings.warn(
-                    f"PushgatewayExporter {self.name!r}: already closed", RuntimeWarning, stacklevel=2
-                )
+                warn_closed_again(f"PushgatewayExporter {self.name!r}")
                 return
             self._closed = True
             if self._grouping_key is None or self.keep_on_close:

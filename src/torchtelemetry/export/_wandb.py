@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from torchtelemetry._optional import import_optional
-from torchtelemetry.export._hub import FailureLog
+from torchtelemetry.export._hub import FailureLog, warn_closed_again
 from torchtelemetry.export._naming import merge_descriptors, wandb_label_name, wandb_name
 from torchtelemetry.export._protocol import ExportResult, HistogramValue, MetricDescriptor, RunInfo, Scalars
 
@@ -168,7 +168,7 @@ class WandbExporter:
         """`run.finish()` (which waits for W&B to persist/upload); a second call only warns."""
         with self._lock:
             if self._closed:
-                logger.warning("WandbExporter %r: close() called twice", self.name)
+                warn_closed_again(f"WandbExporter {self.name!r}")
                 return
             self._closed = True
             run, self._run = self._run, None
