@@ -48,13 +48,16 @@ class WandbExporter:
     active `wandb.run`, that run is used and left open on `close()`.
 
     `mode` ("online", "offline", "disabled", "shared") wins over `WANDB_MODE`,
-    which wins over W&B's default. W&B silently drops a step lower than or
-    equal to one already logged; this exporter drops it first, with a warning,
-    and reports FAILURE. `summaries` maps a metric path or glob (`"train/*"`) to
-    a W&B summary ("min", "max", "mean", "last", "first", "none", or a
-    comma-separated mix), e.g. `{"train/loss": "min"}`. Histograms become
-    `wandb.Histogram`s of the exact bucket counts (see `histogram_edges`);
-    per-label values become one key per label (`perf/step_time/rank_0`).
+    which wins over W&B's default. W&B silently drops a step lower than one
+    already logged; this exporter drops it first, with a warning, and reports
+    FAILURE (a report at the last logged step joins that step's row).
+    `summaries` maps a metric path or glob (`"train/*"`) to a W&B summary
+    ("min", "max", "mean", "last", "first", "none", or a comma-separated mix),
+    e.g. `{"train/loss": "min"}`. Histograms arrive as running totals and
+    become `wandb.Histogram`s of the exact bucket counts since the previous
+    report (see `histogram_edges`), so W&B's histogram panels show each
+    interval's distribution; per-label values become one key per label
+    (`perf/step_time/rank_0`).
     Credentials stay with W&B: nothing from the settings or environment is logged.
     """
 
@@ -101,6 +104,7 @@ class WandbExporter:
         self._summaries = dict(summaries or {})
         self._lock = threading.Lock()
         self._descriptors: dict[str, MetricDescriptor] = {}
+        self._last_histograms: dict[str, HistogramValue] = {}
         self._run: Any = None
         self._owns_run = False
         self._started = False
@@ -224,7 +228,9 @@ class WandbExporter:
         for path, value in scalars.items():
             descriptor = self._descriptors.get(path) or MetricDescriptor(path)
             if isinstance(value, HistogramValue):
-                counts = [int(count) if float(count).is_integer() else count for count in value.counts]
+                recent = _since(self._last_histograms.get(path), value)
+                self._last_histograms[path] = value
+                counts = [int(count) if float(count).is_integer() else count for count in recent]
                 row[wandb_name(descriptor)] = self._wandb.Histogram(
                     np_histogram=(counts, histogram_edges(value.bounds))
                 )
@@ -233,3 +239,14 @@ class WandbExporter:
             else:
                 row[wandb_name(descriptor)] = float(value)
         return row
+
+
+def _since(previous: HistogramValue | None, current: HistogramValue) -> tuple[float, ...]:
+    """Bucket counts added since `previous` (all of `current` after a restart or a change of bounds)."""
+    if (
+        previous is None
+        or previous.bounds != current.bounds
+        or any(now < before for now, before in zip(current.counts, previous.counts, strict=True))
+    ):
+        return current.counts
+    return tuple(now - before for now, before in zip(current.counts, previous.counts, strict=True))
