@@ -190,13 +190,16 @@ class AsyncMetricCollector:
             return None
         ranks = tuple(dist.get_process_group_ranks(resolved))
         if ranks not in self._dedicated_groups:
+            assert self._plan is not None
+            # Metrics kept on the CPU reduce over gloo even when the training uses NCCL.
+            backend = "gloo" if self._plan.device.type == "cpu" else dist.get_backend(resolved)
             every_rank: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(every_rank, ranks)
             for rank_set in sorted(set(every_rank)):
                 created = dist.new_group(
                     ranks=list(rank_set),
                     timeout=datetime.timedelta(seconds=self.timeout_s),
-                    backend=dist.get_backend(resolved),
+                    backend=backend,
                 )
                 if rank_set == ranks:
                     self._dedicated_groups[ranks] = created
