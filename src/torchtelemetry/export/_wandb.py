@@ -39,7 +39,7 @@ def histogram_edges(bounds: Sequence[float]) -> list[float]:
 
 
 class WandbExporter:
-    """Logs every report to a W&B run with an explicit, strictly increasing step.
+    """Logs every report to a W&B run with an explicit, non-decreasing step.
 
     The run starts on the first `describe()` (which only rank 0's hub makes):
     its id is `run_id`, else the `RunInfo`'s run id, so a restarted job with the
@@ -112,7 +112,7 @@ class WandbExporter:
         self._last_step: int | None = None
         self._failures = FailureLog(f"WandbExporter {name!r}", logger)
         self.dropped_steps = 0
-        """Reports dropped because their step was not above the last logged step."""
+        """Reports dropped because their step was below the last logged step."""
         self.failed_exports = 0
         """Reports not logged: dropped steps, `run.log` errors, no run."""
 
