@@ -175,9 +175,7 @@ class MetricAccumulator:
 
     def update(self, value: torch.Tensor | float) -> None:
         """Fold `value` (already reduced to this accumulator's shape) into the local state."""
-        # Written through a view: torch.compile (AOT) silently drops an in-place update of a
-        # 0-d float64/int CPU graph input, but keeps one made through a view of it.
-        local = self._local.view_as(self._local)
+        local = self._writable()
         if self.reduce_op is ReduceOp.SUM:
             local.add_(value)
         elif self.reduce_op is ReduceOp.MAX:
@@ -189,7 +187,13 @@ class MetricAccumulator:
         """Add `value * weight` (broadcast to this accumulator's shape) in one fused op; SUM only."""
         if self.reduce_op is not ReduceOp.SUM:
             raise TypeError(f"add_product needs a SUM accumulator, got {self.reduce_op.name}")
-        self._local.view_as(self._local).addcmul_(value, weight)
+        self._writable().addcmul_(value, weight)
+
+    def _writable(self) -> torch.Tensor:
+        """The local state to update in place. Under torch.compile, a view of it: AOT autograd
+        silently drops an in-place update of a 0-d float64/int CPU graph input, but keeps one
+        made through a view of it (eagerly the view would only cost time)."""
+        return self._local.view_as(self._local) if torch.compiler.is_compiling() else self._local
 
     def reset(self) -> None:
         """Restore the initial state in place."""
