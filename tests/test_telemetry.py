@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -177,3 +178,23 @@ def test_above_the_rank_series_limit_step_time_becomes_min_median_max() -> None:
     telemetry.close()
     assert "train/step_time/median" in telemetry.latest
     assert "train/step_time" not in telemetry.latest
+
+
+class _ElsewhereMetric(tt.Metric):
+    """State on another device ("meta"), results that do not read it: only bind() can object."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.total = tt.MetricAccumulator(0.0, "sum", device="meta")
+
+    def compute(self) -> torch.Tensor:
+        return torch.tensor(0.0)
+
+
+def test_a_failed_set_up_leaves_no_exporter_running() -> None:
+    exporter = tt.PrometheusExporter(port=0)
+    threads_before = {t.name for t in threading.enumerate()}
+    with pytest.raises(RuntimeError, match="several devices"):
+        tt.Telemetry({"a": tt.SumMetric(), "b": _ElsewhereMetric()}, [exporter], signals=False)
+    assert exporter.url is None, "the scrape endpoint was closed again"
+    assert {t.name for t in threading.enumerate()} <= threads_before, "no exporter thread left"

@@ -61,7 +61,7 @@ class Telemetry:
         every: logging interval in steps.
         group: ranks to reduce over (ProcessGroup, DeviceMesh, (mesh, dim) or None).
         run_id: stable run id (Prometheus `run` label, OTel instance id, W&B run id).
-        config: hyperparameters passed to exporters (W&B config, OTel resource attributes).
+        config: hyperparameters handed to exporters with the run (the W&B run config).
         signals: add the built-in signals (step time per rank, tokens, samples, throughput,
             learning rate, peak memory).
         max_rank_series: above this many ranks, step time is exported as min/median/max instead
@@ -122,7 +122,12 @@ class Telemetry:
         )
         self.hub.describe(self._descriptors)
         # Keyed by metric path, so errors (a layout mismatch across ranks) name metrics as the user does.
-        self._collector = AsyncMetricCollector(dict(self._leaves), group, timeout_s=timeout_s).bind()
+        collector = AsyncMetricCollector(dict(self._leaves), group, timeout_s=timeout_s)
+        try:
+            self._collector = collector.bind()
+        except BaseException:
+            self.hub.close()  # started exporters (open ports, threads) must not outlive a failed set-up
+            raise
         self._totals: dict[str, Any] = {}
         self._windows: collections.deque[WindowTiming] = collections.deque()
         self._steps_in_window = 0
