@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from tests.distributed import free_port
 
@@ -34,3 +36,13 @@ def torchrun(script: str, out: Path, *, nproc: int = 2, timeout_s: float = 240) 
     ]
     done = subprocess.run(command, env=env, cwd=out, capture_output=True, text=True, timeout=timeout_s)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+
+
+def run_two_ranks(script: str, out: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """`torchrun(script, out)` on 2 ranks; then what each rank recorded (`rank<r>.json`) and the
+    reports exported to `telemetry-rank0.jsonl`, after checking rank 1 exported nothing."""
+    torchrun(script, out)
+    ranks = [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert not (out / "telemetry-rank1.jsonl").exists(), "only rank 0 exports"
+    with open(out / "telemetry-rank0.jsonl", encoding="utf-8") as file:
+        return ranks, [json.loads(line) for line in file]

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from tests.integrations._torchrun import torchrun
+from tests.integrations._torchrun import run_two_ranks
 
 pytest.importorskip("accelerate")
 
@@ -14,12 +12,7 @@ STEPS, EVERY = 6, 2
 
 
 def test_tracker_exports_each_value_once_from_the_main_process(tmp_path) -> None:
-    torchrun("_accelerate_train.py", tmp_path)
-
-    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
-    assert not (tmp_path / "telemetry-rank1.jsonl").exists()
-    with open(tmp_path / "telemetry-rank0.jsonl", encoding="utf-8") as file:
-        reports = [json.loads(line) for line in file]
+    ranks, reports = run_two_ranks("_accelerate_train.py", tmp_path)
 
     # One report per step, in step order: accelerator.log at every step, and the collection of
     # every second step in the same report as that step's log.

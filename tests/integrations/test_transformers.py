@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from tests.integrations._torchrun import torchrun
+from tests.integrations._torchrun import run_two_ranks
 
 pytest.importorskip("transformers")
 
@@ -14,12 +12,7 @@ STEPS, LOGGING_STEPS = 6, 2
 
 
 def test_trainer_run_exports_exact_values_from_world_process_zero_only(tmp_path) -> None:
-    torchrun("_hf_train.py", tmp_path)
-
-    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
-    assert not (tmp_path / "telemetry-rank1.jsonl").exists()
-    with open(tmp_path / "telemetry-rank0.jsonl", encoding="utf-8") as file:
-        reports = [json.loads(line) for line in file]
+    ranks, reports = run_two_ranks("_hf_train.py", tmp_path)
 
     trained = [report for report in reports if "train/token_loss" in report["values"]]
     assert [report["step"] for report in trained] == [2, 4, 6]

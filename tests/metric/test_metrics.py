@@ -525,8 +525,8 @@ def test_empty_batches_change_nothing(make, args) -> None:
 # -- state dicts ----------------------------------------------------------------------------------------
 
 
-def _filled_metrics() -> dict[str, tt.Metric]:
-    metrics = {
+def _fresh_metrics() -> dict[str, tt.Metric]:
+    return {
         "sum": tt.SumMetric(kind="counter"),
         "mean": tt.WeightedMeanMetric(),
         "max": tt.MaxMetric(),
@@ -537,6 +537,10 @@ def _filled_metrics() -> dict[str, tt.Metric]:
         "auroc": tt.BinaryAUROCMetric(num_bins=8),
         "ranks": tt.PerRankMetric(2, 1),
     }
+
+
+def _filled_metrics() -> dict[str, tt.Metric]:
+    metrics = _fresh_metrics()
     rng = np.random.default_rng(6)
     for _ in range(3):
         x = torch.from_numpy(rng.uniform(size=6))
@@ -555,17 +559,7 @@ def _filled_metrics() -> dict[str, tt.Metric]:
 
 def test_state_dict_round_trip_is_exact() -> None:
     source = _filled_metrics()
-    target = {
-        "sum": tt.SumMetric(kind="counter"),
-        "mean": tt.WeightedMeanMetric(),
-        "max": tt.MaxMetric(),
-        "min": tt.MinMetric(),
-        "acc": tt.AccuracyMetric(),
-        "cm": tt.ConfusionMatrixMetric(3),
-        "hist": tt.HistogramMetric([0.5, 1.0]),
-        "auroc": tt.BinaryAUROCMetric(num_bins=8),
-        "ranks": tt.PerRankMetric(2, 1),
-    }
+    target = _fresh_metrics()
     for name, metric in source.items():
         saved = metric.state_dict()
         pointers = {attr: acc.local.data_ptr() for attr, acc in target[name].accumulators.items()}
