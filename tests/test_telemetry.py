@@ -164,7 +164,7 @@ def test_names_that_clash_with_the_built_in_signals_are_rejected() -> None:
 
 
 def test_illegal_metric_names_fail_at_construction() -> None:
-    with pytest.raises(tt.InvalidMetricNameError, match="grad norm"):
+    with pytest.raises(tt.report.InvalidMetricNameError, match="grad norm"):
         tt.Telemetry({"grad norm": tt.MaxMetric()}, [], signals=False)
 
 

@@ -1,24 +1,20 @@
-"""torchtelemetry: GPU-resident PyTorch training metrics, synced across ranks, exported from rank 0."""
+"""torchtelemetry: GPU-resident PyTorch training metrics, synced across ranks, exported from rank 0.
+
+The top level holds what a training script uses; the building blocks live in their subpackages,
+in the order data flows through them: `torchtelemetry.sync` (packed collectives, functional
+reductions), `torchtelemetry.metric`, `torchtelemetry.collect`, `torchtelemetry.report` (named
+values, naming rules), `torchtelemetry.export` (the `Exporter` protocol, the hub, the backends),
+and `torchtelemetry.integrations` (framework adapters).
+"""
 
 from torchtelemetry.collect import AsyncMetricCollector, CollectionError
 from torchtelemetry.export import (
     ConsoleExporter,
-    Exporter,
-    ExporterHealth,
-    ExportHub,
-    ExportResult,
-    HistogramValue,
-    InvalidMetricNameError,
     JsonlExporter,
-    MetricDescriptor,
-    NameCollisionError,
-    NullHub,
     OTelExporter,
     PrometheusExporter,
     PushgatewayExporter,
-    RunInfo,
     WandbExporter,
-    exporters_from_spec,
 )
 from torchtelemetry.metric import (
     AccuracyMetric,
@@ -28,22 +24,13 @@ from torchtelemetry.metric import (
     MaxMetric,
     Metric,
     MetricAccumulator,
-    MetricKind,
     MinMetric,
     PerRankMetric,
-    ReduceOp,
     SumMetric,
     WeightedMeanMetric,
 )
-from torchtelemetry.sync import (
-    LayoutMismatchError,
-    all_gather,
-    per_rank,
-    reduce,
-    reduce_custom,
-    sync_metrics,
-)
-from torchtelemetry.telemetry import Telemetry
+from torchtelemetry.sync import sync_metrics
+from torchtelemetry.telemetry import Telemetry, TelemetryConfig
 
 __version__ = "0.1.0"
 
@@ -54,38 +41,21 @@ __all__ = [
     "CollectionError",
     "ConfusionMatrixMetric",
     "ConsoleExporter",
-    "ExportHub",
-    "ExportResult",
-    "Exporter",
-    "ExporterHealth",
     "HistogramMetric",
-    "HistogramValue",
-    "InvalidMetricNameError",
     "JsonlExporter",
-    "LayoutMismatchError",
     "MaxMetric",
     "Metric",
     "MetricAccumulator",
-    "MetricDescriptor",
-    "MetricKind",
     "MinMetric",
-    "NameCollisionError",
-    "NullHub",
     "OTelExporter",
     "PerRankMetric",
     "PrometheusExporter",
     "PushgatewayExporter",
-    "ReduceOp",
-    "RunInfo",
     "SumMetric",
     "Telemetry",
+    "TelemetryConfig",
     "WandbExporter",
     "WeightedMeanMetric",
     "__version__",
-    "all_gather",
-    "exporters_from_spec",
-    "per_rank",
-    "reduce",
-    "reduce_custom",
     "sync_metrics",
 ]

@@ -248,7 +248,7 @@ def train(config: DemoConfig, rank: int, world_size: int, device: torch.device) 
         exporters,
         every=config.every,
         run_id=run_id,
-        config={
+        run_config={
             "steps": config.steps,
             "world_size": world_size,
             "lr": config.lr,

@@ -3,36 +3,81 @@
 from __future__ import annotations
 
 import collections
-import json
+import dataclasses
 import logging
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from torchtelemetry._signals import SAMPLES, TOKENS, TrainingSignals, WindowTiming
 from torchtelemetry.collect import AsyncMetricCollector, CollectionError
-from torchtelemetry.export import (
-    Exporter,
-    ExportHub,
-    HistogramValue,
+from torchtelemetry.export import Exporter, ExportHub, NullHub, RunInfo, exporters_from_spec
+from torchtelemetry.metric import MetricKind
+from torchtelemetry.report import (
     MetricDescriptor,
-    NullHub,
-    RunInfo,
+    RunningTotals,
     ScalarValue,
+    TrainingSignals,
+    WindowTiming,
     describe_metrics,
-    exporters_from_spec,
     flatten_results,
 )
-from torchtelemetry.metric import MetricKind
-from torchtelemetry.sync import GroupLike, metric_leaves, resolve_group
-from torchtelemetry.sync._group import group_rank, group_world_size
+from torchtelemetry.sync import GroupLike, group_rank, group_world_size, metric_leaves, resolve_group
 
-__all__ = ["Telemetry"]
+__all__ = ["Telemetry", "TelemetryConfig"]
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True, slots=True)
+class TelemetryConfig:
+    """How a `Telemetry` collects and exports; `Telemetry` and every framework adapter take it."""
+
+    every: int = 10
+    """Logging interval: a collection every this many steps."""
+    group: GroupLike = None
+    """Ranks to reduce over: a ProcessGroup, a 1-D DeviceMesh, (mesh, dim), or None (the default group)."""
+    run_id: str | None = None
+    """Stable run id (Prometheus `run` label, OTel instance id, W&B run id); default
+    `$TORCHTELEMETRY_RUN_ID`, else a new one."""
+    run_config: Mapping[str, Any] = field(default_factory=dict)
+    """Hyperparameters handed to exporters with the run (the W&B run config, OTel resource)."""
+    signals: bool = True
+    """Add the built-in signals (step time per rank, tokens, samples, throughput, learning rate,
+    peak memory)."""
+    max_rank_series: int = 64
+    """Above this many ranks, step time is exported as min/median/max instead of one series per rank
+    (0: always)."""
+    timeout_s: float = 300.0
+    """Bound on one collection: a dead or missing rank raises instead of hanging."""
+    max_pending: int = 2
+    """Collections in flight before `step()` waits for the oldest."""
+    queue_size: int = 8
+    """Reports buffered per exporter before the oldest is dropped."""
+
+    def __post_init__(self) -> None:
+        for key in ("every", "max_pending", "queue_size"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"TelemetryConfig.{key} must be at least 1, got {getattr(self, key)}")
+        if self.max_rank_series < 0:
+            raise ValueError(
+                f"TelemetryConfig.max_rank_series must be at least 0, got {self.max_rank_series}"
+            )
+        if not self.timeout_s > 0:
+            raise ValueError(f"TelemetryConfig.timeout_s must be positive, got {self.timeout_s}")
+
+    def replace(self, **fields: Any) -> TelemetryConfig:
+        """A copy with `fields` changed; unknown names raise a TypeError listing the valid ones."""
+        unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(self)})
+        if unknown:
+            raise TypeError(
+                f"TelemetryConfig: unknown field(s) {unknown}; valid fields are "
+                f"{[f.name for f in dataclasses.fields(self)]}"
+            )
+        return dataclasses.replace(self, **fields) if fields else self
 
 
 class Telemetry:
@@ -58,42 +103,22 @@ class Telemetry:
         metrics: a PyTree of Metrics; paths become names (`{"train": {"loss": m}}` -> `train/loss`).
         exporters: exporters (constructed on every rank; only global rank 0 starts them), or a
             comma-separated spec such as "console,prometheus" resolved through entry points.
-        every: logging interval in steps.
-        group: ranks to reduce over (ProcessGroup, DeviceMesh, (mesh, dim) or None).
-        run_id: stable run id (Prometheus `run` label, OTel instance id, W&B run id).
-        config: hyperparameters handed to exporters with the run (the W&B run config).
-        signals: add the built-in signals (step time per rank, tokens, samples, throughput,
-            learning rate, peak memory).
-        max_rank_series: above this many ranks, step time is exported as min/median/max instead
-            of one series per rank.
-        timeout_s: bound on one collection (a dead or missing rank raises instead of hanging).
-        max_pending: collections in flight before `step()` waits for the oldest.
-        queue_size: reports buffered per exporter before the oldest is dropped.
+        config: how to collect and export (`TelemetryConfig`).
+        **fields: `TelemetryConfig` fields overriding `config`, e.g. `Telemetry(metrics, every=10)`.
     """
 
     def __init__(
         self,
         metrics: Any,
         exporters: Sequence[Exporter] | str = (),
-        *,
-        every: int = 10,
-        group: GroupLike = None,
-        run_id: str | None = None,
-        config: Mapping[str, Any] | None = None,
-        signals: bool = True,
-        max_rank_series: int = 64,
-        timeout_s: float = 300.0,
-        max_pending: int = 2,
-        queue_size: int = 8,
+        config: TelemetryConfig | None = None,
+        **fields: Any,
     ) -> None:
-        if every < 1:
-            raise ValueError(f"Telemetry: every must be at least 1, got {every}")
-        if max_pending < 1:
-            raise ValueError(f"Telemetry: max_pending must be at least 1, got {max_pending}")
+        self.config = config = (config or TelemetryConfig()).replace(**fields)
         self.metrics = metrics
-        self.every = every
-        self.max_pending = max_pending
-        resolved = resolve_group(group, op="Telemetry")
+        self.every = config.every
+        self.max_pending = config.max_pending
+        resolved = resolve_group(config.group, op="Telemetry")
         world_size = group_world_size(resolved)
         self._user_leaves = metric_leaves(metrics, op="Telemetry")
         device = self._user_leaves[0][1].device if self._user_leaves else torch.device("cpu")
@@ -102,33 +127,34 @@ class Telemetry:
                 world_size=world_size,
                 rank=group_rank(resolved),
                 device=device,
-                max_rank_series=max_rank_series,
+                max_rank_series=config.max_rank_series,
             )
-            if signals
+            if config.signals
             else None
         )
         signal_metrics = self._signals.metrics if self._signals else {}
         self._leaves = self._user_leaves + metric_leaves(signal_metrics, op="Telemetry")
         self._descriptors = self._describe(metrics, signal_metrics)
-        self._cumulative = {
+        self._totals = RunningTotals(
             d.name for d in self._descriptors if d.kind in (MetricKind.COUNTER, MetricKind.HISTOGRAM)
-        }
+        )
         self.is_exporting = not dist.is_initialized() or dist.get_rank() == 0
         if isinstance(exporters, str):
             exporters = exporters_from_spec(exporters)
-        self.run = RunInfo.create(run_id, world_size=world_size, config=config)
+        self.run = RunInfo.create(config.run_id, world_size=world_size, config=config.run_config)
         self.hub: ExportHub | NullHub = (
-            ExportHub(exporters, run=self.run, queue_size=queue_size) if self.is_exporting else NullHub()
+            ExportHub(exporters, run=self.run, queue_size=config.queue_size)
+            if self.is_exporting
+            else NullHub()
         )
         self.hub.describe(self._descriptors)
         # Keyed by metric path, so errors (a layout mismatch across ranks) name metrics as the user does.
-        collector = AsyncMetricCollector(dict(self._leaves), group, timeout_s=timeout_s)
+        collector = AsyncMetricCollector(dict(self._leaves), config.group, timeout_s=config.timeout_s)
         try:
             self._collector = collector.bind()
         except BaseException:
             self.hub.close()  # started exporters (open ports, threads) must not outlive a failed set-up
             raise
-        self._totals: dict[str, Any] = {}
         self._windows: collections.deque[WindowTiming] = collections.deque()
         self._steps_in_window = 0
         self._last_step: int | None = None
@@ -183,9 +209,9 @@ class Telemetry:
             if self._last_step_clock is not None:
                 self._signals.record_step_time(now - self._last_step_clock)
             if tokens is not None:
-                self._signals.record_count(TOKENS, tokens)
+                self._signals.record_tokens(tokens)
             if samples is not None:
-                self._signals.record_count(SAMPLES, samples)
+                self._signals.record_samples(samples)
             if learning_rate is not None:
                 self._signals.record_learning_rate(learning_rate)
         self._last_step_clock = now
@@ -193,15 +219,15 @@ class Telemetry:
         self._steps_in_window += 1
         self._drain(block=False)
         if self._steps_in_window >= self.every:
-            self.collect()
+            self.schedule_collection()
 
-    def collect(self) -> None:
+    def schedule_collection(self) -> None:
         """Schedule a collection of the steps since the last one now, without waiting for it.
 
         `step()` does this every `every` steps; call it where a training framework decides when
         to log (the Hugging Face Trainer's `should_log`). Nothing to do right after a collection.
         """
-        self._require_open("collect")
+        self._require_open("schedule_collection")
         if not self._steps_in_window:
             return
         if self._collector.pending >= self.max_pending:
@@ -253,8 +279,7 @@ class Telemetry:
         window = flatten_results(self._leaves, results)
         if self._signals is not None:
             self._signals.publish(window, timing)
-        for name in self._cumulative & window.keys():
-            window[name] = self._accumulate(name, window[name])
+        window = self._totals.add(window)
         self.latest = window
         self.latest_step = timing.step
         logged = self._logged.pop(timing.step, [])
@@ -264,28 +289,6 @@ class Telemetry:
         for step, values, timestamp in logged:
             if step != timing.step:
                 self.hub.submit(step, values, timestamp)
-
-    def _accumulate(self, name: str, value: ScalarValue) -> ScalarValue:
-        """Counters and histograms are exported as running totals across windows (and restarts),
-        as Prometheus and OTel cumulative temporality expect."""
-        if isinstance(value, HistogramValue):
-            previous = self._totals.get(name)
-            if previous is not None:
-                value = HistogramValue(
-                    bounds=value.bounds,
-                    counts=tuple(a + b for a, b in zip(previous.counts, value.counts, strict=True)),
-                    sum=previous.sum + value.sum,
-                    count=previous.count + value.count,
-                )
-            self._totals[name] = value
-            return value
-        if isinstance(value, Mapping):
-            totals = self._totals.setdefault(name, {})
-            for label, count in value.items():
-                totals[label] = totals.get(label, 0.0) + count
-            return dict(totals)
-        self._totals[name] = self._totals.get(name, 0.0) + float(value)  # type: ignore[arg-type]
-        return self._totals[name]
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Collect the current partial window and everything in flight, export it, flush exporters."""
@@ -345,7 +348,7 @@ class Telemetry:
                 self._signals.flush_to_device()
         return {
             "metrics": {name: metric.state_dict() for name, metric in self._leaves},
-            "counters": json.dumps({name: _saved_total(total) for name, total in self._totals.items()}),
+            "counters": self._totals.state_dict(),
             "signals": self._signals.state_dict() if self._signals else {},
             "step": -1 if self._last_step is None else self._last_step,
             "steps_in_window": self._steps_in_window,
@@ -359,33 +362,9 @@ class Telemetry:
         for name, metric in self._leaves:
             if name in saved:  # a checkpoint taken with signals=False has no signal states
                 metric.load_state_dict(saved[name])
-        counters = json.loads(state.get("counters", "{}"))
-        self._totals = {name: _restore_total(total) for name, total in counters.items()}
+        self._totals.load_state_dict(state.get("counters", "{}"))
         if self._signals is not None:
             self._signals.load_state_dict(state.get("signals", {}))
         step = int(state.get("step", -1))
         self._last_step = None if step < 0 else step
         self._steps_in_window = int(state.get("steps_in_window", 0))
-
-
-def _saved_total(total: Any) -> Any:
-    """A running total as plain Python containers (checkpoint formats need no custom classes)."""
-    if isinstance(total, HistogramValue):
-        return {
-            "bounds": list(total.bounds),
-            "counts": list(total.counts),
-            "sum": total.sum,
-            "count": total.count,
-        }
-    return dict(total) if isinstance(total, Mapping) else float(total)
-
-
-def _restore_total(saved: Any) -> Any:
-    if isinstance(saved, Mapping) and "bounds" in saved:
-        return HistogramValue(
-            bounds=tuple(saved["bounds"]),
-            counts=tuple(saved["counts"]),
-            sum=saved["sum"],
-            count=saved["count"],
-        )
-    return dict(saved) if isinstance(saved, Mapping) else float(saved)

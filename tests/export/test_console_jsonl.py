@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from torchtelemetry import ConsoleExporter, ExportHub, JsonlExporter
-from torchtelemetry.export import ExportResult, HistogramValue, MetricDescriptor, RunInfo
+from torchtelemetry import ConsoleExporter, JsonlExporter
+from torchtelemetry.export import ExportHub, ExportResult, HistogramValue, MetricDescriptor, RunInfo
 
 RUN = RunInfo(run_id="run-7")
 HISTOGRAM = HistogramValue(bounds=(0.5, 1.0), counts=(1.0, 2.0, 1.0), sum=3.0, count=4.0)

@@ -14,17 +14,10 @@ from typing import Any
 import pytest
 
 from tests.servers import http_get
-from torchtelemetry import ExportHub, JsonlExporter, PrometheusExporter
-from torchtelemetry.export import (
-    ExportResult,
-    HistogramValue,
-    InvalidMetricNameError,
-    MetricDescriptor,
-    NameCollisionError,
-    RunInfo,
-    Scalars,
-)
+from torchtelemetry import JsonlExporter, PrometheusExporter
+from torchtelemetry.export import ExportHub, ExportResult, HistogramValue, MetricDescriptor, RunInfo, Scalars
 from torchtelemetry.metric import MetricKind
+from torchtelemetry.report import InvalidMetricNameError, NameCollisionError
 
 RUN = RunInfo(run_id="hub-run")
 LOSS = MetricDescriptor("train/loss", description="Training loss")

@@ -22,18 +22,9 @@ from tests.receivers import (
     resource_attributes,
 )
 from torchtelemetry.collect._results import to_python
-from torchtelemetry.export import (
-    ExportHub,
-    ExportResult,
-    MetricDescriptor,
-    NameCollisionError,
-    NullHub,
-    OTelExporter,
-    RunInfo,
-    describe_metrics,
-    flatten_results,
-)
+from torchtelemetry.export import ExportHub, ExportResult, MetricDescriptor, NullHub, OTelExporter, RunInfo
 from torchtelemetry.metric import MetricKind
+from torchtelemetry.report import NameCollisionError, describe_metrics, flatten_results
 from torchtelemetry.sync import metric_leaves, sync_metrics
 
 pytest.importorskip("opentelemetry.exporter.otlp.proto.grpc")

@@ -18,9 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.distributed import free_port, run_ranks
 from tests.servers import PrometheusServer, Sample, http_get, self_signed_cert, wait_for
 from torchtelemetry import (
-    ExportHub,
     HistogramMetric,
-    NullHub,
     PerRankMetric,
     PrometheusExporter,
     PushgatewayExporter,
@@ -29,16 +27,9 @@ from torchtelemetry import (
     sync_metrics,
 )
 from torchtelemetry.collect import to_python
-from torchtelemetry.export import (
-    ExportResult,
-    HistogramValue,
-    MetricDescriptor,
-    NameCollisionError,
-    RunInfo,
-    describe_metrics,
-    flatten_results,
-)
+from torchtelemetry.export import ExportHub, ExportResult, HistogramValue, MetricDescriptor, NullHub, RunInfo
 from torchtelemetry.metric import MetricKind
+from torchtelemetry.report import NameCollisionError, describe_metrics, flatten_results
 from torchtelemetry.sync import metric_leaves
 
 STEPS = 3

@@ -17,8 +17,9 @@ from tests.export.test_prometheus import (
     train_and_export,
 )
 from tests.servers import PrometheusServer, PushgatewayServer, http_get
-from torchtelemetry import ExportHub, PushgatewayExporter
-from torchtelemetry.export import ExportResult, NameCollisionError
+from torchtelemetry import PushgatewayExporter
+from torchtelemetry.export import ExportHub, ExportResult
+from torchtelemetry.report import NameCollisionError
 
 
 def groups_of(gateway: PushgatewayServer, run_id: str) -> list[dict[str, str]]:

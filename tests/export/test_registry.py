@@ -66,18 +66,11 @@ def test_third_party_exporters_are_found_through_entry_points(
 
 
 def test_public_names() -> None:
-    for name in (
-        "ExportHub",
-        "NullHub",
-        "ExporterHealth",
-        "PrometheusExporter",
-        "PushgatewayExporter",
-        "ConsoleExporter",
-        "JsonlExporter",
-        "exporters_from_spec",
-    ):
+    for name in ("PrometheusExporter", "PushgatewayExporter", "ConsoleExporter", "JsonlExporter"):
         assert name in torchtelemetry.__all__ and name in torchtelemetry.export.__all__
         assert getattr(torchtelemetry, name) is getattr(torchtelemetry.export, name)
+    for name in ("ExportHub", "NullHub", "ExporterHealth", "exporters_from_spec"):
+        assert name in torchtelemetry.export.__all__ and name not in torchtelemetry.__all__
     assert {"available_exporters", "exporter_class"} <= set(torchtelemetry.export.__all__)
 
 

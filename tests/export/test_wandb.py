@@ -19,10 +19,10 @@ from torchtelemetry.export import (
     NullHub,
     RunInfo,
     WandbExporter,
-    describe_metrics,
 )
 from torchtelemetry.export._wandb import histogram_edges
 from torchtelemetry.metric import MetricKind
+from torchtelemetry.report import describe_metrics
 
 wandb = pytest.importorskip("wandb")
 

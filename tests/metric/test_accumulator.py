@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import torchtelemetry as tt
-from torchtelemetry import MetricAccumulator, ReduceOp
+from torchtelemetry import MetricAccumulator
+from torchtelemetry.metric import ReduceOp
 
 
 def test_update_reset_sync_value() -> None:

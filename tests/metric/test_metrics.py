@@ -45,7 +45,7 @@ def test_sum_of_tensors_numbers_and_numpy_scalars() -> None:
 
 def test_counter_sums_and_rejects_negative_values() -> None:
     metric = tt.SumMetric(kind="counter")
-    assert metric.kind is tt.MetricKind.COUNTER
+    assert metric.kind is tt.metric.MetricKind.COUNTER
     metric.update(torch.tensor([3, 4]))
     before = states(metric)
     with pytest.raises(ValueError, match=r"SumMetric.*counter cannot decrease"):

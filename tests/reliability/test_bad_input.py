@@ -390,7 +390,7 @@ def test_a_metric_on_another_device_takes_numbers_but_not_host_tensors() -> None
     ids=["empty", "empty segment", "too long", "unicode", "quotes", "newline"],
 )
 def test_illegal_metric_names_fail_when_telemetry_is_built(metrics: dict, message: str) -> None:
-    with pytest.raises(tt.InvalidMetricNameError, match=message):
+    with pytest.raises(tt.report.InvalidMetricNameError, match=message):
         tt.Telemetry(metrics, [], signals=False)
 
 
@@ -403,7 +403,8 @@ def test_the_longest_legal_name_is_accepted() -> None:
 def test_names_that_one_backend_cannot_tell_apart_fail_when_telemetry_is_built() -> None:
     metrics = {"train": {"loss-x": tt.SumMetric(), "loss_x": tt.SumMetric()}}
     with pytest.raises(
-        tt.NameCollisionError, match=r"\['train/loss-x', 'train/loss_x'\] -> 'torchtelemetry_train_loss_x'"
+        tt.report.NameCollisionError,
+        match=r"\['train/loss-x', 'train/loss_x'\] -> 'torchtelemetry_train_loss_x'",
     ):
         tt.Telemetry(metrics, [PrometheusExporter(port=None, registry=CollectorRegistry())], signals=False)
 

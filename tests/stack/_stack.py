@@ -18,14 +18,9 @@ import yaml
 from torchtelemetry.demo import build_metrics
 from torchtelemetry.export import MetricDescriptor
 from torchtelemetry.export._hub import HEALTH_DESCRIPTORS
-from torchtelemetry.export._naming import (
-    LAST_UPDATE_METRIC,
-    STEP_METRIC,
-    prometheus_label_name,
-    prometheus_name,
-)
 from torchtelemetry.export._prometheus import RUN_LABEL
 from torchtelemetry.metric import MetricKind
+from torchtelemetry.report import LAST_UPDATE_METRIC, STEP_METRIC, prometheus_label_name, prometheus_name
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
@@ -121,7 +116,7 @@ def emitted_labels() -> frozenset[str]:
 
 def queried_metrics(expr: str) -> set[str]:
     """Names in a PromQL expression that belong to the library's namespace (strings stripped)."""
-    from torchtelemetry.export._naming import NAMESPACE
+    from torchtelemetry.report import NAMESPACE
 
     return {token for token in _METRIC.findall(_STRING.sub('""', expr)) if token.startswith(f"{NAMESPACE}_")}
 

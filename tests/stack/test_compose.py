@@ -18,8 +18,8 @@ from tests.stack._stack import (
     dashboards,
     load_yaml,
 )
-from torchtelemetry.export._naming import NAMESPACE
 from torchtelemetry.export._prometheus import RUN_LABEL
+from torchtelemetry.report import NAMESPACE
 
 SERVICES = {"prometheus", "grafana", "otel-collector", "pushgateway"}
 

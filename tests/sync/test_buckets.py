@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import torchtelemetry as tt
-from torchtelemetry import ReduceOp
+from torchtelemetry.metric import ReduceOp
 from torchtelemetry.sync import BucketLayout, resolve_group
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.int32, torch.int64]
@@ -174,15 +174,15 @@ def test_functional_reductions_without_process_group_are_local() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert resolve_group(None, op="reduce") is None
-    out = tt.reduce_custom(values, {"loss": "mean", "samples": "sum", "grad_norm": "max"})
+    out = tt.sync.reduce_custom(values, {"loss": "mean", "samples": "sum", "grad_norm": "max"})
     assert out["loss"].item() == 0.1 and out["loss"].dtype == torch.float64  # Python floats stay doubles
     assert out["samples"].item() == 3 and out["grad_norm"].tolist() == [1.5, 2.5]
-    assert tt.per_rank(values) == {"loss": [0.1], "samples": [3], "grad_norm": [[1.5, 2.5]]}
+    assert tt.sync.per_rank(values) == {"loss": [0.1], "samples": [3], "grad_norm": [[1.5, 2.5]]}
     with pytest.raises(
         ValueError, match=r"reduce_custom: ops must name every value \(no op for \['samples'\]"
     ):
-        tt.reduce_custom({"loss": 1.0, "samples": 2}, {"loss": "mean"})
+        tt.sync.reduce_custom({"loss": 1.0, "samples": 2}, {"loss": "mean"})
     with pytest.raises(ValueError, match="reduce_custom: unknown ops"):
-        tt.reduce({"loss": 1.0}, op="median")  # type: ignore[arg-type]
+        tt.sync.reduce({"loss": 1.0}, op="median")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="reduce_custom: 'loss' must be a tensor or a number"):
-        tt.reduce({"loss": "high"})
+        tt.sync.reduce({"loss": "high"})

@@ -151,20 +151,20 @@ def _functional_rank(rank: int, world_size: int) -> dict:
     ops = {"loss": "mean", "grad_norm": "max", "samples": "sum", "lr": "min"}
     out: dict = {}
     with counter.counting() as calls:
-        out["custom_first"] = _plain(tt.reduce_custom(values, ops))
+        out["custom_first"] = _plain(tt.sync.reduce_custom(values, ops))
     out["custom_first_calls"] = dict(calls)
     with counter.counting() as calls:
-        out["custom"] = _plain(tt.reduce_custom(values, ops))
+        out["custom"] = _plain(tt.sync.reduce_custom(values, ops))
     out["custom_calls"] = dict(calls)
     with counter.counting() as calls:
-        out["mean"] = _plain(tt.reduce({"loss": values["loss"], "lr": values["lr"]}, op="mean"))
-        out["max"] = _plain(tt.reduce({"loss": values["loss"], "lr": values["lr"]}, op="max"))
+        out["mean"] = _plain(tt.sync.reduce({"loss": values["loss"], "lr": values["lr"]}, op="mean"))
+        out["max"] = _plain(tt.sync.reduce({"loss": values["loss"], "lr": values["lr"]}, op="max"))
     out["reduce_calls"] = dict(calls)
-    tt.all_gather(values)
+    tt.sync.all_gather(values)
     with counter.counting() as calls:
-        out["gathered"] = _plain(tt.all_gather(values))
+        out["gathered"] = _plain(tt.sync.all_gather(values))
     out["gather_calls"] = dict(calls)
-    out["per_rank"] = tt.per_rank({"loss": values["loss"], "samples": values["samples"]})
+    out["per_rank"] = tt.sync.per_rank({"loss": values["loss"], "samples": values["samples"]})
     return out
 
 
@@ -205,7 +205,7 @@ def _mismatch_rank(rank: int, world_size: int, case: str) -> str:
         metrics["tokens"] = tt.SumMetric(dtype=torch.float64 if rank == 0 else torch.int64)
     try:
         tt.sync_metrics(metrics)
-    except tt.LayoutMismatchError as error:
+    except tt.sync.LayoutMismatchError as error:
         return str(error)
     return "no error"
 
@@ -248,8 +248,8 @@ def _mesh_rank(rank: int, world_size: int) -> dict:
             metric.update(torch.tensor(float(rank)))
         tt.sync_metrics(metrics, group=group)
         out[label] = {name: m.compute().item() for name, m in metrics.items()}
-    out["reduce_tp"] = tt.reduce({"x": float(rank)}, op="sum", group=mesh["tp"])["x"].item()
-    out["gather_dp"] = tt.per_rank({"x": rank}, group=(mesh, "dp"))["x"]
+    out["reduce_tp"] = tt.sync.reduce({"x": float(rank)}, op="sum", group=mesh["tp"])["x"].item()
+    out["gather_dp"] = tt.sync.per_rank({"x": rank}, group=(mesh, "dp"))["x"]
     try:
         tt.sync_metrics(tt.SumMetric(), group=mesh)
     except ValueError as error:

@@ -1,36 +1,30 @@
-"""Export: flattening and naming, the rank-0 hub, and one module per backend."""
+"""Export: the `Exporter` protocol, the rank-0 hub, and one module per backend.
+
+The values a report carries (`HistogramValue`, `MetricDescriptor`, `Scalars`) come from
+`torchtelemetry.report` and are re-exported here for exporter authors.
+"""
 
 from torchtelemetry.export._console import ConsoleExporter
-from torchtelemetry.export._flatten import describe_metrics, flatten_results
 from torchtelemetry.export._hub import ExporterHealth, ExportHub, NullHub
 from torchtelemetry.export._jsonl import JsonlExporter
-from torchtelemetry.export._naming import InvalidMetricNameError, NameCollisionError
 from torchtelemetry.export._otel import OTelExporter
 from torchtelemetry.export._prometheus import PrometheusExporter
-from torchtelemetry.export._protocol import (
-    Exporter,
-    ExportResult,
-    HistogramValue,
-    MetricDescriptor,
-    RunInfo,
-    Scalars,
-    ScalarValue,
-)
+from torchtelemetry.export._protocol import RUN_ID_ENV, Exporter, ExportResult, RunInfo
 from torchtelemetry.export._pushgateway import PushgatewayExporter
 from torchtelemetry.export._registry import available_exporters, exporter_class, exporters_from_spec
 from torchtelemetry.export._wandb import WandbExporter
+from torchtelemetry.report import HistogramValue, MetricDescriptor, Scalars, ScalarValue
 
 __all__ = [
+    "RUN_ID_ENV",
     "ConsoleExporter",
     "ExportHub",
     "ExportResult",
     "Exporter",
     "ExporterHealth",
     "HistogramValue",
-    "InvalidMetricNameError",
     "JsonlExporter",
     "MetricDescriptor",
-    "NameCollisionError",
     "NullHub",
     "OTelExporter",
     "PrometheusExporter",
@@ -40,8 +34,6 @@ __all__ = [
     "Scalars",
     "WandbExporter",
     "available_exporters",
-    "describe_metrics",
     "exporter_class",
     "exporters_from_spec",
-    "flatten_results",
 ]

@@ -10,7 +10,8 @@ from collections.abc import Mapping, Sequence
 from typing import TextIO
 
 from torchtelemetry.export._hub import HEALTH_PREFIX, FailureLog, warn_closed_again
-from torchtelemetry.export._protocol import ExportResult, HistogramValue, MetricDescriptor, RunInfo, Scalars
+from torchtelemetry.export._protocol import ExportResult, RunInfo
+from torchtelemetry.report import HistogramValue, MetricDescriptor, Scalars
 
 __all__ = ["ConsoleExporter"]
 

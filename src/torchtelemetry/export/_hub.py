@@ -20,17 +20,17 @@ import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from torchtelemetry.export._naming import InvalidMetricNameError, NameCollisionError, validate_path
-from torchtelemetry.export._protocol import (
-    Exporter,
-    ExportResult,
+from torchtelemetry.export._protocol import Exporter, ExportResult, RunInfo
+from torchtelemetry.metric import MetricKind
+from torchtelemetry.report import (
     HistogramValue,
+    InvalidMetricNameError,
     MetricDescriptor,
-    RunInfo,
+    NameCollisionError,
     Scalars,
     ScalarValue,
+    validate_path,
 )
-from torchtelemetry.metric import MetricKind
 
 __all__ = [
     "DROP_LOG_INTERVAL_S",

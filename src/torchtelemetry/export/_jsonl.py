@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import IO, Any
 
 from torchtelemetry.export._hub import FailureLog, warn_closed_again
-from torchtelemetry.export._protocol import ExportResult, HistogramValue, MetricDescriptor, RunInfo, Scalars
+from torchtelemetry.export._protocol import ExportResult, RunInfo
+from torchtelemetry.report import HistogramValue, MetricDescriptor, Scalars
 
 __all__ = ["JsonlExporter"]
 

@@ -31,9 +31,17 @@ from urllib.parse import urlsplit, urlunsplit
 
 from torchtelemetry._optional import import_optional
 from torchtelemetry.export._hub import warn_closed_again
-from torchtelemetry.export._naming import STEP_METRIC, merge_descriptors, otel_name, otel_unit
-from torchtelemetry.export._protocol import ExportResult, HistogramValue, MetricDescriptor, RunInfo, Scalars
+from torchtelemetry.export._protocol import ExportResult, RunInfo
 from torchtelemetry.metric import MetricKind
+from torchtelemetry.report import (
+    STEP_METRIC,
+    HistogramValue,
+    MetricDescriptor,
+    Scalars,
+    merge_descriptors,
+    otel_name,
+    otel_unit,
+)
 
 __all__ = [
     "DEFAULT_SERVICE_NAME",

@@ -16,17 +16,20 @@ from typing import Any
 
 from torchtelemetry._optional import import_optional
 from torchtelemetry.export._hub import FailureLog, warn_closed_again
-from torchtelemetry.export._naming import (
+from torchtelemetry.export._protocol import ExportResult, RunInfo
+from torchtelemetry.metric import MetricKind
+from torchtelemetry.report import (
     LAST_UPDATE_METRIC,
     NAMESPACE,
     STEP_METRIC,
+    HistogramValue,
+    MetricDescriptor,
     NameCollisionError,
+    Scalars,
     merge_descriptors,
     prometheus_label_name,
     prometheus_name,
 )
-from torchtelemetry.export._protocol import ExportResult, HistogramValue, MetricDescriptor, RunInfo, Scalars
-from torchtelemetry.metric import MetricKind
 
 __all__ = ["RUN_LABEL", "PrometheusCollector", "PrometheusExporter", "import_prometheus_client"]
 

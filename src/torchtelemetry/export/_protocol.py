@@ -1,4 +1,4 @@
-"""The `Exporter` protocol and the values exporters receive."""
+"""The `Exporter` protocol, its result and the run it exports."""
 
 from __future__ import annotations
 
@@ -8,20 +8,11 @@ import secrets
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeAlias, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
-from torchtelemetry.metric import MetricKind
+from torchtelemetry.report import MetricDescriptor, Scalars
 
-__all__ = [
-    "ExportResult",
-    "Exporter",
-    "HistogramValue",
-    "MetricDescriptor",
-    "RUN_ID_ENV",
-    "RunInfo",
-    "Scalars",
-    "ScalarValue",
-]
+__all__ = ["RUN_ID_ENV", "ExportResult", "Exporter", "RunInfo"]
 
 
 class ExportResult(enum.Enum):
@@ -29,40 +20,6 @@ class ExportResult(enum.Enum):
 
     SUCCESS = "success"
     FAILURE = "failure"
-
-
-@dataclass(frozen=True, slots=True)
-class HistogramValue:
-    """One histogram: upper `bounds`, non-cumulative `counts` (`len(bounds) + 1`, last is +Inf)."""
-
-    bounds: tuple[float, ...]
-    counts: tuple[float, ...]
-    sum: float
-    count: float
-
-    def cumulative_counts(self) -> list[float]:
-        """Counts of values `<= bound` for each bound, then the total (Prometheus `le` buckets)."""
-        running, out = 0.0, []
-        for count in self.counts:
-            running += count
-            out.append(running)
-        return out
-
-
-@dataclass(frozen=True, slots=True)
-class MetricDescriptor:
-    """What an exporter needs to know about one exported name before any value arrives."""
-
-    name: str
-    """Slash-separated path, e.g. `train/loss`; each exporter maps it to its backend's rules."""
-    kind: MetricKind = MetricKind.GAUGE
-    """Gauge, counter (values are running totals) or histogram."""
-    unit: str = ""
-    """Unit such as "seconds", "bytes", "ratio", "tokens"; empty when dimensionless."""
-    description: str = ""
-    """Help text."""
-    label_name: str | None = None
-    """Set when the value is a mapping from label value to float (e.g. "rank")."""
 
 
 RUN_ID_ENV = "TORCHTELEMETRY_RUN_ID"
@@ -95,13 +52,6 @@ class RunInfo:
             run_id or os.environ.get(RUN_ID_ENV) or f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
         )
         return cls(run_id=run_id, world_size=world_size, config=dict(config or {}))
-
-
-ScalarValue: TypeAlias = "float | HistogramValue | Mapping[str, float]"
-"""A float (gauge, or a counter's running total), a histogram, or a float per label value."""
-
-Scalars: TypeAlias = Mapping[str, "float | HistogramValue | Mapping[str, float]"]
-"""One report: descriptor name -> value."""
 
 
 @runtime_checkable

@@ -10,9 +10,9 @@ from typing import Any
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 from torchtelemetry.export._hub import FailureLog, warn_closed_again
-from torchtelemetry.export._naming import NAMESPACE
 from torchtelemetry.export._prometheus import RUN_LABEL, PrometheusCollector, import_prometheus_client
-from torchtelemetry.export._protocol import ExportResult, MetricDescriptor, RunInfo, Scalars
+from torchtelemetry.export._protocol import ExportResult, RunInfo
+from torchtelemetry.report import NAMESPACE, MetricDescriptor, Scalars
 
 __all__ = ["PushgatewayExporter"]
 

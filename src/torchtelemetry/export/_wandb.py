@@ -10,8 +10,15 @@ from typing import Any
 
 from torchtelemetry._optional import import_optional
 from torchtelemetry.export._hub import FailureLog, warn_closed_again
-from torchtelemetry.export._naming import merge_descriptors, wandb_label_name, wandb_name
-from torchtelemetry.export._protocol import ExportResult, HistogramValue, MetricDescriptor, RunInfo, Scalars
+from torchtelemetry.export._protocol import ExportResult, RunInfo
+from torchtelemetry.report import (
+    HistogramValue,
+    MetricDescriptor,
+    Scalars,
+    merge_descriptors,
+    wandb_label_name,
+    wandb_name,
+)
 
 __all__ = ["WandbExporter", "histogram_edges"]
 

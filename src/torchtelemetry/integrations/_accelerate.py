@@ -128,7 +128,7 @@ class TelemetryTracker(tracking.GeneralTracker):
             every=self.every,
             group=self.group,
             run_id=self.run_id,
-            config=self._config,
+            run_config=self._config,
             **self.options,
         )
         self._logs = TelemetryMetricLogger(self._telemetry)

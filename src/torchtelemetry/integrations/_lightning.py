@@ -114,7 +114,7 @@ class LightningTelemetryCallback(pl.Callback):
             every=self.every if self.every is not None else max(trainer.log_every_n_steps, 1),
             group=self.group,
             run_id=run_id,
-            config={**_hparams(trainer, pl_module), **self.config},
+            run_config={**_hparams(trainer, pl_module), **self.config},
             **self.options,
         )
         self.global_step = trainer.global_step

@@ -13,8 +13,7 @@ from typing import Any
 
 import torch
 
-from torchtelemetry.export import ScalarValue
-from torchtelemetry.export._naming import InvalidMetricNameError, sanitize_path
+from torchtelemetry.report import InvalidMetricNameError, ScalarValue, sanitize_path
 from torchtelemetry.telemetry import Telemetry
 
 __all__ = ["TelemetryMetricLogger"]

@@ -80,7 +80,7 @@ class TrainerTelemetryCallback(transformers.TrainerCallback):
             every=max(state.max_steps, 1),
             group=self.group,
             run_id=self.run_id,
-            config={**args.to_sanitized_dict(), **self.config},
+            run_config={**args.to_sanitized_dict(), **self.config},
             **self.options,
         )
         self._logs = TelemetryMetricLogger(self.telemetry, prefix=self.prefix)
@@ -93,12 +93,12 @@ class TrainerTelemetryCallback(transformers.TrainerCallback):
             return
         self.telemetry.step(state.global_step, learning_rate=_learning_rate(lr_scheduler))
         if control.should_log:
-            self.telemetry.collect()
+            self.telemetry.schedule_collection()
 
     def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Collect when the Trainer logs per epoch (`logging_strategy="epoch"`)."""
         if self.telemetry is not None and control.should_log:
-            self.telemetry.collect()
+            self.telemetry.schedule_collection()
 
     def on_log(
         self, args: Any, state: Any, control: Any, logs: Mapping[str, Any] | None = None, **kwargs: Any

@@ -2,7 +2,7 @@
 
 from torchtelemetry.sync._buckets import BucketKey, BucketLayout
 from torchtelemetry.sync._functional import Reduction, all_gather, per_rank, reduce, reduce_custom
-from torchtelemetry.sync._group import GroupLike, resolve_group
+from torchtelemetry.sync._group import GroupLike, comm_device, group_rank, group_world_size, resolve_group
 from torchtelemetry.sync._sync import (
     LayoutMismatchError,
     SyncHandle,
@@ -21,6 +21,9 @@ __all__ = [
     "Reduction",
     "SyncHandle",
     "all_gather",
+    "comm_device",
+    "group_rank",
+    "group_world_size",
     "metric_leaves",
     "named_accumulators",
     "per_rank",

@@ -11,8 +11,8 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterable, Mapping
 
-from torchtelemetry.export._protocol import MetricDescriptor
 from torchtelemetry.metric import MetricKind
+from torchtelemetry.report._values import MetricDescriptor
 
 __all__ = [
     "MAX_NAME_LENGTH",

@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from torchtelemetry.export import MetricDescriptor, ScalarValue
 from torchtelemetry.metric import MaxMetric, MetricKind, PerRankMetric, SumMetric
+from torchtelemetry.report._values import MetricDescriptor, ScalarValue
 
 __all__ = ["TrainingSignals", "WindowTiming"]
 
@@ -80,11 +80,18 @@ class TrainingSignals:
     def record_step_time(self, seconds: float) -> None:
         self._step_times.append(seconds)
 
-    def record_count(self, name: str, value: torch.Tensor | float | int) -> None:
-        """Count tokens or samples: tensors are added on the device, numbers on the host."""
+    def record_tokens(self, value: torch.Tensor | float | int) -> None:
+        """Count tokens: tensors are added on the device, numbers on the host."""
+        self._record_count(TOKENS, self.tokens, value)
+
+    def record_samples(self, value: torch.Tensor | float | int) -> None:
+        """Count samples: tensors are added on the device, numbers on the host."""
+        self._record_count(SAMPLES, self.samples, value)
+
+    def _record_count(self, name: str, metric: SumMetric, value: torch.Tensor | float | int) -> None:
         self._seen.add(name)
         if isinstance(value, torch.Tensor):
-            (self.tokens if name == TOKENS else self.samples).update(value)
+            metric.update(value)
         else:
             self._host_counts[name] += float(value)
 

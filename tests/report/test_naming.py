@@ -1,4 +1,4 @@
-"""Naming rules (export/_naming.py) and flattening of results (export/_flatten.py)."""
+"""Naming rules (report/_naming.py) and flattening of results (report/_flatten.py)."""
 
 from __future__ import annotations
 
@@ -14,16 +14,14 @@ from torchtelemetry import (
     sync_metrics,
 )
 from torchtelemetry.collect import to_python
-from torchtelemetry.export import (
-    HistogramValue,
+from torchtelemetry.export import HistogramValue, MetricDescriptor
+from torchtelemetry.metric import MetricKind
+from torchtelemetry.report import (
     InvalidMetricNameError,
-    MetricDescriptor,
     NameCollisionError,
+    check_unique,
     describe_metrics,
     flatten_results,
-)
-from torchtelemetry.export._naming import (
-    check_unique,
     otel_name,
     otel_unit,
     prometheus_label_name,
@@ -31,7 +29,6 @@ from torchtelemetry.export._naming import (
     sanitize_path,
     validate_path,
 )
-from torchtelemetry.metric import MetricKind
 from torchtelemetry.sync import metric_leaves
 
 COUNTER, HISTOGRAM = MetricKind.COUNTER, MetricKind.HISTOGRAM

@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from torchtelemetry.collect._results import to_python
-from torchtelemetry.export._naming import validate_path
-from torchtelemetry.export._protocol import HistogramValue, MetricDescriptor, ScalarValue
+from torchtelemetry.collect import to_python
 from torchtelemetry.metric import Metric, MetricKind
+from torchtelemetry.report._naming import validate_path
+from torchtelemetry.report._values import HistogramValue, MetricDescriptor, ScalarValue
 from torchtelemetry.sync import metric_leaves
 
 __all__ = ["describe_metrics", "flatten_results"]

@@ -1,0 +1,58 @@
+"""Reports: a window's results as named values, the built-in training signals and the running totals.
+
+Between collection and export: `flatten_results` names each metric's results by its path in the
+tree (`train/loss`), `TrainingSignals` adds throughput and step-time statistics, `RunningTotals`
+turns counters and histograms into totals across windows and restarts, and the naming rules say
+how each backend spells a path.
+"""
+
+from torchtelemetry.report._flatten import describe_metrics, flatten_results
+from torchtelemetry.report._naming import (
+    LAST_UPDATE_METRIC,
+    MAX_NAME_LENGTH,
+    NAMESPACE,
+    STEP_METRIC,
+    InvalidMetricNameError,
+    NameCollisionError,
+    check_unique,
+    merge_descriptors,
+    otel_name,
+    otel_unit,
+    prometheus_label_name,
+    prometheus_name,
+    sanitize_path,
+    validate_path,
+    wandb_label_name,
+    wandb_name,
+)
+from torchtelemetry.report._signals import TrainingSignals, WindowTiming
+from torchtelemetry.report._totals import RunningTotals
+from torchtelemetry.report._values import HistogramValue, MetricDescriptor, Scalars, ScalarValue
+
+__all__ = [
+    "LAST_UPDATE_METRIC",
+    "MAX_NAME_LENGTH",
+    "NAMESPACE",
+    "STEP_METRIC",
+    "HistogramValue",
+    "InvalidMetricNameError",
+    "MetricDescriptor",
+    "NameCollisionError",
+    "RunningTotals",
+    "ScalarValue",
+    "Scalars",
+    "TrainingSignals",
+    "WindowTiming",
+    "check_unique",
+    "describe_metrics",
+    "flatten_results",
+    "merge_descriptors",
+    "otel_name",
+    "otel_unit",
+    "prometheus_label_name",
+    "prometheus_name",
+    "sanitize_path",
+    "validate_path",
+    "wandb_label_name",
+    "wandb_name",
+]

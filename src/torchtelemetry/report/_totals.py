@@ -1,0 +1,85 @@
+"""Running totals: counters and histograms are reported cumulatively, across windows and restarts."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Collection, Mapping
+from typing import Any
+
+from torchtelemetry.report._values import HistogramValue, ScalarValue
+
+__all__ = ["RunningTotals"]
+
+
+class RunningTotals:
+    """The running total of every counter and histogram of a run; the one place they are kept.
+
+    A window carries what happened during it; `add()` folds it into the totals and returns what
+    is reported: totals for the names in `cumulative`, the window's own value for the others.
+    `state_dict()` / `load_state_dict()` carry the totals over a restart.
+    """
+
+    def __init__(self, cumulative: Collection[str]) -> None:
+        self.cumulative = frozenset(cumulative)
+        """Names reported as running totals (counters and histograms)."""
+        self._totals: dict[str, ScalarValue] = {}
+
+    def add(self, window: Mapping[str, ScalarValue]) -> dict[str, ScalarValue]:
+        """Fold one window's values in; returns the window with totals in place of cumulative names."""
+        reported = dict(window)
+        for name in self.cumulative & window.keys():
+            reported[name] = self._totals[name] = _sum(self._totals.get(name), window[name])
+        return reported
+
+    def state_dict(self) -> str:
+        """The totals as one JSON string.
+
+        `torch.distributed.checkpoint` loads only the keys of the state dict it loads into, and a
+        fresh run cannot know which counters (or label values) the saved run had.
+        """
+        return json.dumps({name: _saved(total) for name, total in self._totals.items()})
+
+    def load_state_dict(self, saved: str) -> None:
+        """Restore totals written by `state_dict()`."""
+        self._totals = {name: _restored(total) for name, total in json.loads(saved).items()}
+
+
+def _sum(total: ScalarValue | None, value: ScalarValue) -> ScalarValue:
+    if isinstance(value, HistogramValue):
+        if not isinstance(total, HistogramValue):
+            return value
+        return HistogramValue(
+            bounds=value.bounds,
+            counts=tuple(a + b for a, b in zip(total.counts, value.counts, strict=True)),
+            sum=total.sum + value.sum,
+            count=total.count + value.count,
+        )
+    if isinstance(value, Mapping):
+        totals = dict(total) if isinstance(total, Mapping) else {}
+        for label, count in value.items():
+            totals[label] = totals.get(label, 0.0) + count
+        return totals
+    return (total if isinstance(total, float) else 0.0) + float(value)
+
+
+def _saved(total: ScalarValue) -> Any:
+    """A running total as plain Python containers (checkpoint formats need no custom classes)."""
+    if isinstance(total, HistogramValue):
+        return {
+            "bounds": list(total.bounds),
+            "counts": list(total.counts),
+            "sum": total.sum,
+            "count": total.count,
+        }
+    return dict(total) if isinstance(total, Mapping) else float(total)
+
+
+def _restored(saved: Any) -> ScalarValue:
+    if isinstance(saved, Mapping) and "bounds" in saved:
+        return HistogramValue(
+            bounds=tuple(saved["bounds"]),
+            counts=tuple(saved["counts"]),
+            sum=saved["sum"],
+            count=saved["count"],
+        )
+    return dict(saved) if isinstance(saved, Mapping) else float(saved)
