@@ -332,7 +332,7 @@ def test_missing_package_names_the_extra(monkeypatch):
 def test_constructor_opens_nothing(http_receiver):
     exporter = OTelExporter(endpoint=http_receiver.metrics_endpoint)
     assert exporter.export(1, {"train/loss": 1.0}, time.time()) is ExportResult.FAILURE  # not described
-    assert exporter.failed_exports == 1
+    assert exporter.errors == 1
     exporter.close()
     assert http_receiver.received == []
 
@@ -380,9 +380,9 @@ def test_receiver_down_then_up(target):
     target.receiver.stop()
     for step in (2, 3, 4):
         assert exporter.export(step, {"train/loss": float(step)}, time.time()) is ExportResult.FAILURE
-    assert exporter.failed_exports == 3
+    assert exporter.errors == 3
     assert not exporter.force_flush(1)  # the newest report is still undelivered
-    assert exporter.failed_exports == 4
+    assert exporter.errors == 4
 
     target.receiver.start()
     step, deadline = 5, time.monotonic() + 60
@@ -394,7 +394,7 @@ def test_receiver_down_then_up(target):
     assert exporter.force_flush(5)
     exporter.close(5)
     assert target.steps() == [1, step, step + 1, step + 2]
-    assert exporter.delivered_exports == 4
+    assert exporter.exported_reports == 4
 
 
 def test_failed_report_is_delivered_by_flush(target):

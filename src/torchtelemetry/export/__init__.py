@@ -1,9 +1,10 @@
-"""Export: the `Exporter` protocol, the rank-0 hub, and one module per backend.
+"""Export: the `Exporter` protocol, the `BaseExporter` lifecycle, the rank-0 hub, one module per backend.
 
 The values a report carries (`HistogramValue`, `MetricDescriptor`, `Scalars`) come from
 `torchtelemetry.report` and are re-exported here for exporter authors.
 """
 
+from torchtelemetry.export._base import BaseExporter, ExportFailed
 from torchtelemetry.export._console import ConsoleExporter
 from torchtelemetry.export._hub import ExporterHealth, ExportHub, NullHub
 from torchtelemetry.export._jsonl import JsonlExporter
@@ -17,8 +18,10 @@ from torchtelemetry.report import HistogramValue, MetricDescriptor, Scalars, Sca
 
 __all__ = [
     "RUN_ID_ENV",
+    "BaseExporter",
     "ConsoleExporter",
     "ExportHub",
+    "ExportFailed",
     "ExportResult",
     "Exporter",
     "ExporterHealth",

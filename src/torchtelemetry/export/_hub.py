@@ -16,10 +16,10 @@ import collections
 import logging
 import threading
 import time
-import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from torchtelemetry.export._base import FailureLog, warn_closed_again
 from torchtelemetry.export._protocol import Exporter, ExportResult, RunInfo
 from torchtelemetry.metric import MetricKind
 from torchtelemetry.report import (
@@ -38,7 +38,6 @@ __all__ = [
     "HEALTH_PREFIX",
     "ExportHub",
     "ExporterHealth",
-    "FailureLog",
     "NullHub",
 ]
 
@@ -78,42 +77,6 @@ HEALTH_DESCRIPTORS = (
     ),
 )
 """Descriptors of the health metrics every report carries."""
-
-
-def warn_closed_again(owner: str) -> None:
-    """The warning a second `close()` gives, for the hub and every exporter alike."""
-    warnings.warn(f"{owner}: already closed", RuntimeWarning, stacklevel=3)
-
-
-class FailureLog:
-    """Logs the first failure of a burst with its reason and only counts the rest; a success ends the burst.
-
-    Used by one thread at a time (an exporter's hub thread).
-    """
-
-    def __init__(self, subject: str, log: logging.Logger = logger) -> None:
-        self.subject = subject
-        self._log = log
-        self._in_burst = 0
-
-    def failed(self, what: str, error: BaseException | None = None) -> None:
-        """Record one failure; log it if it starts a burst."""
-        self._in_burst += 1
-        if self._in_burst == 1:
-            reason = f": {type(error).__name__}: {error}" if error is not None else ""
-            self._log.error(
-                "%s: %s%s; further failures are counted, not logged, until one succeeds",
-                self.subject,
-                what,
-                reason,
-                exc_info=error if error is not None and not isinstance(error, OSError) else None,
-            )
-
-    def succeeded(self) -> None:
-        """End the current burst, if any."""
-        if self._in_burst:
-            self._log.info("%s: recovered after %d failures", self.subject, self._in_burst)
-            self._in_burst = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,15 +23,14 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from torchtelemetry._optional import import_optional
-from torchtelemetry.export._hub import warn_closed_again
-from torchtelemetry.export._protocol import ExportResult, RunInfo
+from torchtelemetry.export._base import BaseExporter, ExportFailed
+from torchtelemetry.export._protocol import RunInfo
 from torchtelemetry.metric import MetricKind
 from torchtelemetry.report import (
     STEP_METRIC,
@@ -106,7 +105,7 @@ def _redact(url: str) -> str:
     return redacted if "//" in url else redacted.removeprefix("//")
 
 
-class OTelExporter:
+class OTelExporter(BaseExporter):
     """Pushes every report to an OpenTelemetry collector over OTLP (HTTP/protobuf or gRPC).
 
     Each argument beats its standard environment variable, which beats the
@@ -159,7 +158,7 @@ class OTelExporter:
                 )
         if timeout_s is not None and not timeout_s > 0:
             raise ValueError(f"OTelExporter: timeout_s must be positive, got {timeout_s}")
-        self.name = name
+        super().__init__(name)
         self._endpoint = endpoint
         self._headers = dict(headers) if headers is not None else None
         self._timeout_s = timeout_s
@@ -167,79 +166,21 @@ class OTelExporter:
         self._resource_overrides: dict[str, Any] = dict(resource_attributes or {})
         if service_name is not None:
             self._resource_overrides.setdefault("service.name", service_name)
-        self._lock = threading.Lock()
         self._descriptors: dict[str, MetricDescriptor] = {}
         self._otlp: Any = None
         self._resource: Any = None
         self._start_ns = 0
-        self._started = False
         self._disabled = False
-        self._closed = False
         self._pending: Any = None
         self._unknown_warned: set[str] = set()
-        self.delivered_exports = 0
-        """Pushes the collector acknowledged."""
-        self.failed_exports = 0
-        """Pushes that failed (unreachable collector, rejected request, encoding error)."""
 
-    # -- Exporter protocol --------------------------------------------------------------
-
-    def describe(self, descriptors: Sequence[MetricDescriptor], run: RunInfo) -> None:
-        """Learn the names (collisions raise `NameCollisionError`); the first call creates the OTLP client."""
-        with self._lock:
-            self._descriptors = merge_descriptors(
-                self._descriptors, descriptors, otel_name, "OpenTelemetry", reserved=[STEP_METRIC]
-            )
-            if not self._started:
-                self._started = True
-                self._start(run)
-
-    def export(self, step: int, scalars: Scalars, timestamp: float) -> ExportResult:
-        """Push one report; FAILURE (logged, counted) when the collector did not acknowledge it."""
-        with self._lock:
-            if self._closed:
-                logger.warning("OTelExporter %r: export after close() ignored", self.name)
-                return ExportResult.FAILURE
-            if self._disabled:
-                return ExportResult.SUCCESS
-            if self._otlp is None:
-                logger.error(
-                    "OTelExporter %r: export before a successful describe(); nothing sent", self.name
-                )
-                self.failed_exports += 1
-                return ExportResult.FAILURE
-            try:
-                data = self._metrics_data(step, scalars, timestamp)
-            except Exception:
-                logger.exception("OTelExporter %r: could not build the report of step %d", self.name, step)
-                self.failed_exports += 1
-                return ExportResult.FAILURE
-            return ExportResult.SUCCESS if self._push(data) else ExportResult.FAILURE
-
-    def force_flush(self, timeout_s: float = 10.0) -> bool:
-        """Retry the newest report if its push failed; True when nothing is left undelivered."""
-        with self._lock:
-            return self._flush(timeout_s)
-
-    def close(self, timeout_s: float = 10.0) -> None:
-        """Final flush, then shut the OTLP client down; a second call only warns."""
-        with self._lock:
-            if self._closed:
-                warn_closed_again(f"OTelExporter {self.name!r}")
-                return
-            self._closed = True
-            if self._otlp is None:
-                return
-            self._flush(timeout_s)
-            try:
-                self._otlp.shutdown(timeout_millis=timeout_s * 1000)
-            except Exception:
-                logger.exception("OTelExporter %r: shutdown failed", self.name)
-            self._otlp = None
-
-    # -- internals ----------------------------------------------------------------------
+    def _describe(self, descriptors: Sequence[MetricDescriptor], run: RunInfo) -> None:
+        self._descriptors = merge_descriptors(
+            self._descriptors, descriptors, otel_name, "OpenTelemetry", reserved=[STEP_METRIC]
+        )
 
     def _start(self, run: RunInfo) -> None:
+        """Create the OTLP client; a failure is logged and every export then fails."""
         if os.environ.get(SDK_DISABLED_ENV, "").strip().lower() == "true":
             logger.warning("OTelExporter %r: %s=true, nothing will be exported", self.name, SDK_DISABLED_ENV)
             self._disabled = True
@@ -259,6 +200,29 @@ class OTelExporter:
             _redact(str(getattr(self._otlp, "_endpoint", self._endpoint or "the default endpoint"))),
             f" with headers {header_names}" if header_names else "",
         )
+
+    def _export(self, step: int, scalars: Scalars, timestamp: float) -> None:
+        """Push one report; raises `ExportFailed` when the collector did not acknowledge it."""
+        if self._disabled:
+            return
+        if self._otlp is None:
+            raise ExportFailed("no OTLP client (creating it failed at describe()); nothing sent")
+        self._push(self._metrics_data(step, scalars, timestamp))
+
+    def _flush(self, timeout_s: float) -> bool:
+        """Retry the newest report if its push failed; True when nothing is left undelivered."""
+        if self._pending is None or self._otlp is None:
+            return self._pending is None
+        if timeout_s <= 0:
+            return False
+        self._push(self._pending)
+        return True
+
+    def _close(self, timeout_s: float) -> None:
+        """Shut the OTLP client down."""
+        if self._otlp is not None:
+            otlp, self._otlp = self._otlp, None
+            otlp.shutdown(timeout_millis=timeout_s * 1000)
 
     def _build_resource(self, run: RunInfo) -> Any:
         from opentelemetry.sdk.resources import (
@@ -312,28 +276,18 @@ class OTelExporter:
             compression=Compression(self._compression) if self._compression else None,
         )
 
-    def _push(self, data: Any) -> bool:
+    def _push(self, data: Any) -> None:
         from opentelemetry.sdk.metrics.export import MetricExportResult
 
         try:
             result = self._otlp.export(data)
-        except Exception:
-            logger.exception("OTelExporter %r: OTLP export raised", self.name)
-            result = MetricExportResult.FAILURE
-        if result is MetricExportResult.SUCCESS:
-            self._pending = None
-            self.delivered_exports += 1
-            return True
-        self._pending = data
-        self.failed_exports += 1
-        return False
-
-    def _flush(self, timeout_s: float) -> bool:
-        if self._pending is None or self._otlp is None:
-            return self._pending is None
-        if timeout_s <= 0:
-            return False
-        return self._push(self._pending)
+        except Exception as error:
+            self._pending = data
+            raise ExportFailed("OTLP export raised") from error
+        if result is not MetricExportResult.SUCCESS:
+            self._pending = data
+            raise ExportFailed(f"OTLP export to the collector returned {result.name}")
+        self._pending = None
 
     def _metrics_data(self, step: int, scalars: Scalars, timestamp: float) -> Any:
         from opentelemetry.sdk.metrics.export import MetricsData, ResourceMetrics, ScopeMetrics

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from torchtelemetry._optional import import_optional
-from torchtelemetry.export._hub import FailureLog, warn_closed_again
-from torchtelemetry.export._protocol import ExportResult, RunInfo
+from torchtelemetry.export._base import BaseExporter, ExportFailed
+from torchtelemetry.export._protocol import RunInfo
 from torchtelemetry.metric import MetricKind
 from torchtelemetry.report import (
     LAST_UPDATE_METRIC,
@@ -199,7 +199,7 @@ def _buckets(value: HistogramValue) -> list[tuple[str, float]]:
     return list(zip(edges, cumulative, strict=True))
 
 
-class PrometheusExporter:
+class PrometheusExporter(BaseExporter):
     """Serves the latest report on `http://addr:port/metrics` from a dedicated `CollectorRegistry`.
 
     Nothing is opened until `start()` or the first `describe()` (which only
@@ -232,7 +232,7 @@ class PrometheusExporter:
             raise ValueError("PrometheusExporter: certfile and keyfile must be given together for TLS")
         if port is None and registry is None:
             raise ValueError("PrometheusExporter: port=None serves nothing; pass the registry= you serve")
-        self.name = name
+        super().__init__(name)
         self.registry = registry if registry is not None else client.CollectorRegistry()
         self._port = port
         self._addr = addr
@@ -244,12 +244,9 @@ class PrometheusExporter:
             "client_auth_required": client_auth_required,
         }
         self._collector = PrometheusCollector(namespace)
-        self._lock = threading.Lock()
         self._registered = False
         self._server: Any = None
         self._thread: threading.Thread | None = None
-        self._closed = False
-        self._failures = FailureLog(f"PrometheusExporter {name!r}", logger)
 
     @property
     def port(self) -> int | None:
@@ -268,7 +265,7 @@ class PrometheusExporter:
     def start(self) -> None:
         """Register the collector and start serving (idempotent); raises OSError if the port is taken."""
         with self._lock:
-            if self._closed:
+            if self.closed:
                 raise RuntimeError(f"PrometheusExporter {self.name!r}: start() after close()")
             if not self._registered:
                 self.registry.register(self._collector)
@@ -281,47 +278,26 @@ class PrometheusExporter:
             )
             logger.info("PrometheusExporter %r: serving %s", self.name, self.url)
 
-    def describe(self, descriptors: Sequence[MetricDescriptor], run: RunInfo) -> None:
-        """Check and learn the names (raises `NameCollisionError`), then `start()`."""
+    def _describe(self, descriptors: Sequence[MetricDescriptor], run: RunInfo) -> None:
         self._collector.set_descriptors(descriptors, run)
+
+    def _start(self, run: RunInfo) -> None:
         self.start()
 
-    def export(self, step: int, scalars: Scalars, timestamp: float) -> ExportResult:
+    def _export(self, step: int, scalars: Scalars, timestamp: float) -> None:
         """Make this report the one scrapes see."""
-        if self._closed:
-            self._failures.failed("export() after close()")
-            return ExportResult.FAILURE
-        try:
-            problems = self._collector.set_report(step, scalars, timestamp)
-        except Exception as error:
-            self._failures.failed(f"step {step} could not be exposed", error)
-            return ExportResult.FAILURE
+        problems = self._collector.set_report(step, scalars, timestamp)
         if problems:
-            self._failures.failed(f"step {step}: values left out: {'; '.join(problems)}")
-            return ExportResult.FAILURE
-        self._failures.succeeded()
-        return ExportResult.SUCCESS
+            raise ExportFailed(f"values left out: {'; '.join(problems)}")
 
-    def force_flush(self, timeout_s: float = 10.0) -> bool:
-        """Nothing is buffered: scrapes read the latest report."""
-        return not self._closed
-
-    def close(self, timeout_s: float = 10.0) -> None:
-        """Stop serving and unregister the collector; a second call only warns."""
-        with self._lock:
-            if self._closed:
-                warn_closed_again(f"PrometheusExporter {self.name!r}")
-                return
-            self._closed = True
-            server, thread, self._server, self._thread = self._server, self._thread, None, None
-            registered, self._registered = self._registered, False
-        try:
-            if registered:
-                self.registry.unregister(self._collector)
-            if server is not None:
-                server.shutdown()
-                server.server_close()
-            if thread is not None:
-                thread.join(timeout_s)
-        except Exception:
-            logger.exception("PrometheusExporter %r: close failed", self.name)
+    def _close(self, timeout_s: float) -> None:
+        """Stop serving and unregister the collector."""
+        server, thread, self._server, self._thread = self._server, self._thread, None, None
+        if self._registered:
+            self._registered = False
+            self.registry.unregister(self._collector)
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+        if thread is not None:
+            thread.join(timeout_s)

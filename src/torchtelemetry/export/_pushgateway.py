@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import logging
-import threading
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 from urllib.parse import unquote, urlsplit, urlunsplit
 
-from torchtelemetry.export._hub import FailureLog, warn_closed_again
+from torchtelemetry.export._base import BaseExporter, ExportFailed
 from torchtelemetry.export._prometheus import RUN_LABEL, PrometheusCollector, import_prometheus_client
-from torchtelemetry.export._protocol import ExportResult, RunInfo
+from torchtelemetry.export._protocol import RunInfo
 from torchtelemetry.report import NAMESPACE, MetricDescriptor, Scalars
 
 __all__ = ["PushgatewayExporter"]
@@ -19,7 +17,7 @@ __all__ = ["PushgatewayExporter"]
 logger = logging.getLogger(__name__)
 
 
-class PushgatewayExporter:
+class PushgatewayExporter(BaseExporter):
     """Pushes (HTTP PUT, replacing the group) every report to `url` under the grouping key (job, run, ...).
 
     Pushes run on the exporter's hub thread, each bounded by `timeout_s`. On
@@ -55,8 +53,9 @@ class PushgatewayExporter:
             )
         if timeout_s <= 0:
             raise ValueError(f"PushgatewayExporter.timeout_s: must be positive, got {timeout_s}")
-        self.name = name
-        self.url, self._credentials = _split_credentials(url)
+        bare_url, self._credentials = _split_credentials(url)
+        super().__init__(name, subject=f"PushgatewayExporter {name!r} ({bare_url})")
+        self.url = bare_url
         """The gateway address, without credentials."""
         self.job = job
         self.keep_on_close = keep_on_close
@@ -66,65 +65,50 @@ class PushgatewayExporter:
         self._collector = PrometheusCollector(namespace)
         self._registry = self._client.CollectorRegistry()
         self._registry.register(self._collector)
-        self._lock = threading.Lock()
         self._pending = False
-        self._closed = False
-        self._failures = FailureLog(f"PushgatewayExporter {name!r} ({self.url})", logger)
 
     @property
     def grouping_key(self) -> dict[str, str] | None:
         """The grouping key besides `job` (the run id and any extra labels); None before describe."""
         return None if self._grouping_key is None else dict(self._grouping_key)
 
-    def describe(self, descriptors: Sequence[MetricDescriptor], run: RunInfo) -> None:
+    def _describe(self, descriptors: Sequence[MetricDescriptor], run: RunInfo) -> None:
         """Check and learn the names (raises `NameCollisionError`); the run id joins the grouping key."""
         self._collector.set_descriptors(descriptors, run)
         self._grouping_key = {**self._extra_key, RUN_LABEL: run.run_id}
 
-    def export(self, step: int, scalars: Scalars, timestamp: float) -> ExportResult:
-        """Push this report; FAILURE (logged once per burst) if the gateway did not take it."""
-        if self._closed:
-            self._failures.failed("export() after close()")
-            return ExportResult.FAILURE
+    def _export(self, step: int, scalars: Scalars, timestamp: float) -> None:
+        """Push this report (replacing the group)."""
         problems = self._collector.set_report(step, scalars, timestamp)
         if problems:
-            self._failures.failed(f"step {step}: values left out: {'; '.join(problems)}")
-            return ExportResult.FAILURE
-        with self._lock:
-            self._pending = True
-            return ExportResult.SUCCESS if self._push(self.timeout_s) else ExportResult.FAILURE
+            raise ExportFailed(f"values left out: {'; '.join(problems)}")
+        self._pending = True
+        self._push(self.timeout_s)
 
-    def force_flush(self, timeout_s: float = 10.0) -> bool:
+    def _flush(self, timeout_s: float) -> bool:
         """Push again the latest report if its push failed; True when the gateway has it."""
-        with self._lock:
-            if not self._pending:
-                return True
-            return self._push(min(timeout_s, self.timeout_s))
+        if self._pending:
+            self._push(min(timeout_s, self.timeout_s))
+        return True
 
-    def close(self, timeout_s: float = 10.0) -> None:
-        """Delete the group from the gateway (unless `keep_on_close`); a second call only warns."""
-        with self._lock:
-            if self._closed:
-                warn_closed_again(f"PushgatewayExporter {self.name!r}")
-                return
-            self._closed = True
-            if self._grouping_key is None or self.keep_on_close:
-                return
-            deadline = time.monotonic() + min(timeout_s, self.timeout_s)
-            try:
-                self._client.delete_from_gateway(
-                    self.url,
-                    job=self.job,
-                    grouping_key=self._grouping_key,
-                    timeout=max(0.001, deadline - time.monotonic()),
-                    handler=self._handler,
-                )
-            except Exception as error:
-                logger.warning("PushgatewayExporter %r: deleting its group failed: %s", self.name, error)
+    def _close(self, timeout_s: float) -> None:
+        """Delete the group from the gateway (unless `keep_on_close`)."""
+        if self._grouping_key is None or self.keep_on_close:
+            return
+        try:
+            self._client.delete_from_gateway(
+                self.url,
+                job=self.job,
+                grouping_key=self._grouping_key,
+                timeout=max(0.001, min(timeout_s, self.timeout_s)),
+                handler=self._handler,
+            )
+        except Exception as error:
+            logger.warning("PushgatewayExporter %r: deleting its group failed: %s", self.name, error)
 
-    def _push(self, timeout_s: float) -> bool:
+    def _push(self, timeout_s: float) -> None:
         if timeout_s <= 0:
-            return False
+            raise ExportFailed("push failed: no time left")
         try:
             self._client.push_to_gateway(
                 self.url,
@@ -135,11 +119,8 @@ class PushgatewayExporter:
                 handler=self._handler,
             )
         except Exception as error:
-            self._failures.failed("push failed", error)
-            return False
+            raise ExportFailed("push failed") from error
         self._pending = False
-        self._failures.succeeded()
-        return True
 
     def _handler(self, url: str, method: str, timeout: float | None, headers: Any, data: bytes) -> Any:
         exposition = self._client.exposition

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from torchtelemetry._optional import import_optional
-from torchtelemetry.export._hub import FailureLog, warn_closed_again
-from torchtelemetry.export._protocol import ExportResult, RunInfo
+from torchtelemetry.export._base import BaseExporter, ExportFailed
+from torchtelemetry.export._protocol import RunInfo
 from torchtelemetry.report import (
     HistogramValue,
     MetricDescriptor,
@@ -45,7 +44,7 @@ def histogram_edges(bounds: Sequence[float]) -> list[float]:
     return [bounds[0] - first, *bounds, bounds[-1] + last]
 
 
-class WandbExporter:
+class WandbExporter(BaseExporter):
     """Logs every report to a W&B run with an explicit, non-decreasing step.
 
     The run starts on the first `describe()` (which only rank 0's hub makes):
@@ -95,7 +94,7 @@ class WandbExporter:
                     f"WandbExporter: summaries[{pattern!r}] must be one of {_SUMMARIES} "
                     f"(or a comma-separated mix), got {summary!r}"
                 )
-        self.name = name
+        super().__init__(name)
         self._init_args: dict[str, Any] = {
             "project": project,
             "entity": entity,
@@ -109,90 +108,53 @@ class WandbExporter:
         }
         self._config = dict(config or {})
         self._summaries = dict(summaries or {})
-        self._lock = threading.Lock()
         self._descriptors: dict[str, MetricDescriptor] = {}
         self._last_histograms: dict[str, HistogramValue] = {}
         self._run: Any = None
         self._owns_run = False
-        self._started = False
-        self._closed = False
         self._last_step: int | None = None
-        self._failures = FailureLog(f"WandbExporter {name!r}", logger)
         self.dropped_steps = 0
-        """Reports dropped because their step was below the last logged step."""
-        self.failed_exports = 0
-        """Reports not logged: dropped steps, `run.log` errors, no run."""
+        """Reports dropped because their step was below the last logged step (also counted in `errors`)."""
 
     @property
     def run(self) -> Any:
         """The `wandb.Run` in use (None before the first `describe()` or after a failed start)."""
         return self._run
 
-    # -- Exporter protocol --------------------------------------------------------------
+    def _describe(self, descriptors: Sequence[MetricDescriptor], run: RunInfo) -> None:
+        self._descriptors = merge_descriptors(self._descriptors, descriptors, wandb_name, "W&B")
 
-    def describe(self, descriptors: Sequence[MetricDescriptor], run: RunInfo) -> None:
-        """Learn the names (collisions raise `NameCollisionError`); the first call starts the W&B run."""
-        with self._lock:
-            self._descriptors = merge_descriptors(self._descriptors, descriptors, wandb_name, "W&B")
-            if not self._started:
-                self._started = True
-                self._start(run)
+    def _export(self, step: int, scalars: Scalars, timestamp: float) -> None:
+        """`run.log(row, step=step)`; a step below the last logged one is dropped."""
+        if self._run is None:
+            raise ExportFailed("no W&B run (wandb.init failed at describe()); nothing logged")
+        if self._last_step is not None and step < self._last_step:
+            self.dropped_steps += 1
+            logger.warning(  # every time, not once per burst: these values are lost
+                "WandbExporter %r: step %d dropped: W&B only keeps steps from the last logged step %d on",
+                self.name,
+                step,
+                self._last_step,
+            )
+            raise ExportFailed(f"below the last logged step {self._last_step}")
+        try:
+            self._run.log(self._row(scalars), step=step)
+        except Exception as error:
+            raise ExportFailed("run.log failed") from error
+        self._last_step = step
 
-    def export(self, step: int, scalars: Scalars, timestamp: float) -> ExportResult:
-        """`run.log(row, step=step)`; FAILURE (logged, counted) for a step below the last one."""
-        with self._lock:
-            if self._closed:
-                logger.warning("WandbExporter %r: export after close() ignored", self.name)
-                return ExportResult.FAILURE
-            if self._run is None:
-                logger.error(
-                    "WandbExporter %r: export before a successful describe(); nothing logged", self.name
-                )
-                self.failed_exports += 1
-                return ExportResult.FAILURE
-            if self._last_step is not None and step < self._last_step:
-                logger.warning(
-                    "WandbExporter %r: step %d dropped: W&B only keeps steps from the last logged step %d on",
-                    self.name,
-                    step,
-                    self._last_step,
-                )
-                self.dropped_steps += 1
-                self.failed_exports += 1
-                return ExportResult.FAILURE
-            try:
-                self._run.log(self._row(scalars), step=step)
-            except Exception as error:
-                self._failures.failed(f"run.log failed at step {step}", error)
-                self.failed_exports += 1
-                return ExportResult.FAILURE
-            self._failures.succeeded()
-            self._last_step = step
-            return ExportResult.SUCCESS
-
-    def force_flush(self, timeout_s: float = 10.0) -> bool:
+    def _flush(self, timeout_s: float) -> bool:
         """Nothing is buffered here (W&B's own process persists each `log`); True while the run is open."""
-        with self._lock:
-            return self._run is not None and not self._closed
+        return self._run is not None
 
-    def close(self, timeout_s: float = 10.0) -> None:
-        """`run.finish()` (which waits for W&B to persist/upload); a second call only warns."""
-        with self._lock:
-            if self._closed:
-                warn_closed_again(f"WandbExporter {self.name!r}")
-                return
-            self._closed = True
-            run, self._run = self._run, None
-            if run is None or not self._owns_run:
-                return
-            try:
-                run.finish()
-            except Exception:
-                logger.exception("WandbExporter %r: run.finish() failed", self.name)
-
-    # -- internals ----------------------------------------------------------------------
+    def _close(self, timeout_s: float) -> None:
+        """`run.finish()` (which waits for W&B to persist/upload) unless the run is the user's."""
+        run, self._run = self._run, None
+        if run is not None and self._owns_run:
+            run.finish()
 
     def _start(self, info: RunInfo) -> None:
+        """Start the W&B run (or adopt the active one); a failure is logged and every export then fails."""
         wandb = self._wandb
         if wandb.run is not None:
             self._run = wandb.run

@@ -1,0 +1,192 @@
+"""`BaseExporter`: the lifecycle every exporter shares, so a backend module holds only its backend.
+
+The base owns the name, the lock, start-once, close-once, the export-after-close
+check, the second-close warning, failure logging (once per burst) and the
+`exported_reports` / `errors` counters. A subclass implements small hooks:
+
+- `_describe(descriptors, run)`: learn the names (may raise `ValueError`, e.g. `NameCollisionError`);
+- `_start(run)`: open the port / file / client, once, after the first `_describe` (a start that
+  fails should log and leave `_export` to raise `ExportFailed`);
+- `_export(step, scalars, timestamp)`: publish one report; raise `ExportFailed` (or any error) on failure;
+- `_flush(timeout_s) -> bool`: deliver what is buffered (only once started);
+- `_close(timeout_s)`: release what the exporter opened (called once, started or not).
+
+Every hook runs under the exporter's lock, one at a time. `Exporter` stays the extension point:
+an exporter may implement that Protocol directly instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import warnings
+from collections.abc import Sequence
+
+from torchtelemetry.export._protocol import ExportResult, RunInfo
+from torchtelemetry.report import MetricDescriptor, Scalars
+
+__all__ = ["BaseExporter", "ExportFailed", "FailureLog", "warn_closed_again"]
+
+logger = logging.getLogger(__name__)
+
+
+def warn_closed_again(owner: str) -> None:
+    """The warning a second `close()` gives, for the hub and every exporter alike."""
+    warnings.warn(f"{owner}: already closed", RuntimeWarning, stacklevel=3)
+
+
+class ExportFailed(Exception):
+    """Raised by an exporter's hooks for a failure with a known reason; logged without a traceback.
+
+    Chain the underlying error (`raise ExportFailed("push failed") from error`) to log its text too.
+    """
+
+
+class FailureLog:
+    """Logs the first failure of a burst with its reason and only counts the rest; a success ends the burst.
+
+    Used by one thread at a time (an exporter's hub thread).
+    """
+
+    def __init__(self, subject: str, log: logging.Logger = logger) -> None:
+        self.subject = subject
+        self._log = log
+        self._in_burst = 0
+
+    def failed(self, what: str, error: BaseException | None = None) -> None:
+        """Record one failure; log it if it starts a burst."""
+        self._in_burst += 1
+        if self._in_burst == 1:
+            reason = f": {type(error).__name__}: {error}" if error is not None else ""
+            self._log.error(
+                "%s: %s%s; further failures are counted, not logged, until one succeeds",
+                self.subject,
+                what,
+                reason,
+                exc_info=error if error is not None and not isinstance(error, OSError) else None,
+            )
+
+    def succeeded(self) -> None:
+        """End the current burst, if any."""
+        if self._in_burst:
+            self._log.info("%s: recovered after %d failures", self.subject, self._in_burst)
+            self._in_burst = 0
+
+
+class BaseExporter:
+    """An `Exporter` whose lifecycle is done: subclasses implement the `_describe` ... `_close` hooks.
+
+    After construction nothing raises but `describe` (with `ValueError` for names the
+    backend cannot take): failures are logged once per burst and reported as
+    `ExportResult.FAILURE` or a False flush.
+    """
+
+    def __init__(self, name: str, *, subject: str | None = None) -> None:
+        self.name = name
+        """Short name used in logs and in the hub's health metrics."""
+        self.exported_reports = 0
+        """Reports this exporter published (`export()` returned SUCCESS)."""
+        self.errors = 0
+        """Failed exports and flushes (after close, before start, or the backend failed)."""
+        self._lock = threading.RLock()
+        self._started = False
+        self._closed = False
+        self._failures = FailureLog(
+            subject or f"{type(self).__name__} {name!r}", logging.getLogger(type(self).__module__)
+        )
+
+    @property
+    def closed(self) -> bool:
+        """True once `close()` was called."""
+        return self._closed
+
+    # -- Exporter protocol (final) ----------------------------------------------------------
+
+    def describe(self, descriptors: Sequence[MetricDescriptor], run: RunInfo) -> None:
+        """Learn the run and the names; the first call also starts the backend."""
+        with self._lock:
+            if self._closed:
+                self._failures.failed("describe() after close() ignored")
+                return
+            self._describe(descriptors, run)
+            if not self._started:
+                self._started = True  # once: a backend that failed to start reports it on each export
+                self._start(run)
+
+    def export(self, step: int, scalars: Scalars, timestamp: float) -> ExportResult:
+        """Publish one report; FAILURE (logged once per burst, counted) instead of raising."""
+        with self._lock:
+            if self._closed:
+                return self._failed("export() after close()")
+            if not self._started:
+                return self._failed("export() before describe()")
+            try:
+                self._export(step, scalars, timestamp)
+            except ExportFailed as failure:
+                return self._failed(f"step {step}: {failure}", failure.__cause__)
+            except Exception as error:
+                return self._failed(f"step {step}: export failed", error)
+            self.exported_reports += 1
+            self._failures.succeeded()
+            return ExportResult.SUCCESS
+
+    def force_flush(self, timeout_s: float = 10.0) -> bool:
+        """Deliver anything buffered; True when everything was delivered in time (False once closed)."""
+        with self._lock:
+            if self._closed:
+                return False
+            return not self._started or self._guarded_flush(timeout_s)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Flush, then release the backend, within one deadline; a second call only warns."""
+        with self._lock:
+            if self._closed:
+                warn_closed_again(self._failures.subject)
+                return
+            self._closed = True
+            deadline = time.monotonic() + timeout_s
+            if self._started:
+                self._guarded_flush(timeout_s)
+            try:
+                self._close(max(0.0, deadline - time.monotonic()))
+            except Exception as error:
+                self._failures.failed("close failed", error)
+
+    # -- hooks ------------------------------------------------------------------------------
+
+    def _describe(self, descriptors: Sequence[MetricDescriptor], run: RunInfo) -> None:
+        """Learn the names; raise `ValueError` for names the backend cannot take. Default: nothing."""
+
+    def _start(self, run: RunInfo) -> None:
+        """Open the backend (port, file, client); called once, after the first `_describe`."""
+
+    def _export(self, step: int, scalars: Scalars, timestamp: float) -> None:
+        """Publish one report; raise `ExportFailed` (or any error) when it was not published."""
+        raise NotImplementedError(f"{type(self).__name__} must implement _export()")
+
+    def _flush(self, timeout_s: float) -> bool:
+        """Deliver anything buffered; True when nothing is left undelivered. Default: nothing buffered."""
+        return True
+
+    def _close(self, timeout_s: float) -> None:
+        """Release what the exporter opened (after the final flush; also when never started)."""
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _failed(self, what: str, error: BaseException | None = None) -> ExportResult:
+        self.errors += 1
+        self._failures.failed(what, error)
+        return ExportResult.FAILURE
+
+    def _guarded_flush(self, timeout_s: float) -> bool:
+        try:
+            if self._flush(timeout_s):
+                return True
+        except ExportFailed as failure:
+            self._failed(f"flush: {failure}", failure.__cause__)
+            return False
+        except Exception as error:
+            self._failed("flush failed", error)
+            return False
+        return False
