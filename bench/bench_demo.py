@@ -85,7 +85,7 @@ def _rank(rank: int, world_size: int, args: argparse.Namespace, otlp_endpoint: s
         if block >= 2:
             rates[variant].append(args.steps_per_block / (time.perf_counter() - start))
     telemetry.close()
-    health = {name: (h.reports_exported, h.export_errors) for name, h in telemetry.hub.health().items()}
+    health = {name: (h.exported_reports, h.errors) for name, h in telemetry.hub.health().items()}
     return rates, health
 
 

@@ -181,7 +181,7 @@ def report(
         )
     for name, health in telemetry.hub.health().items():
         print(
-            f"exporter {name:12} exported {health.reports_exported}  errors {health.export_errors}  "
+            f"exporter {name:12} exported {health.exported_reports}  errors {health.errors}  "
             f"dropped {health.dropped_reports}"
         )
     print(f"Prometheus query torchtelemetry_train_step: {scraped.decode()[:200]}")

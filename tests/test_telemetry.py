@@ -82,7 +82,7 @@ def test_two_ranks_export_exact_windows_and_close_exports_the_partial_window(tmp
             assert values[name] == pytest.approx(value, rel=1e-12), (line["step"], name)
         assert set(values["train/step_time"]) == {"0", "1"}
         assert values["train/tokens_per_second"] > 0
-        assert values["exporter/reports"]["jsonl"] >= 0
+        assert values["exporter/exported_reports"]["jsonl"] >= 0
 
 
 def _counter_restart(rank: int, world_size: int, path: str, checkpoint: str) -> float:

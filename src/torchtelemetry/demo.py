@@ -357,7 +357,7 @@ def _print_summary(telemetry: Any, last_step: int, status: int) -> None:
         print(f"  {name:<{width}}  {text}", flush=True)
     for name, health in telemetry.hub.health().items():
         print(
-            f"  exporter {name}: {health.reports_exported} reports, {health.export_errors} errors, "
+            f"  exporter {name}: {health.exported_reports} reports, {health.errors} errors, "
             f"{health.dropped_reports} dropped",
             flush=True,
         )

@@ -151,5 +151,5 @@ def test_the_hub_drives_a_base_exporter_like_any_other() -> None:
     hub.close(30)
     assert [step for step, _ in exporter.reports] == [1, 3]
     health = hub.health()["list"]
-    assert (health.reports_exported, health.export_errors) == (2, 1)
+    assert (health.exported_reports, health.errors) == (2, 1)
     assert exporter.calls[-2:] == ["flush", "close"]

@@ -94,17 +94,17 @@ def test_fan_out_health_and_close(tmp_path: Path) -> None:
     assert hub.force_flush(30)
     health = hub.health()
     assert set(health) == {"jsonl", "recorder"}
-    assert all((h.reports_exported, h.export_errors, h.dropped_reports) == (5, 0, 0) for h in health.values())
+    assert all((h.exported_reports, h.errors, h.dropped_reports) == (5, 0, 0) for h in health.values())
     assert all(h.last_success_timestamp is not None for h in health.values())
     assert recorder.threads == {"torchtelemetry-export-recorder"}
     assert [step for step, _ in recorder.reports] == [1, 2, 3, 4, 5]
     # The hub's health travels with every report, as counters labelled by exporter.
     step, last = recorder.reports[-1]
-    assert last["exporter/reports"]["recorder"] == 4.0  # as of this report: 4 exported before it
+    assert last["exporter/exported_reports"]["recorder"] == 4.0  # as of this report: 4 exported before it
     assert last["exporter/errors"] == {"jsonl": 0.0, "recorder": 0.0}
     described = {d.name: d for d in recorder.described[0]}
-    assert described["exporter/reports"].kind is MetricKind.COUNTER
-    assert described["exporter/reports"].label_name == "exporter"
+    assert described["exporter/exported_reports"].kind is MetricKind.COUNTER
+    assert described["exporter/exported_reports"].label_name == "exporter"
     assert described["exporter/last_success_timestamp"].unit == "seconds"
     hub.close(30)
     assert (recorder.flushes, recorder.closes) == (2, 1)
@@ -127,8 +127,8 @@ def test_failing_and_stuck_exporters_are_isolated(
 
     def healthy_exporters_done(step: int) -> bool:
         health = hub.health()
-        return health["flaky"].export_errors == step and all(
-            health[name].reports_exported == step for name in ("recorder", "jsonl")
+        return health["flaky"].errors == step and all(
+            health[name].exported_reports == step for name in ("recorder", "jsonl")
         )
 
     with caplog.at_level(logging.INFO, logger="torchtelemetry"):
@@ -140,7 +140,7 @@ def test_failing_and_stuck_exporters_are_isolated(
         assert not hub.force_flush(2)  # the stuck exporter cannot flush
         health = hub.health()
         # The stuck exporter holds step 1 and a queue of 4 (steps 18..21): the 16 oldest were dropped.
-        assert (health["stuck"].dropped_reports, health["stuck"].reports_exported) == (16, 0)
+        assert (health["stuck"].dropped_reports, health["stuck"].exported_reports) == (16, 0)
         assert all(health[name].dropped_reports == 0 for name in ("flaky", "recorder", "jsonl"))
         hub.close(2)  # returns although one exporter never finishes
     lines = [json.loads(line) for line in (tmp_path / "reports.jsonl").read_text().splitlines()]
@@ -183,7 +183,7 @@ def test_errors_are_logged_once_per_burst(caplog: pytest.LogCaptureFixture) -> N
         "exporter 'flaky': recovered after 3 failures",
         "exporter 'flaky': recovered after 2 failures",
     ]
-    assert hub.health()["flaky"].export_errors == 5
+    assert hub.health()["flaky"].errors == 5
 
 
 def test_collisions_and_illegal_names_raise_at_describe_before_any_thread() -> None:
@@ -192,8 +192,9 @@ def test_collisions_and_illegal_names_raise_at_describe_before_any_thread() -> N
     hub = ExportHub([recorder, prometheus], run=RUN)
     with pytest.raises(NameCollisionError, match=r"\['train/loss', 'train.loss'\]"):
         hub.describe([LOSS, MetricDescriptor("train.loss")])
-    with pytest.raises(NameCollisionError, match="exporter/reports"):
-        hub.describe([MetricDescriptor("exporter/reports", MetricKind.COUNTER)])  # taken by the hub's health
+    with pytest.raises(NameCollisionError, match="exporter/exported_reports"):
+        taken = MetricDescriptor("exporter/exported_reports", MetricKind.COUNTER)  # the hub's health
+        hub.describe([taken])
     with pytest.raises(InvalidMetricNameError, match="bad name"):
         hub.describe([MetricDescriptor("train/bad name")])
     assert set(threading.enumerate()) <= threads_before
@@ -221,7 +222,7 @@ def test_new_names_are_described_on_the_exporter_threads(caplog: pytest.LogCaptu
     body = http_get(prometheus.url).decode()
     assert 'torchtelemetry_extra_lr{run="hub-run"} 0.01' in body
     assert 'torchtelemetry_extra_grad_bucket{le="+Inf",run="hub-run"} 3.0' in body
-    assert hub.health()["prometheus"].export_errors == 0
+    assert hub.health()["prometheus"].errors == 0
     hub.close(30)
 
 
@@ -235,7 +236,7 @@ def test_an_exporter_that_cannot_start_is_counted_not_raised() -> None:
         hub.describe([LOSS])  # the port is taken: logged and counted, the run goes on
         hub.submit(1, {"train/loss": 1.0})
         assert hub.force_flush(30)
-        assert hub.health()["prometheus"].export_errors == 1
+        assert hub.health()["prometheus"].errors == 1
         assert [step for step, _ in recorder.reports] == [1]
         hub.close(30)
 

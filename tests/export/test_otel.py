@@ -240,7 +240,7 @@ def test_two_ranks_export_exact_global_values(protocol, http_receiver, grpc_rece
         for p in getattr(m, m.WhichOneof("data")).data_points
     }
     assert len(starts) == 1  # cumulative series keep one start time
-    health = metrics_by_name(received[-1].request)["exporter.reports"].sum.data_points
+    health = metrics_by_name(received[-1].request)["exporter.exported_reports"].sum.data_points
     assert {attributes(p.attributes)["exporter"]: p.as_double for p in health} == {"otlp": 2.0}
 
 
@@ -421,8 +421,8 @@ def test_outage_through_the_hub(target):
             hub.submit(step, {"train/loss": float(step)})  # returns at once: the exporter thread waits
         assert not hub.force_flush(30)
         health = hub.health()["otlp"]
-        assert health.export_errors >= 1
-        assert health.export_errors + health.dropped_reports == 4
+        assert health.errors >= 1
+        assert health.errors + health.dropped_reports == 4
         assert target.steps() == [1]
 
         target.receiver.start()
@@ -433,12 +433,12 @@ def test_outage_through_the_hub(target):
                 break
             assert time.monotonic() < deadline, "reports never arrived after the receiver came back"
             step += 1
-        errors = hub.health()["otlp"].export_errors
+        errors = hub.health()["otlp"].errors
         for later in (step + 1, step + 2):
             hub.submit(later, {"train/loss": float(later)})
         assert hub.force_flush(30)
         assert target.steps()[-2:] == [step + 1, step + 2]
-        assert hub.health()["otlp"].export_errors == errors
+        assert hub.health()["otlp"].errors == errors
         assert _value(target.receiver.received[-1].request, "train.loss") == float(step + 2)
     finally:
         hub.close(10)

@@ -114,7 +114,9 @@ def observe(prometheus_url: str, selector: str, step: int) -> dict[str, Any]:
         "grad_median": one(
             f"histogram_quantile(0.5, sum by (le) (torchtelemetry_grad_norm_bucket{{{selector}}}))"
         ),
-        "reports_total": one(f'torchtelemetry_exporter_reports_total{{{selector},exporter="export"}}'),
+        "reports_total": one(
+            f'torchtelemetry_exporter_exported_reports_total{{{selector},exporter="export"}}'
+        ),
         "last_update": one(f"torchtelemetry_last_update_timestamp_seconds{{{selector}}}"),
         "label_names": sorted({name for s in series for name in s.labels}),
     }
@@ -172,7 +174,7 @@ def check_observations(result: dict[str, Any]) -> None:
     assert [o["reports_total"] for o in observed] == [0.0, 1.0, 2.0]  # health as of each report
     assert "step" not in observed[-1]["label_names"]
     assert {"run", "rank", "exporter", "le"} <= set(observed[-1]["label_names"])
-    assert result["health"].reports_exported == STEPS and result["health"].export_errors == 0
+    assert result["health"].exported_reports == STEPS and result["health"].errors == 0
 
 
 @pytest.mark.slow
@@ -263,7 +265,7 @@ def test_promtool_check_metrics_is_clean(exporter: PrometheusExporter, promtool:
     hub.submit(2, sample_report(2))
     assert hub.force_flush(10)
     body = http_get(exporter.url)
-    assert b"torchtelemetry_exporter_reports_total" in body
+    assert b"torchtelemetry_exporter_exported_reports_total" in body
     assert b"torchtelemetry_exporter_last_success_timestamp_seconds" in body
     checked = subprocess.run([promtool, "check", "metrics"], input=body, capture_output=True, timeout=60)
     assert (checked.returncode, checked.stdout + checked.stderr) == (0, b"")

@@ -73,7 +73,7 @@ def test_unreachable_gateway_fails_without_raising_and_recovers(
         for step in range(1, 4):
             hub.submit(step, sample_report(step))
         assert not hub.force_flush(10)  # the last push failed, the retry too
-    assert hub.health()["pushgateway"].export_errors == 3
+    assert hub.health()["pushgateway"].errors == 3
     push_errors = [r for r in caplog.records if "push failed" in r.getMessage()]
     assert len(push_errors) == 1  # once per burst, not once per report
     with PushgatewayServer(tmp_path / "late") as gateway:

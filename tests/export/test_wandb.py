@@ -68,7 +68,7 @@ def _wandb_rank(rank: int, world_size: int) -> dict[str, int]:
         hub.submit(step, global_report(metrics))
     hub.close(60)
     health = hub.health().get("wandb")
-    return {"reports": health.reports_exported, "errors": health.export_errors} if health else {}
+    return {"reports": health.exported_reports, "errors": health.errors} if health else {}
 
 
 def test_two_ranks_offline_run_holds_every_step_and_value(tmp_path):
@@ -107,7 +107,7 @@ def test_two_ranks_offline_run_holds_every_step_and_value(tmp_path):
             now - then for now, then in zip(expected["grad_norm"]["counts"], before, strict=True)
         ]
         assert histogram["bins"] == histogram_edges(BINS) == [0.0, 0.5, 1.0, 2.0, 3.0]
-        assert row["exporter/reports/exporter_wandb"] == window  # the hub's health rides along
+        assert row["exporter/exported_reports/exporter_wandb"] == window  # the hub's health rides along
     assert log.summary["train/loss"] == {"min": min(losses)}
     assert log.summary["tokens"] == {"max": expected_values(2, len(STEPS))["tokens"]}
     assert log.metrics["train/loss"].summary.min
@@ -127,7 +127,7 @@ def test_out_of_order_steps_are_dropped_and_counted_and_a_repeated_step_merges(w
         hub.close(60)
     assert exporter.dropped_steps == 1
     health = hub.health()["wandb"]
-    assert (health.reports_exported, health.export_errors) == (4, 1)
+    assert (health.exported_reports, health.errors) == (4, 1)
     assert "step 3 dropped" in caplog.text
     log = _only_log(wandb_dir)
     assert log.steps == [1, 5, 6]

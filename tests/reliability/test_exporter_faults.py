@@ -163,7 +163,7 @@ def burst(hub: ExportHub, steps: range) -> None:
 
 def accounted(hub: ExportHub, name: str) -> int:
     health = hub.health()[name]
-    return health.reports_exported + health.export_errors + health.dropped_reports
+    return health.exported_reports + health.errors + health.dropped_reports
 
 
 def assert_queue_bound(hub: ExportHub, name: str, submitted: int) -> None:
@@ -201,7 +201,7 @@ def assert_recovered(hub: ExportHub, backend: Backend, first_step: int) -> None:
     health = hub.health()[backend.name]
     latest = backend.latest()
     assert latest["loss"] == float(step + 2)
-    assert (latest["errors"], latest["dropped"]) == (health.export_errors, health.dropped_reports)
+    assert (latest["errors"], latest["dropped"]) == (health.errors, health.dropped_reports)
 
 
 # -- push backends ------------------------------------------------------------------------
@@ -214,14 +214,14 @@ def test_backend_absent_from_start_then_back(backend: Backend, hub: ExportHub) -
     assert_queue_bound(hub, backend.name, 12)
     settle(hub, backend.name, 12)
     health = hub.health()[backend.name]
-    assert health.reports_exported == 0 and health.export_errors >= 1
+    assert health.exported_reports == 0 and health.errors >= 1
     assert health.last_success_timestamp is None
     assert not hub.force_flush(5)  # nothing delivered: flush says so
     assert backend.latest() is None
 
     backend.proxy.up()
     assert_recovered(hub, backend, 13)
-    assert hub.health()[backend.name].export_errors >= health.export_errors
+    assert hub.health()[backend.name].errors >= health.errors
 
 
 @pytest.mark.parametrize("fault", ["down", "hang"])
@@ -231,7 +231,7 @@ def test_backend_gone_or_hanging_mid_run_then_back(backend: Backend, hub: Export
         hub.submit(step, {"train/loss": float(step)})
     assert hub.force_flush(10)
     assert backend.latest()["step"] == 3
-    assert hub.health()[backend.name].export_errors == 0
+    assert hub.health()[backend.name].errors == 0
 
     accepted = backend.proxy.accepted
     getattr(backend.proxy, fault)()
@@ -239,8 +239,8 @@ def test_backend_gone_or_hanging_mid_run_then_back(backend: Backend, hub: Export
     assert_queue_bound(hub, backend.name, 33)
     settle(hub, backend.name, 33)
     health = hub.health()[backend.name]
-    assert health.reports_exported == 3
-    assert health.export_errors >= 1
+    assert health.exported_reports == 3
+    assert health.errors >= 1
     if fault == "hang":
         assert backend.proxy.accepted > accepted  # the exporter really reached the black hole
         assert health.dropped_reports >= 1  # each export waits out its timeout: the burst overflows
@@ -258,8 +258,8 @@ def test_slow_backend_gets_the_newest_report(backend: Backend, hub: ExportHub) -
     assert hub.force_flush(30)
     settle(hub, backend.name, 20)
     health = hub.health()[backend.name]
-    assert health.export_errors == 0
-    assert health.reports_exported + health.dropped_reports == 20
+    assert health.errors == 0
+    assert health.exported_reports + health.dropped_reports == 20
     latest = backend.latest()
     assert latest["step"] == 20  # the queue drops the oldest: the newest report is never the one lost
     assert latest["dropped"] == health.dropped_reports  # the queue had not dropped more after step 20 left it
@@ -271,7 +271,7 @@ def test_backend_slower_than_the_timeout_is_counted(backend: Backend, hub: Expor
     burst(hub, range(1, 4))
     settle(hub, backend.name, 3)
     health = hub.health()[backend.name]
-    assert health.reports_exported == 0 and health.export_errors >= 1
+    assert health.exported_reports == 0 and health.errors >= 1
     backend.proxy.up()
     assert_recovered(hub, backend, 4)
 
@@ -301,7 +301,7 @@ def test_close_returns_within_its_timeout(backend: Backend, fault: str) -> None:
         ),
         what="exporter threads gone",
     )
-    assert hub.health()[backend.name].reports_exported == 0
+    assert hub.health()[backend.name].exported_reports == 0
 
 
 @pytest.mark.parametrize("backend", ["otlp-http", "otlp-grpc"], indirect=True)
@@ -313,7 +313,7 @@ def test_otel_keeps_only_the_newest_failed_report(backend: Backend, hub: ExportH
     for step in range(2, 11):
         hub.submit(step, {"train/loss": float(step)})
         settle(hub, backend.name, step)  # each report reaches the exporter and fails
-    assert hub.health()[backend.name].export_errors == 9
+    assert hub.health()[backend.name].errors == 9
     backend.proxy.up()
     wait_until(lambda: hub.force_flush(10), what="the kept report delivered")
     assert backend.steps() == [1, 10]  # one failed report kept (the newest), not a backlog of nine
@@ -351,8 +351,8 @@ def test_hung_and_slow_scrapers_never_block_exports() -> None:
             hub.submit(step, {"perf/step_time": dict.fromkeys(ranks, float(step))})
         assert hub.force_flush(30)
         health = hub.health()["prometheus"]
-        assert health.export_errors == 0
-        assert health.reports_exported + health.dropped_reports == 31
+        assert health.errors == 0
+        assert health.exported_reports + health.dropped_reports == 31
         found = {f.name: f for f in text_string_to_metric_families(http_get(exporter.url).decode())}
         assert found["torchtelemetry_train_step"].samples[0].value == 30  # a working scraper sees the newest
         assert {s.value for s in found["torchtelemetry_perf_step_time"].samples} == {30.0}
@@ -395,7 +395,7 @@ def _wandb_service_killed(rank: int, world_size: int, wandb_dir: str) -> dict[st
     for step in (1, 2, 3):
         hub.submit(step, {"train/loss": float(step)})
     flushed = hub.force_flush(30)
-    exported_before = hub.health()["wandb"].reports_exported
+    exported_before = hub.health()["wandb"].exported_reports
     (pid,) = _wandb_service_pids()
     os.kill(pid, signal.SIGKILL)
     with contextlib.suppress(ChildProcessError):  # W&B may reap its service itself
@@ -412,7 +412,7 @@ def _wandb_service_killed(rank: int, world_size: int, wandb_dir: str) -> dict[st
         "flushed": flushed,
         "exported_before": exported_before,
         "bound_holds": bound_holds,
-        "health": (health.reports_exported, health.export_errors, health.dropped_reports),
+        "health": (health.exported_reports, health.errors, health.dropped_reports),
         "close_s": close_s,
         "messages": messages,
     }
@@ -452,16 +452,16 @@ def test_training_loop_never_waits_for_dead_backends(pushgateway: PushgatewaySer
             telemetry.step(step)
         assert not telemetry.flush(timeout_s=1.0)  # collected and submitted; the dead exporters cannot flush
         failing = ("pushgateway", "otlp-grpc", "otlp-http")
-        wait_until(lambda: all(telemetry.hub.health()[name].export_errors for name in failing))
+        wait_until(lambda: all(telemetry.hub.health()[name].errors for name in failing))
         metrics["tokens"].update(torch.tensor(10.0))
         telemetry.step(41)  # this report carries the failures to the working backend
         telemetry.flush(timeout_s=1.0)
         health = telemetry.hub.health()
-        assert health["prometheus"].export_errors == 0
-        assert health["prometheus"].reports_exported + health["prometheus"].dropped_reports == 41
+        assert health["prometheus"].errors == 0
+        assert health["prometheus"].exported_reports + health["prometheus"].dropped_reports == 41
         for name in failing:
-            assert health[name].reports_exported == 0
-            assert health[name].export_errors >= 1
+            assert health[name].exported_reports == 0
+            assert health[name].errors >= 1
         for name in ("pushgateway", "otlp-grpc"):  # each export waits out its timeout: drops follow
             assert health[name].dropped_reports >= 1
         assert hanging_gateway.accepted >= 1 and black_hole.accepted >= 1

@@ -207,9 +207,9 @@ def test_no_secret_in_logs_stderr_or_exported_labels(
         health = hub.health()
         # The working backends got every report, with the credentials where they belong.
         for name in ("prometheus", "wandb", "otlp-http", "otlp-grpc", "pushgateway"):
-            assert (health[name].reports_exported, health[name].export_errors) == (3, 0), name
+            assert (health[name].exported_reports, health[name].errors) == (3, 0), name
         for name in ("otlp-down", "otlp-hang", "pushgateway-down"):
-            assert health[name].export_errors >= 1, name
+            assert health[name].errors >= 1, name
         http_request = http_receiver.received[-1]
         assert http_request.headers["authorization"] == f"Bearer {SECRETS['bearer']}"
         assert grpc_receiver.received[-1].headers["authorization"] == f"Bearer {SECRETS['bearer']}"
@@ -281,7 +281,7 @@ def test_pushgateway_credentials_in_the_url_are_basic_auth_and_never_logged(
         hub.submit(1, {"train/loss": 0.25})
         hub.force_flush(10)
         health = hub.health()
-        assert (health["pushgateway"].reports_exported, health["wrong"].export_errors) == (1, 1)
+        assert (health["pushgateway"].exported_reports, health["wrong"].errors) == (1, 1)
         body = gateway.get("/metrics").decode()
         assert 'torchtelemetry_train_loss{instance="",job="torchtelemetry",run="basic-auth"} 0.25' in body
         with pytest.raises(urllib.error.HTTPError, match="401"):

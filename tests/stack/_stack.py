@@ -16,8 +16,7 @@ from typing import Any
 import yaml
 
 from torchtelemetry.demo import build_metrics
-from torchtelemetry.export import MetricDescriptor
-from torchtelemetry.export._hub import HEALTH_DESCRIPTORS
+from torchtelemetry.export import HEALTH_DESCRIPTORS, MetricDescriptor
 from torchtelemetry.export._prometheus import RUN_LABEL
 from torchtelemetry.metric import MetricKind
 from torchtelemetry.report import LAST_UPDATE_METRIC, STEP_METRIC, prometheus_label_name, prometheus_name

@@ -6,7 +6,8 @@ The values a report carries (`HistogramValue`, `MetricDescriptor`, `Scalars`) co
 
 from torchtelemetry.export._base import BaseExporter, ExportFailed
 from torchtelemetry.export._console import ConsoleExporter
-from torchtelemetry.export._hub import ExporterHealth, ExportHub, NullHub
+from torchtelemetry.export._health import HEALTH_DESCRIPTORS, ExporterHealth
+from torchtelemetry.export._hub import ExportHub, NullHub
 from torchtelemetry.export._jsonl import JsonlExporter
 from torchtelemetry.export._otel import OTelExporter
 from torchtelemetry.export._prometheus import PrometheusExporter
@@ -17,6 +18,7 @@ from torchtelemetry.export._wandb import WandbExporter
 from torchtelemetry.report import HistogramValue, MetricDescriptor, Scalars, ScalarValue
 
 __all__ = [
+    "HEALTH_DESCRIPTORS",
     "RUN_ID_ENV",
     "BaseExporter",
     "ConsoleExporter",

@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from typing import TextIO
 
 from torchtelemetry.export._base import BaseExporter
-from torchtelemetry.export._hub import HEALTH_PREFIX
+from torchtelemetry.export._health import HEALTH_PREFIX
 from torchtelemetry.export._protocol import RunInfo
 from torchtelemetry.report import HistogramValue, MetricDescriptor, Scalars
 

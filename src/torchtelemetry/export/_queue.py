@@ -1,0 +1,237 @@
+"""`ExporterQueue`: one exporter's bounded queue, its thread, and its health counters.
+
+The caller side never blocks on the exporter: a full queue drops its oldest report. The
+exporter's thread exports, describes, flushes and closes in queue order, counts what
+succeeded and failed, and logs failures once per burst.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from torchtelemetry.export._base import FailureLog
+from torchtelemetry.export._health import ExporterHealth
+from torchtelemetry.export._protocol import Exporter, ExportResult, RunInfo
+from torchtelemetry.report import MetricDescriptor, Scalars
+
+__all__ = ["DROP_LOG_INTERVAL_S", "ExporterQueue", "close_exporter"]
+
+logger = logging.getLogger(__name__)
+
+DROP_LOG_INTERVAL_S = 60.0
+"""Dropped reports are counted every time but logged at most this often per exporter."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Report:
+    step: int
+    scalars: Scalars
+    timestamp: float
+
+
+@dataclass(frozen=True, slots=True)
+class _Describe:
+    descriptors: tuple[MetricDescriptor, ...]
+
+
+class _Barrier:
+    """A flush or close request: the thread runs it after everything queued before it."""
+
+    def __init__(self, deadline: float, close: bool) -> None:
+        self.deadline = deadline
+        self.close = close
+        self.ok = False
+        self.done = threading.Event()
+
+
+class ExporterQueue:
+    """One exporter behind a bounded queue, exported on its own named daemon thread.
+
+    `extra_values` is called on the thread before each export; its values (the hub's health
+    metrics) join the report.
+    """
+
+    def __init__(
+        self,
+        exporter: Exporter,
+        *,
+        run: RunInfo,
+        queue_size: int,
+        extra_values: Callable[[], Scalars] = dict,
+    ) -> None:
+        self.exporter = exporter
+        self.name = exporter.name
+        self._run = run
+        self._extra_values = extra_values
+        self._queue_size = queue_size
+        self._cond = threading.Condition()
+        self._items: collections.deque[_Report | _Describe | _Barrier] = collections.deque()
+        self._queued_reports = 0
+        self._close_deadline: float | None = None
+        self._last_drop_log: float | None = None
+        self._failures = FailureLog(f"exporter {self.name!r}")
+        self._exported_reports = 0
+        self._errors = 0
+        self._dropped_reports = 0
+        self._last_success_timestamp: float | None = None
+        self._thread = threading.Thread(
+            target=self._run_items, name=f"torchtelemetry-export-{self.name}", daemon=True
+        )
+
+    # -- caller side ------------------------------------------------------------------------
+
+    def describe_now(self, descriptors: Sequence[MetricDescriptor]) -> None:
+        """Describe on the caller's thread, before `start()`; `ValueError` propagates, the rest is counted."""
+        try:
+            self.exporter.describe(descriptors, self._run)
+        except ValueError:
+            raise
+        except Exception as error:
+            self._failed("describe raised", error)
+
+    def start(self) -> None:
+        """Start the exporter's thread."""
+        self._thread.start()
+
+    def put_report(self, step: int, scalars: Scalars, timestamp: float) -> None:
+        """Queue a report; when the queue is full, drop (and count) the oldest queued report first."""
+        with self._cond:
+            if self._queued_reports >= self._queue_size:
+                self._drop_oldest_report()
+                now = time.monotonic()
+                if self._last_drop_log is None or now - self._last_drop_log > DROP_LOG_INTERVAL_S:
+                    self._last_drop_log = now
+                    logger.warning(
+                        "exporter %r: queue full (%d reports), dropping the oldest; %d dropped so far "
+                        "(logged at most every %.0f s)",
+                        self.name,
+                        self._queue_size,
+                        self._dropped_reports,
+                        DROP_LOG_INTERVAL_S,
+                    )
+            self._items.append(_Report(step, scalars, timestamp))
+            self._queued_reports += 1
+            self._cond.notify()
+
+    def put_describe(self, descriptors: Sequence[MetricDescriptor]) -> None:
+        """Queue a describe (of every name known so far), run on the exporter's thread."""
+        self._put(_Describe(tuple(descriptors)))
+
+    def finish(self, timeout_s: float, *, close: bool) -> Callable[[], bool]:
+        """Queue a flush (and a close, if `close`) after what is queued; returns its `wait`.
+
+        The returned function waits at most `timeout_s` from now and returns True when the
+        exporter flushed in time. A close still running at its deadline abandons the thread
+        (a warning says so). Queue every exporter's finish before waiting for any of them.
+        """
+        barrier = _Barrier(time.monotonic() + timeout_s, close)
+        self._put(barrier)
+
+        def wait() -> bool:
+            if not barrier.done.wait(max(0.0, barrier.deadline - time.monotonic())):
+                logger.warning(
+                    "exporter %r: %s did not finish within %.1f s%s",
+                    self.name,
+                    "close" if close else "force_flush",
+                    timeout_s,
+                    "; abandoning its thread" if close else "",
+                )
+                return False
+            if close:
+                self._thread.join(max(0.0, barrier.deadline - time.monotonic()))
+            return barrier.ok
+
+        return wait
+
+    def health(self) -> ExporterHealth:
+        """The exporter's counters now."""
+        with self._cond:
+            return ExporterHealth(
+                self._exported_reports, self._errors, self._dropped_reports, self._last_success_timestamp
+            )
+
+    def _put(self, item: _Describe | _Barrier) -> None:
+        with self._cond:
+            if isinstance(item, _Barrier) and item.close:
+                self._close_deadline = item.deadline
+            self._items.append(item)
+            self._cond.notify()
+
+    def _drop_oldest_report(self) -> None:
+        for index, item in enumerate(self._items):
+            if isinstance(item, _Report):
+                del self._items[index]
+                self._queued_reports -= 1
+                self._dropped_reports += 1
+                return
+
+    # -- the exporter's thread --------------------------------------------------------------
+
+    def _run_items(self) -> None:
+        while True:
+            with self._cond:
+                while not self._items:
+                    self._cond.wait()
+                item = self._items.popleft()
+                if isinstance(item, _Report):
+                    self._queued_reports -= 1
+                    if self._close_deadline is not None and time.monotonic() > self._close_deadline:
+                        self._dropped_reports += 1
+                        continue
+            if isinstance(item, _Report):
+                self._export(item)
+            elif isinstance(item, _Describe):
+                try:
+                    self.exporter.describe(item.descriptors, self._run)
+                except Exception as error:
+                    self._failed("describe raised", error)
+            else:
+                item.ok = self._finish(item)
+                item.done.set()
+                if item.close:
+                    return
+
+    def _export(self, report: _Report) -> None:
+        scalars = {**report.scalars, **self._extra_values()}
+        try:
+            result = self.exporter.export(report.step, scalars, report.timestamp)
+        except Exception as error:
+            self._failed(f"export of step {report.step} raised", error)
+            return
+        if result is ExportResult.SUCCESS:
+            with self._cond:
+                self._exported_reports += 1
+                self._last_success_timestamp = time.time()
+            self._failures.succeeded()
+        else:
+            self._failed(f"export of step {report.step} returned {result!r}", None)
+
+    def _finish(self, barrier: _Barrier) -> bool:
+        try:
+            ok = bool(self.exporter.force_flush(max(0.0, barrier.deadline - time.monotonic())))
+        except Exception:
+            logger.exception("exporter %r: force_flush raised", self.name)
+            ok = False
+        if barrier.close:
+            ok = close_exporter(self.exporter, barrier.deadline) and ok
+        return ok
+
+    def _failed(self, what: str, error: BaseException | None) -> None:
+        with self._cond:
+            self._errors += 1
+        self._failures.failed(what, error)
+
+
+def close_exporter(exporter: Exporter, deadline: float) -> bool:
+    """`exporter.close()` with the time left until `deadline`; False (logged) if it raised."""
+    try:
+        exporter.close(max(0.0, deadline - time.monotonic()))
+    except Exception:
+        logger.exception("exporter %r: close raised", exporter.name)
+        return False
+    return True
