@@ -279,13 +279,13 @@ class Telemetry:
         window = flatten_results(self._leaves, results)
         if self._signals is not None:
             self._signals.publish(window, timing)
-        window = self._totals.add(window)
-        self.latest = window
+        reported = self._totals.add(window)
+        self.latest = reported
         self.latest_step = timing.step
         logged = self._logged.pop(timing.step, [])
         riders = [values for step, values, _ in logged if step == timing.step]
-        window = dict(collections.ChainMap(window, *reversed(riders)))
-        self.hub.submit(timing.step, window, timing.timestamp)
+        reported = dict(collections.ChainMap(reported, *reversed(riders)))
+        self.hub.submit(timing.step, reported, timing.timestamp, window=window)
         for step, values, timestamp in logged:
             if step != timing.step:
                 self.hub.submit(step, values, timestamp)

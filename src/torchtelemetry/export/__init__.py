@@ -14,6 +14,7 @@ from torchtelemetry.export._prometheus import PrometheusExporter
 from torchtelemetry.export._protocol import RUN_ID_ENV, Exporter, ExportResult, RunInfo
 from torchtelemetry.export._pushgateway import PushgatewayExporter
 from torchtelemetry.export._registry import available_exporters, exporter_class, exporters_from_spec
+from torchtelemetry.export._temporality import Temporality
 from torchtelemetry.export._wandb import WandbExporter
 from torchtelemetry.report import HistogramValue, MetricDescriptor, Scalars, ScalarValue
 
@@ -37,6 +38,7 @@ __all__ = [
     "RunInfo",
     "ScalarValue",
     "Scalars",
+    "Temporality",
     "WandbExporter",
     "available_exporters",
     "exporter_class",

@@ -21,9 +21,12 @@ import logging
 import threading
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import ClassVar
 
 from torchtelemetry.export._protocol import ExportResult, RunInfo
+from torchtelemetry.export._temporality import Temporality
+from torchtelemetry.metric import MetricKind
 from torchtelemetry.report import MetricDescriptor, Scalars
 
 __all__ = ["BaseExporter", "ExportFailed", "FailureLog", "warn_closed_again"]
@@ -81,6 +84,10 @@ class BaseExporter:
     backend cannot take): failures are logged once per burst and reported as
     `ExportResult.FAILURE` or a False flush.
     """
+
+    preferred_temporality: ClassVar[Mapping[MetricKind, Temporality]] = {}
+    """Kinds the exporter wants as deltas (`{MetricKind.HISTOGRAM: Temporality.DELTA}`); running
+    totals for the kinds not named."""
 
     def __init__(self, name: str, *, subject: str | None = None) -> None:
         self.name = name

@@ -102,12 +102,15 @@ class ExportHub:
             for queue in self._queues:
                 queue.start()
 
-    def submit(self, step: int, scalars: Scalars, timestamp: float | None = None) -> None:
+    def submit(
+        self, step: int, scalars: Scalars, timestamp: float | None = None, *, window: Scalars | None = None
+    ) -> None:
         """Queue one report for every exporter; never blocks on an exporter.
 
-        `timestamp` is Unix seconds at collection (now when None). Names not
-        described before are described (as gauges, or histograms for histogram
-        values) on each exporter's thread first.
+        `timestamp` is Unix seconds at collection (now when None). Counters and histograms are
+        running totals; `window` holds what the collection window itself added (the first delta
+        for exporters that prefer deltas). Names not described before are described (as gauges,
+        or histograms for histogram values) on each exporter's thread first.
         """
         if self._closed:
             if not self._warned_closed_submit:
@@ -121,7 +124,7 @@ class ExportHub:
             self._describe_new(values)
         timestamp = time.time() if timestamp is None else timestamp
         for queue in self._queues:
-            queue.put_report(step, values, timestamp)
+            queue.put_report(step, values, timestamp, window or {})
 
     def _describe_new(self, values: dict[str, ScalarValue]) -> None:
         """Describe names first seen in a report to every exporter; drop (and log once) illegal ones."""
@@ -195,7 +198,9 @@ class NullHub:
     def describe(self, descriptors: Sequence[MetricDescriptor]) -> None:
         """Do nothing."""
 
-    def submit(self, step: int, scalars: Scalars, timestamp: float | None = None) -> None:
+    def submit(
+        self, step: int, scalars: Scalars, timestamp: float | None = None, *, window: Scalars | None = None
+    ) -> None:
         """Do nothing."""
 
     def health(self) -> dict[str, ExporterHealth]:

@@ -61,6 +61,10 @@ class Exporter(Protocol):
     After construction an exporter never raises from `export`, `force_flush` or
     `close`: it logs and reports failure. `describe` may raise `ValueError`
     (e.g. `NameCollisionError`) when the metric tree is first known.
+
+    Counters and histograms arrive as running totals unless the exporter declares an optional
+    `preferred_temporality` mapping (`{MetricKind.HISTOGRAM: Temporality.DELTA}`): the hub then
+    hands it what changed since the last report it accepted.
     """
 
     name: str

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from torchtelemetry.export._base import FailureLog
 from torchtelemetry.export._health import ExporterHealth
 from torchtelemetry.export._protocol import Exporter, ExportResult, RunInfo
+from torchtelemetry.export._temporality import DeltaConverter, preferred_temporality
 from torchtelemetry.report import MetricDescriptor, Scalars
 
 __all__ = ["DROP_LOG_INTERVAL_S", "ExporterQueue", "close_exporter"]
@@ -32,6 +33,7 @@ class _Report:
     step: int
     scalars: Scalars
     timestamp: float
+    window: Scalars
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +55,8 @@ class ExporterQueue:
     """One exporter behind a bounded queue, exported on its own named daemon thread.
 
     `extra_values` is called on the thread before each export; its values (the hub's health
-    metrics) join the report.
+    metrics) join the report. Counters and histograms reach the exporter in the temporality it
+    prefers (`preferred_temporality`; a bad declaration raises `ValueError` here).
     """
 
     def __init__(
@@ -68,6 +71,7 @@ class ExporterQueue:
         self.name = exporter.name
         self._run = run
         self._extra_values = extra_values
+        self._converter = DeltaConverter(preferred_temporality(exporter))
         self._queue_size = queue_size
         self._cond = threading.Condition()
         self._items: collections.deque[_Report | _Describe | _Barrier] = collections.deque()
@@ -87,6 +91,7 @@ class ExporterQueue:
 
     def describe_now(self, descriptors: Sequence[MetricDescriptor]) -> None:
         """Describe on the caller's thread, before `start()`; `ValueError` propagates, the rest is counted."""
+        self._converter.learn(descriptors)
         try:
             self.exporter.describe(descriptors, self._run)
         except ValueError:
@@ -98,8 +103,12 @@ class ExporterQueue:
         """Start the exporter's thread."""
         self._thread.start()
 
-    def put_report(self, step: int, scalars: Scalars, timestamp: float) -> None:
-        """Queue a report; when the queue is full, drop (and count) the oldest queued report first."""
+    def put_report(self, step: int, scalars: Scalars, timestamp: float, window: Scalars) -> None:
+        """Queue a report; when the queue is full, drop (and count) the oldest queued report first.
+
+        `window` holds the collection window's own values of the names `scalars` carries as
+        running totals (the first delta after a start).
+        """
         with self._cond:
             if self._queued_reports >= self._queue_size:
                 self._drop_oldest_report()
@@ -114,7 +123,7 @@ class ExporterQueue:
                         self._dropped_reports,
                         DROP_LOG_INTERVAL_S,
                     )
-            self._items.append(_Report(step, scalars, timestamp))
+            self._items.append(_Report(step, scalars, timestamp, window))
             self._queued_reports += 1
             self._cond.notify()
 
@@ -186,6 +195,7 @@ class ExporterQueue:
             if isinstance(item, _Report):
                 self._export(item)
             elif isinstance(item, _Describe):
+                self._converter.learn(item.descriptors)
                 try:
                     self.exporter.describe(item.descriptors, self._run)
                 except Exception as error:
@@ -197,13 +207,14 @@ class ExporterQueue:
                     return
 
     def _export(self, report: _Report) -> None:
-        scalars = {**report.scalars, **self._extra_values()}
+        scalars = self._converter.convert({**report.scalars, **self._extra_values()}, report.window)
         try:
             result = self.exporter.export(report.step, scalars, report.timestamp)
         except Exception as error:
             self._failed(f"export of step {report.step} raised", error)
             return
         if result is ExportResult.SUCCESS:
+            self._converter.accepted()
             with self._cond:
                 self._exported_reports += 1
                 self._last_success_timestamp = time.time()

@@ -5,11 +5,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from torchtelemetry._optional import import_optional
 from torchtelemetry.export._base import BaseExporter, ExportFailed
 from torchtelemetry.export._protocol import RunInfo
+from torchtelemetry.export._temporality import Temporality
+from torchtelemetry.metric import MetricKind
 from torchtelemetry.report import (
     HistogramValue,
     MetricDescriptor,
@@ -59,13 +61,17 @@ class WandbExporter(BaseExporter):
     FAILURE (a report at the last logged step joins that step's row).
     `summaries` maps a metric path or glob (`"train/*"`) to a W&B summary
     ("min", "max", "mean", "last", "first", "none", or a comma-separated mix),
-    e.g. `{"train/loss": "min"}`. Histograms arrive as running totals and
-    become `wandb.Histogram`s of the exact bucket counts since the previous
-    report (see `histogram_edges`), so W&B's histogram panels show each
-    interval's distribution; per-label values become one key per label
-    (`perf/step_time/rank_0`).
+    e.g. `{"train/loss": "min"}`. The exporter prefers deltas for histograms
+    (`preferred_temporality`), so each becomes a `wandb.Histogram` of the exact
+    bucket counts since the previous report (see `histogram_edges`) and W&B's
+    histogram panels show each interval's distribution; counters stay running
+    totals. Per-label values become one key per label (`train/step_time/rank_0`).
     Credentials stay with W&B: nothing from the settings or environment is logged.
     """
+
+    preferred_temporality: ClassVar[Mapping[MetricKind, Temporality]] = {
+        MetricKind.HISTOGRAM: Temporality.DELTA
+    }
 
     def __init__(
         self,
@@ -109,7 +115,6 @@ class WandbExporter(BaseExporter):
         self._config = dict(config or {})
         self._summaries = dict(summaries or {})
         self._descriptors: dict[str, MetricDescriptor] = {}
-        self._last_histograms: dict[str, HistogramValue] = {}
         self._run: Any = None
         self._owns_run = False
         self._last_step: int | None = None
@@ -197,9 +202,7 @@ class WandbExporter(BaseExporter):
         for path, value in scalars.items():
             descriptor = self._descriptors.get(path) or MetricDescriptor(path)
             if isinstance(value, HistogramValue):
-                recent = _since(self._last_histograms.get(path), value)
-                self._last_histograms[path] = value
-                counts = [int(count) if float(count).is_integer() else count for count in recent]
+                counts = [int(count) if float(count).is_integer() else count for count in value.counts]
                 row[wandb_name(descriptor)] = self._wandb.Histogram(
                     np_histogram=(counts, histogram_edges(value.bounds))
                 )
@@ -208,14 +211,3 @@ class WandbExporter(BaseExporter):
             else:
                 row[wandb_name(descriptor)] = float(value)
         return row
-
-
-def _since(previous: HistogramValue | None, current: HistogramValue) -> tuple[float, ...]:
-    """Bucket counts added since `previous` (all of `current` after a restart or a change of bounds)."""
-    if (
-        previous is None
-        or previous.bounds != current.bounds
-        or any(now < before for now, before in zip(current.counts, previous.counts, strict=True))
-    ):
-        return current.counts
-    return tuple(now - before for now, before in zip(current.counts, previous.counts, strict=True))

@@ -26,7 +26,7 @@ from torchtelemetry.report._naming import (
     wandb_name,
 )
 from torchtelemetry.report._signals import TrainingSignals, WindowTiming
-from torchtelemetry.report._totals import RunningTotals
+from torchtelemetry.report._totals import RunningTotals, difference
 from torchtelemetry.report._values import HistogramValue, MetricDescriptor, Scalars, ScalarValue
 
 __all__ = [
@@ -44,6 +44,7 @@ __all__ = [
     "TrainingSignals",
     "WindowTiming",
     "check_unique",
+    "difference",
     "describe_metrics",
     "flatten_results",
     "merge_descriptors",

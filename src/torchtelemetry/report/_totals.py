@@ -8,7 +8,7 @@ from typing import Any
 
 from torchtelemetry.report._values import HistogramValue, ScalarValue
 
-__all__ = ["RunningTotals"]
+__all__ = ["RunningTotals", "difference"]
 
 
 class RunningTotals:
@@ -16,7 +16,8 @@ class RunningTotals:
 
     A window carries what happened during it; `add()` folds it into the totals and returns what
     is reported: totals for the names in `cumulative`, the window's own value for the others.
-    `state_dict()` / `load_state_dict()` carry the totals over a restart.
+    `state_dict()` / `load_state_dict()` carry the totals over a restart. An exporter that
+    prefers deltas gets `difference()`s of these totals (see `torchtelemetry.export.Temporality`).
     """
 
     def __init__(self, cumulative: Collection[str]) -> None:
@@ -42,6 +43,26 @@ class RunningTotals:
     def load_state_dict(self, saved: str) -> None:
         """Restore totals written by `state_dict()`."""
         self._totals = {name: _restored(total) for name, total in json.loads(saved).items()}
+
+
+def difference(total: ScalarValue, earlier: ScalarValue) -> ScalarValue | None:
+    """What `total` added to `earlier` (both running totals of one name); None if `earlier` is not
+    an earlier total of it (a shape or bucket change, or a count that went down)."""
+    if isinstance(total, HistogramValue):
+        if not isinstance(earlier, HistogramValue) or earlier.bounds != total.bounds:
+            return None
+        counts = tuple(now - before for now, before in zip(total.counts, earlier.counts, strict=True))
+        if min(counts, default=0.0) < 0 or total.count < earlier.count:
+            return None
+        return HistogramValue(total.bounds, counts, total.sum - earlier.sum, total.count - earlier.count)
+    if isinstance(total, Mapping):
+        if not isinstance(earlier, Mapping):
+            return None
+        added = {label: count - earlier.get(label, 0.0) for label, count in total.items()}
+        return None if min(added.values(), default=0.0) < 0 else added
+    if isinstance(earlier, (HistogramValue, Mapping)) or float(total) < float(earlier):
+        return None
+    return float(total) - float(earlier)
 
 
 def _sum(total: ScalarValue | None, value: ScalarValue) -> ScalarValue:
