@@ -9,8 +9,8 @@ from typing import Any
 from torchtelemetry._optional import import_optional
 from torchtelemetry.export import Exporter
 from torchtelemetry.integrations._torchtitan import TelemetryMetricLogger
-from torchtelemetry.sync import GroupLike, metric_leaves
-from torchtelemetry.telemetry import Telemetry
+from torchtelemetry.sync import metric_leaves
+from torchtelemetry.telemetry import Telemetry, TelemetryConfig
 
 tracking = import_optional("accelerate.tracking", "accelerate", "TelemetryTracker")
 state = import_optional("accelerate.state", "accelerate", "TelemetryTracker")
@@ -49,10 +49,9 @@ class TelemetryTracker(tracking.GeneralTracker):
         metrics: torchtelemetry metrics by name, updated by the training loop; moved to the
             process's device when the `Telemetry` is built.
         exporters: exporters (constructed on every process, started on the main one) or a spec.
-        every: collect every this many `telemetry.step()` calls.
-        group: ranks to reduce over; None is the default group.
-        run_id: stable run id; default `$TORCHTELEMETRY_RUN_ID`, else a new one.
-        **options: further `Telemetry` arguments (signals, timeout_s, max_pending, queue_size, ...).
+        config: how to collect and export (`TelemetryConfig`); the `init_trackers` config goes on
+            top of its `run_config`.
+        **fields: `TelemetryConfig` fields overriding `config` (every, group, run_id, ...).
     """
 
     name = "torchtelemetry"
@@ -62,20 +61,14 @@ class TelemetryTracker(tracking.GeneralTracker):
         self,
         metrics: Mapping[str, Any] | None = None,
         exporters: Sequence[Exporter] | str = (),
-        *,
-        every: int = 10,
-        group: GroupLike = None,
-        run_id: str | None = None,
-        **options: Any,
+        config: TelemetryConfig | None = None,
+        **fields: Any,
     ) -> None:
         super().__init__()
+        self.config = (config or TelemetryConfig()).replace(**fields)
+        """How to collect and export; `init_trackers` adds to its `run_config`."""
         self.metrics = dict(metrics or {})
         self.exporters = exporters
-        self.every = every
-        self.group = group
-        self.run_id = run_id
-        self.options = options
-        self._config: dict[str, Any] = {}
         self._telemetry: Telemetry | None = None
         self._logs: TelemetryMetricLogger | None = None
 
@@ -95,7 +88,7 @@ class TelemetryTracker(tracking.GeneralTracker):
     def store_init_configuration(self, values: dict[str, Any]) -> None:
         """Keep `values` as the run config of the `Telemetry` built next (warn if it is already built)."""
         if self._telemetry is None:
-            self._config.update(values)
+            self.config = self.config.replace(run_config={**self.config.run_config, **values})
             return
         late = sorted(str(key) for key in values if key not in self._telemetry.run.config)
         if late:
@@ -122,13 +115,5 @@ class TelemetryTracker(tracking.GeneralTracker):
     def _build(self) -> None:
         for _, metric in metric_leaves(self.metrics, op="TelemetryTracker"):
             metric.to(state.PartialState().device)
-        self._telemetry = Telemetry(
-            self.metrics,
-            self.exporters,
-            every=self.every,
-            group=self.group,
-            run_id=self.run_id,
-            run_config=self._config,
-            **self.options,
-        )
+        self._telemetry = Telemetry(self.metrics, self.exporters, self.config)
         self._logs = TelemetryMetricLogger(self._telemetry)

@@ -13,8 +13,8 @@ from torchtelemetry._optional import import_optional
 from torchtelemetry.export import Exporter, RunInfo
 from torchtelemetry.integrations._torchtitan import TelemetryMetricLogger
 from torchtelemetry.metric import Metric, WeightedMeanMetric
-from torchtelemetry.sync import GroupLike, metric_leaves
-from torchtelemetry.telemetry import Telemetry
+from torchtelemetry.sync import metric_leaves
+from torchtelemetry.telemetry import Telemetry, TelemetryConfig
 
 pl = import_optional("lightning.pytorch", "lightning", "LightningTelemetryCallback")
 
@@ -54,28 +54,24 @@ class LightningTelemetryCallback(pl.Callback):
     Args:
         metrics: torchtelemetry metrics by name (paths such as "train/accuracy" or nested dicts).
         exporters: exporters (constructed on every rank, started on global rank 0 only) or a spec string.
-        every: collect every this many optimizer steps; default: the Trainer's `log_every_n_steps`.
+        config: how to collect and export (`TelemetryConfig`). Without `config` or `every`, a
+            collection every `log_every_n_steps` optimizer steps of the Trainer; without `run_id`,
+            one made on rank 0; `run_config` goes on top of the modules' hyperparameters.
         loss: name under which the mean of the training loss over the window's batches and all
             ranks is exported; None to leave the loss out.
         update: `update(metrics, outputs, batch)`, called after every training batch.
-        group: ranks to reduce over; None is the default group.
-        run_id: stable run id; default: `$TORCHTELEMETRY_RUN_ID`, else one made on rank 0.
-        config: run config, on top of the modules' hyperparameters.
-        **options: further `Telemetry` arguments (signals, timeout_s, max_pending, queue_size, ...).
+        **fields: `TelemetryConfig` fields overriding `config` (every, group, run_id, ...).
     """
 
     def __init__(
         self,
         metrics: Mapping[str, Any] | None = None,
         exporters: Sequence[Exporter] | str = (),
+        config: TelemetryConfig | None = None,
         *,
-        every: int | None = None,
         loss: str | None = "train/loss",
         update: UpdateFn | None = None,
-        group: GroupLike = None,
-        run_id: str | None = None,
-        config: Mapping[str, Any] | None = None,
-        **options: Any,
+        **fields: Any,
     ) -> None:
         metrics = dict(metrics or {})
         if loss is not None and loss in metrics:
@@ -83,18 +79,14 @@ class LightningTelemetryCallback(pl.Callback):
                 f"LightningTelemetryCallback: metrics already has {loss!r}, the name of the loss; "
                 "pass loss=<another name> or loss=None"
             )
-        if every is not None and every < 1:
-            raise ValueError(f"LightningTelemetryCallback: every must be at least 1, got {every}")
+        self.config = (config or TelemetryConfig()).replace(**fields)
+        """How to collect and export; `every` and `run_id` are settled at `setup`."""
+        self._every_from_trainer = config is None and "every" not in fields
         self.metrics = metrics
         self.loss_metric = WeightedMeanMetric(description="Training loss") if loss is not None else None
         self._tree = {**metrics, loss: self.loss_metric} if loss is not None else metrics
         self.exporters = exporters
-        self.every = every
         self.update = update
-        self.group = group
-        self.run_id = run_id
-        self.config: dict[str, Any] = dict(config or {})
-        self.options = options
         self.telemetry: Telemetry | None = None
         """The run's `Telemetry` between `setup` and `teardown` of a fit, else None."""
         self._pending_state: Mapping[str, Any] | None = None
@@ -107,16 +99,13 @@ class LightningTelemetryCallback(pl.Callback):
             return
         for _, metric in metric_leaves(self._tree, op="LightningTelemetryCallback"):
             metric.to(trainer.strategy.root_device)
-        run_id = self.run_id or trainer.strategy.broadcast(RunInfo.create().run_id)
-        self.telemetry = Telemetry(
-            self._tree,
-            self.exporters,
-            every=self.every if self.every is not None else max(trainer.log_every_n_steps, 1),
-            group=self.group,
-            run_id=run_id,
-            run_config={**_hparams(trainer, pl_module), **self.config},
-            **self.options,
+        config = self.config.replace(
+            run_id=self.config.run_id or trainer.strategy.broadcast(RunInfo.create().run_id),
+            run_config={**_hparams(trainer, pl_module), **self.config.run_config},
         )
+        if self._every_from_trainer:
+            config = config.replace(every=max(trainer.log_every_n_steps, 1))
+        self.telemetry = Telemetry(self._tree, self.exporters, config)
         self.global_step = trainer.global_step
         if self._pending_state is not None:
             self.telemetry.load_state_dict(self._pending_state)
@@ -197,7 +186,7 @@ class LightningTelemetryLogger(pl.loggers.Logger):
     def version(self) -> str | None:
         """The run id, once the callback has built the run."""
         telemetry = self.callback.telemetry
-        return telemetry.run.run_id if telemetry is not None else self.callback.run_id
+        return telemetry.run.run_id if telemetry is not None else self.callback.config.run_id
 
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
         """Export `metrics` from rank 0 without waiting (dropped, with a warning, outside a fit).
@@ -214,14 +203,15 @@ class LightningTelemetryLogger(pl.loggers.Logger):
         values = vars(params) if isinstance(params, Namespace) else dict(params)
         telemetry = self.callback.telemetry
         if telemetry is None:
-            self.callback.config.update(values)
+            config = self.callback.config
+            self.callback.config = config.replace(run_config={**config.run_config, **values})
             return
         late = sorted(str(key) for key in values if key not in telemetry.run.config)
         if late and "hyperparams" not in self._warned:
             self._warned.add("hyperparams")
             logger.warning(
                 "LightningTelemetryLogger: hyperparameters %s were logged after the exporters started and "
-                "are not in the run config; pass them to LightningTelemetryCallback(config=...)",
+                "are not in the run config; pass them to LightningTelemetryCallback(run_config=...)",
                 late,
             )
 

@@ -8,8 +8,8 @@ from typing import Any
 from torchtelemetry._optional import import_optional
 from torchtelemetry.export import Exporter
 from torchtelemetry.integrations._torchtitan import TelemetryMetricLogger
-from torchtelemetry.sync import GroupLike, metric_leaves
-from torchtelemetry.telemetry import Telemetry
+from torchtelemetry.sync import metric_leaves
+from torchtelemetry.telemetry import Telemetry, TelemetryConfig
 
 transformers = import_optional("transformers", "transformers", "TrainerTelemetryCallback")
 
@@ -39,31 +39,31 @@ class TrainerTelemetryCallback(transformers.TrainerCallback):
     Args:
         metrics: torchtelemetry metrics by name, updated by the training code.
         exporters: exporters (constructed on every process, started on world process zero) or a spec.
+        config: how to collect and export (`TelemetryConfig`); its `run_config` goes on top of the
+            `TrainingArguments`. The Trainer decides when to collect, so `every` is not used.
         prefix: prepended to the names of the Trainer's own logs ("loss", "grad_norm", "eval_loss", ...).
-        group: ranks to reduce over; None is the default group.
-        run_id: stable run id; default `$TORCHTELEMETRY_RUN_ID`, else a new one.
-        config: run config, on top of the `TrainingArguments`.
-        **options: further `Telemetry` arguments (signals, timeout_s, max_pending, queue_size, ...).
+        **fields: `TelemetryConfig` fields overriding `config` (group, run_id, ...).
     """
 
     def __init__(
         self,
         metrics: Mapping[str, Any] | None = None,
         exporters: Sequence[Exporter] | str = (),
+        config: TelemetryConfig | None = None,
         *,
         prefix: str = "",
-        group: GroupLike = None,
-        run_id: str | None = None,
-        config: Mapping[str, Any] | None = None,
-        **options: Any,
+        **fields: Any,
     ) -> None:
+        if "every" in fields:
+            raise TypeError(
+                "TrainerTelemetryCallback: every is the Trainer's (logging_steps / logging_strategy); "
+                "leave it out"
+            )
+        self.config = (config or TelemetryConfig()).replace(**fields)
+        """How to collect and export; collections follow the Trainer's logging."""
         self.metrics = dict(metrics or {})
         self.exporters = exporters
         self.prefix = prefix
-        self.group = group
-        self.run_id = run_id
-        self.config = dict(config or {})
-        self.options = options
         self.telemetry: Telemetry | None = None
         """The run's `Telemetry` from `on_train_begin` until `close()`."""
         self._logs: TelemetryMetricLogger | None = None
@@ -74,15 +74,11 @@ class TrainerTelemetryCallback(transformers.TrainerCallback):
         self.close()
         for _, metric in metric_leaves(self.metrics, op="TrainerTelemetryCallback"):
             metric.to(args.device)
-        self.telemetry = Telemetry(
-            self.metrics,
-            self.exporters,
-            every=max(state.max_steps, 1),
-            group=self.group,
-            run_id=self.run_id,
-            run_config={**args.to_sanitized_dict(), **self.config},
-            **self.options,
+        config = self.config.replace(
+            every=max(state.max_steps, 1),  # never due by itself: on_step_end collects when the Trainer logs
+            run_config={**args.to_sanitized_dict(), **self.config.run_config},
         )
+        self.telemetry = Telemetry(self.metrics, self.exporters, config)
         self._logs = TelemetryMetricLogger(self.telemetry, prefix=self.prefix)
 
     def on_step_end(
