@@ -20,7 +20,7 @@ system-deps:
 		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus prometheus-pushgateway)
 
 demo: $(STAMP)
-	$(VENV)/bin/torchtelemetry demo --steps 600 --step-delay 0.05  # ~45 s: time to open the /metrics URL it prints
+	$(VENV)/bin/torchtelemetry demo --steps 600 --step-delay-s 0.05  # ~45 s: time to open the /metrics URL it prints
 
 lint: $(STAMP)
 	$(PY) -m ruff check src tests bench

@@ -1,0 +1,58 @@
+"""`DemoConfig`: what the demo trains and where it exports; the command line is generated from it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["DemoConfig"]
+
+
+@dataclass(kw_only=True, slots=True)
+class DemoConfig:
+    """What the demo trains and where it exports."""
+
+    nproc: int = 2
+    """Ranks to spawn (ignored under torchrun)."""
+    steps: int = 200
+    """Training steps."""
+    every: int = 10
+    """Collection interval in steps."""
+    batch_size: int = 16
+    """Sequences per rank per step."""
+    seq_len: int = 32
+    """Tokens per sequence."""
+    vocab: int = 64
+    """Vocabulary size of the synthetic language."""
+    lr: float = 3e-3
+    """Peak learning rate (cosine decay after a short warm-up)."""
+    device: str = "auto"
+    """"cpu", "cuda" or "auto" (CUDA when present)."""
+    prometheus_port: int | None = field(default=9464, metadata={"env": "TORCHTELEMETRY_PROMETHEUS_PORT"})
+    """Scrape endpoint port on 127.0.0.1 (0 picks a free port; None disables it)."""
+    pushgateway: str | None = field(default=None, metadata={"env": "TORCHTELEMETRY_PUSHGATEWAY_URL"})
+    """Pushgateway URL, e.g. http://127.0.0.1:9091."""
+    otlp: str | None = None
+    """OTLP base endpoint, e.g. http://127.0.0.1:4318 (HTTP); "" reads the OTEL_* variables (the
+    default when $OTEL_EXPORTER_OTLP_[METRICS_]ENDPOINT is set); the protocol comes from
+    $OTEL_EXPORTER_OTLP_PROTOCOL."""
+    wandb: str | None = field(default=None, metadata={"env": "TORCHTELEMETRY_WANDB"})
+    """W&B mode: "offline", "online" or "disabled"."""
+    jsonl: str | None = field(default=None, metadata={"env": "TORCHTELEMETRY_JSONL"})
+    """JSONL output path (default runs/<run_id>/metrics.jsonl; "" disables it)."""
+    console: bool = True
+    """One console line per report."""
+    run_id: str | None = None
+    """Run id (default: generated)."""
+    seed: int = 0
+    """Random seed."""
+    step_delay_s: float = 0.0
+    """Extra host sleep per step in seconds, to slow the run down for live viewing."""
+
+    def __post_init__(self) -> None:
+        for key in ("nproc", "steps", "every", "batch_size", "seq_len", "vocab"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"demo.{key} must be at least 1, got {getattr(self, key)}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"demo.device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        if self.wandb not in (None, "offline", "online", "disabled"):
+            raise ValueError(f"demo.wandb must be offline, online or disabled, got {self.wandb!r}")

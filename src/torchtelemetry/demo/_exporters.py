@@ -1,0 +1,39 @@
+"""The exporters the demo's flags turn on."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from torchtelemetry.demo._config import DemoConfig
+from torchtelemetry.demo._console import ProgressSafeStream
+
+__all__ = ["build_exporters"]
+
+
+def build_exporters(config: DemoConfig, run_id: str) -> list[Any]:
+    """Console, Prometheus, Pushgateway, OTLP, W&B and JSONL, as `config` asks."""
+    from torchtelemetry import export
+
+    exporters: list[Any] = []
+    if config.console:
+        exporters.append(export.ConsoleExporter(stream=ProgressSafeStream()))
+    if config.prometheus_port is not None:
+        exporters.append(export.PrometheusExporter(port=config.prometheus_port))
+    if config.pushgateway:
+        exporters.append(export.PushgatewayExporter(config.pushgateway))
+    if config.otlp is not None:
+        if config.otlp:
+            # A base endpoint, as the SDK reads it: /v1/metrics is appended for OTLP/HTTP.
+            os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = config.otlp
+        exporters.append(export.OTelExporter())
+    if config.wandb:
+        exporters.append(
+            export.WandbExporter(
+                project="torchtelemetry-demo", mode=config.wandb, summaries={"train/loss": "min"}
+            )
+        )
+    if config.jsonl != "":
+        exporters.append(export.JsonlExporter(config.jsonl or Path("runs") / run_id / "metrics.jsonl"))
+    return exporters

@@ -1,0 +1,112 @@
+"""One rank's training loop: DDP training, metric updates, `Telemetry`, a Ctrl-C all ranks agree on."""
+
+from __future__ import annotations
+
+import signal
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from torchtelemetry.demo._config import DemoConfig
+from torchtelemetry.demo._console import (
+    INTERRUPTED_EXIT_CODE,
+    advance,
+    print_banner,
+    print_summary,
+    progress_bar,
+)
+from torchtelemetry.demo._exporters import build_exporters
+from torchtelemetry.demo._model import (
+    TinyLM,
+    build_metrics,
+    learning_rate_at,
+    synthetic_batch,
+    train_step,
+    update_metrics,
+)
+
+__all__ = ["train"]
+
+
+def train(config: DemoConfig, rank: int, world_size: int, device: torch.device) -> int:
+    """The training loop of one rank; returns the exit status."""
+    import torchtelemetry as tt
+
+    torch.manual_seed(config.seed)
+    model = TinyLM(config.vocab, config.seq_len).to(device)
+    ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    optimizer = torch.optim.AdamW(ddp.parameters(), lr=config.lr)
+    generator = torch.Generator().manual_seed(config.seed * 1000 + rank)
+
+    metrics = build_metrics(device)
+    run_id = _agree_on_run_id(config.run_id, device)
+    exporters = build_exporters(config, run_id)
+    telemetry = tt.Telemetry(
+        metrics,
+        exporters,
+        every=config.every,
+        run_id=run_id,
+        run_config={
+            "steps": config.steps,
+            "world_size": world_size,
+            "lr": config.lr,
+            "batch_size": config.batch_size,
+        },
+    )
+    if rank == 0:
+        print_banner(config, telemetry, world_size, device)
+    stop = _StopFlag()
+    progress = progress_bar(config, enabled=rank == 0)
+    last_step = -1
+    status = 0
+    try:
+        for step in range(config.steps):
+            if step % config.every == 0 and stop.agreed(device):
+                status = INTERRUPTED_EXIT_CODE
+                break
+            learning_rate = learning_rate_at(config, step)
+            result = train_step(ddp, optimizer, synthetic_batch(generator, config, device), learning_rate)
+            update_metrics(metrics, result)
+            telemetry.step(step, tokens=result.tokens, samples=config.batch_size, learning_rate=learning_rate)
+            last_step = step
+            if config.step_delay_s:
+                time.sleep(config.step_delay_s)
+            advance(progress, telemetry)
+    finally:
+        stop.restore()
+        telemetry.close()
+        if progress is not None:
+            progress.close()
+    if rank == 0:
+        print_summary(telemetry, last_step, status)
+    return status
+
+
+def _agree_on_run_id(run_id: str | None, device: torch.device) -> str:
+    from torchtelemetry.export import RunInfo
+
+    chosen = [RunInfo.create(run_id).run_id if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(chosen, src=0, device=device)
+    return str(chosen[0])
+
+
+class _StopFlag:
+    """Ctrl-C sets a flag; ranks agree on it every `every` steps so they all stop at the same step."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous = signal.signal(signal.SIGINT, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self.requested = True
+
+    def agreed(self, device: torch.device) -> bool:
+        flag = torch.tensor([1.0 if self.requested else 0.0], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def restore(self) -> None:
+        signal.signal(signal.SIGINT, self._previous)

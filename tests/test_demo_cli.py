@@ -1,0 +1,47 @@
+"""The demo's command line is generated from `DemoConfig`: one flag per field, defaults written once."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from torchtelemetry.demo import DemoConfig, build_parser, parse_args
+
+
+def test_no_flags_give_the_dataclass_defaults() -> None:
+    assert parse_args([], env={}) == DemoConfig()
+
+
+def test_every_field_has_a_flag_with_its_docstring() -> None:
+    actions = {action.dest: action for action in build_parser(env={})._actions}
+    for field in dataclasses.fields(DemoConfig):
+        assert field.name in actions, field.name
+        assert actions[field.name].default == field.default, field.name
+        assert actions[field.name].help, f"{field.name} has no help (no docstring?)"
+    assert "Sequences per rank per step" in actions["batch_size"].help
+
+
+def test_flags_set_fields_and_optional_fields_take_none() -> None:
+    flags = ["--batch-size", "8", "--lr", "0.01", "--prometheus-port", "none", "--no-console"]
+    config = parse_args([*flags, "--step-delay", "0.5"], env={})  # a unique prefix, as argparse allows
+    assert (config.batch_size, config.lr, config.prometheus_port) == (8, 0.01, None)
+    assert (config.console, config.step_delay_s) == (False, 0.5)
+
+
+def test_argument_beats_environment_beats_default() -> None:
+    env = {"TORCHTELEMETRY_PROMETHEUS_PORT": "0", "TORCHTELEMETRY_WANDB": "offline"}
+    assert (parse_args([], env=env).prometheus_port, parse_args([], env=env).wandb) == (0, "offline")
+    assert parse_args(["--prometheus-port", "9999"], env=env).prometheus_port == 9999
+    # An OTLP endpoint in the OTEL_* variables turns the OTLP exporter on, configured by them.
+    assert parse_args([], env={"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318"}).otlp == ""
+    assert parse_args([], env={}).otlp is None
+
+
+def test_invalid_values_exit_with_the_field_s_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse_args(["--device", "tpu"], env={})
+    assert "demo.device must be 'auto', 'cpu' or 'cuda', got 'tpu'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(["--steps", "0"], env={})
+    assert "demo.steps must be at least 1" in capsys.readouterr().err
