@@ -457,11 +457,11 @@ def test_close_twice_warns_and_export_after_close_fails(http_receiver, caplog):
 def test_counter_and_label_values_of_one_report(http_receiver):
     descriptors = [
         MetricDescriptor("data/samples", MetricKind.COUNTER, "samples", "Samples seen"),
-        MetricDescriptor("perf/throughput", unit="tokens_per_second", label_name="rank"),
+        MetricDescriptor("train/tokens_per_second", unit="tokens_per_second", label_name="rank"),
     ]
     exporter = OTelExporter(endpoint=http_receiver.metrics_endpoint)
     exporter.describe(descriptors, RunInfo(run_id="kinds"))
-    scalars = {"data/samples": 512.0, "perf/throughput": {"0": 10.5, "1": 11.0}}
+    scalars = {"data/samples": 512.0, "train/tokens_per_second": {"0": 10.5, "1": 11.0}}
     assert exporter.export(4, scalars, 1_700_000_000.5) is ExportResult.SUCCESS
     exporter.close()
     metrics = metrics_by_name(http_receiver.received[0].request)
@@ -469,7 +469,7 @@ def test_counter_and_label_values_of_one_report(http_receiver):
     assert (samples.unit, samples.description) == ("{sample}", "Samples seen")
     assert samples.sum.data_points[0].as_double == 512.0
     assert samples.sum.data_points[0].time_unix_nano == 1_700_000_000_500_000_000
-    throughput = metrics["perf.throughput"]
+    throughput = metrics["train.tokens_per_second"]
     assert throughput.unit == "{token}/s"
     assert {attributes(p.attributes)["rank"]: p.as_double for p in throughput.gauge.data_points} == {
         "0": 10.5,

@@ -146,17 +146,17 @@ def test_histogram_and_label_values_are_logged_exactly(wandb_dir):
     exporter = WandbExporter("tt")
     descriptors = [
         MetricDescriptor("grad", MetricKind.HISTOGRAM),
-        MetricDescriptor("perf/step_time", unit="seconds", label_name="rank"),
+        MetricDescriptor("train/step_time", unit="seconds", label_name="rank"),
     ]
     exporter.describe(descriptors, RunInfo(run_id="kinds"))
     value = HistogramValue(bounds=(-1.0, 0.0, 4.0), counts=(2.0, 0.0, 5.0, 1.0), sum=9.5, count=8.0)
-    scalars = {"grad": value, "perf/step_time": {"0": 0.5, "1": 0.75}}
+    scalars = {"grad": value, "train/step_time": {"0": 0.5, "1": 0.75}}
     assert exporter.export(2, scalars, 0.0) is ExportResult.SUCCESS
     exporter.close()
     (row,) = _only_log(wandb_dir).history
     assert row["grad"]["values"] == [2, 0, 5, 1]
     assert row["grad"]["bins"] == [-2.0, -1.0, 0.0, 4.0, 8.0]
-    assert (row["perf/step_time/rank_0"], row["perf/step_time/rank_1"]) == (0.5, 0.75)
+    assert (row["train/step_time/rank_0"], row["train/step_time/rank_1"]) == (0.5, 0.75)
 
 
 # -- run lifecycle ----------------------------------------------------------------------

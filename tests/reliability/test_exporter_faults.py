@@ -324,11 +324,11 @@ def test_otel_keeps_only_the_newest_failed_report(backend: Backend, hub: ExportH
 
 def test_hung_and_slow_scrapers_never_block_exports() -> None:
     ranks = [str(rank) for rank in range(4000)]  # a large exposition, so a scraper that stops reading
-    descriptor = MetricDescriptor("perf/step_time", label_name="rank")  # blocks the server's write
+    descriptor = MetricDescriptor("train/step_time", label_name="rank")  # blocks the server's write
     exporter = PrometheusExporter(port=0)
     hub = ExportHub([exporter], run=RUN, queue_size=QUEUE)
     hub.describe([descriptor])
-    hub.submit(0, {"perf/step_time": dict.fromkeys(ranks, 0.0)})
+    hub.submit(0, {"train/step_time": dict.fromkeys(ranks, 0.0)})
     assert hub.force_flush(30)
     scrapers = []
     try:
@@ -348,14 +348,14 @@ def test_hung_and_slow_scrapers_never_block_exports() -> None:
         gone.close()
 
         for step in range(1, 31):
-            hub.submit(step, {"perf/step_time": dict.fromkeys(ranks, float(step))})
+            hub.submit(step, {"train/step_time": dict.fromkeys(ranks, float(step))})
         assert hub.force_flush(30)
         health = hub.health()["prometheus"]
         assert health.errors == 0
         assert health.exported_reports + health.dropped_reports == 31
         found = {f.name: f for f in text_string_to_metric_families(http_get(exporter.url).decode())}
         assert found["torchtelemetry_train_step"].samples[0].value == 30  # a working scraper sees the newest
-        assert {s.value for s in found["torchtelemetry_perf_step_time"].samples} == {30.0}
+        assert {s.value for s in found["torchtelemetry_train_step_time"].samples} == {30.0}
 
         started = time.monotonic()
         hub.close(2.0)  # with every stuck scraper still connected

@@ -45,7 +45,7 @@ from torchtelemetry.export import (
 
 pytest.importorskip("opentelemetry.exporter.otlp.proto.grpc")
 
-STEP_TIME = MetricDescriptor("perf/step_time", unit="seconds", label_name="rank")
+STEP_TIME = MetricDescriptor("train/step_time", unit="seconds", label_name="rank")
 LOSS = MetricDescriptor("train/loss")
 
 
@@ -199,7 +199,7 @@ def test_no_secret_in_logs_stderr_or_exported_labels(
         hub = ExportHub(exporters, run=RunInfo(run_id="secrets"))
         hub.describe([LOSS, STEP_TIME])
         for step in (1, 2, 3):
-            hub.submit(step, {"train/loss": 1.0 / step, "perf/step_time": {"0": 0.25}})
+            hub.submit(step, {"train/loss": 1.0 / step, "train/step_time": {"0": 0.25}})
         hub.force_flush(10)
         exposition = http_get(prometheus.url)
         gateway_metrics = http_get(f"{pushgateway.url}/metrics")
@@ -312,12 +312,12 @@ def test_awkward_label_values_round_trip_through_the_exposition(promtool: str) -
     hub = ExportHub([exporter], run=RunInfo(run_id=AWKWARD_RUN))
     try:
         hub.describe([STEP_TIME])
-        hub.submit(1, {"perf/step_time": AWKWARD})
+        hub.submit(1, {"train/step_time": AWKWARD})
         assert hub.force_flush(10)
         body = http_get(exporter.url)
         found = {f.name: f for f in text_string_to_metric_families(body.decode())}
-        samples = found["torchtelemetry_perf_step_time_seconds"].samples
-        assert _by_label(samples, "torchtelemetry_perf_step_time_seconds") == AWKWARD
+        samples = found["torchtelemetry_train_step_time_seconds"].samples
+        assert _by_label(samples, "torchtelemetry_train_step_time_seconds") == AWKWARD
         assert {s.labels["run"] for f in found.values() for s in f.samples} == {AWKWARD_RUN}
         checked = subprocess.run([promtool, "check", "metrics"], input=body, capture_output=True, timeout=60)
         assert (checked.returncode, checked.stdout + checked.stderr) == (0, b"")
@@ -329,13 +329,14 @@ def test_awkward_label_values_and_run_id_through_the_pushgateway(pushgateway: Pu
     run_id = AWKWARD_RUN + "/with/slashes"  # a grouping-key value with "/" travels base64-encoded
     exporter = PushgatewayExporter(pushgateway.url, timeout_s=5)
     exporter.describe([STEP_TIME], RunInfo(run_id=run_id))
-    assert exporter.export(1, {"perf/step_time": AWKWARD}, 1.0) is ExportResult.SUCCESS
+    assert exporter.export(1, {"train/step_time": AWKWARD}, 1.0) is ExportResult.SUCCESS
     assert {"job": "torchtelemetry", "run": run_id} in pushgateway.groups()
     found = {
         f.name: f for f in text_string_to_metric_families(http_get(f"{pushgateway.url}/metrics").decode())
     }
-    samples = [s for s in found["torchtelemetry_perf_step_time_seconds"].samples if s.labels["run"] == run_id]
-    assert _by_label(samples, "torchtelemetry_perf_step_time_seconds") == AWKWARD
+    family = found["torchtelemetry_train_step_time_seconds"]
+    samples = [s for s in family.samples if s.labels["run"] == run_id]
+    assert _by_label(samples, "torchtelemetry_train_step_time_seconds") == AWKWARD
     exporter.close(5)
     assert [g for g in pushgateway.groups() if g.get("run") == run_id] == []
 
@@ -347,9 +348,9 @@ def test_awkward_label_values_arrive_intact_over_otlp(protocol: str) -> None:
         endpoint = receiver.endpoint if protocol == "grpc" else receiver.metrics_endpoint
         exporter = OTelExporter(protocol=protocol, endpoint=endpoint, timeout_s=5)
         exporter.describe([STEP_TIME], RunInfo(run_id=AWKWARD_RUN))
-        assert exporter.export(1, {"perf/step_time": AWKWARD}, 1.0) is ExportResult.SUCCESS
+        assert exporter.export(1, {"train/step_time": AWKWARD}, 1.0) is ExportResult.SUCCESS
         exporter.close(5)
         (received,) = receiver.received
-    points = metrics_by_name(received.request)["perf.step_time"].gauge.data_points
+    points = metrics_by_name(received.request)["train.step_time"].gauge.data_points
     assert {attributes(p.attributes)["rank"]: p.as_double for p in points} == AWKWARD
     assert resource_attributes(received.request)[0]["service.instance.id"] == AWKWARD_RUN

@@ -136,7 +136,7 @@ def wandb_name(descriptor: MetricDescriptor) -> str:
 
 
 def wandb_label_name(descriptor: MetricDescriptor, label_value: str) -> str:
-    """One W&B key per label value: `perf/step_time` at rank "0" -> `perf/step_time/rank_0`."""
+    """One W&B key per label value: `train/step_time` at rank "0" -> `train/step_time/rank_0`."""
     return f"{wandb_name(descriptor)}/{descriptor.label_name or 'label'}_{label_value}"
 
 
