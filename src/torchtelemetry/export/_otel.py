@@ -30,16 +30,14 @@ from urllib.parse import urlsplit, urlunsplit
 
 from torchtelemetry._optional import import_optional
 from torchtelemetry.export._base import BaseExporter, ExportFailed
+from torchtelemetry.export._otel_metric import otel_metric
 from torchtelemetry.export._protocol import RunInfo
-from torchtelemetry.metric import MetricKind
 from torchtelemetry.report import (
     STEP_METRIC,
-    HistogramValue,
     MetricDescriptor,
     Scalars,
     merge_descriptors,
     otel_name,
-    otel_unit,
 )
 
 __all__ = [
@@ -297,7 +295,7 @@ class OTelExporter(BaseExporter):
 
         now_ns = int(timestamp * 1e9)
         self._start_ns = min(self._start_ns, now_ns)
-        metrics = [self._metric(STEP_METRIC, int(step), now_ns)]
+        metrics = [otel_metric(STEP_METRIC, int(step), self._start_ns, now_ns)]
         for path, value in scalars.items():
             descriptor = self._descriptors.get(path)
             if descriptor is None:
@@ -305,75 +303,10 @@ class OTelExporter(BaseExporter):
                     self._unknown_warned.add(path)
                     logger.warning("OTelExporter %r: %r was never described; not exported", self.name, path)
                 continue
-            metrics.append(self._metric(descriptor, value, now_ns))
+            metrics.append(otel_metric(descriptor, value, self._start_ns, now_ns))
         scope = ScopeMetrics(
             scope=InstrumentationScope("torchtelemetry", __version__), metrics=metrics, schema_url=""
         )
         return MetricsData(
             resource_metrics=[ResourceMetrics(resource=self._resource, scope_metrics=[scope], schema_url="")]
-        )
-
-    def _metric(self, descriptor: MetricDescriptor, value: Any, now_ns: int) -> Any:
-        from opentelemetry.sdk.metrics.export import (
-            AggregationTemporality,
-            Gauge,
-            Histogram,
-            HistogramDataPoint,
-            Metric,
-            NumberDataPoint,
-            Sum,
-        )
-
-        start_ns = self._start_ns
-        if descriptor.kind is MetricKind.HISTOGRAM:
-            if not isinstance(value, HistogramValue):
-                raise TypeError(
-                    f"{descriptor.name!r}: a histogram needs a HistogramValue, got {type(value).__name__}"
-                )
-            point = HistogramDataPoint(
-                attributes={},
-                start_time_unix_nano=start_ns,
-                time_unix_nano=now_ns,
-                count=round(value.count),
-                sum=value.sum,
-                bucket_counts=[round(count) for count in value.counts],
-                explicit_bounds=list(value.bounds),
-                min=None,  # unknown: only bucket counts are kept
-                max=None,
-            )
-            data: Any = Histogram(
-                data_points=[point], aggregation_temporality=AggregationTemporality.CUMULATIVE
-            )
-        else:
-            if isinstance(value, HistogramValue):
-                raise TypeError(
-                    f"{descriptor.name!r}: described as a {descriptor.kind.value}, got a histogram"
-                )
-            if isinstance(value, Mapping):
-                label = descriptor.label_name or "label"
-                points = [
-                    NumberDataPoint(
-                        attributes={label: key},
-                        start_time_unix_nano=start_ns,
-                        time_unix_nano=now_ns,
-                        value=float(entry),
-                    )
-                    for key, entry in value.items()
-                ]
-            else:
-                number = value if descriptor is STEP_METRIC else float(value)  # the step stays an integer
-                points = [
-                    NumberDataPoint(
-                        attributes={}, start_time_unix_nano=start_ns, time_unix_nano=now_ns, value=number
-                    )
-                ]
-            if descriptor.kind is MetricKind.COUNTER:
-                data = Sum(points, AggregationTemporality.CUMULATIVE, is_monotonic=True)
-            else:
-                data = Gauge(points)
-        return Metric(
-            name=otel_name(descriptor),
-            description=descriptor.description,
-            unit=otel_unit(descriptor.unit),
-            data=data,
         )

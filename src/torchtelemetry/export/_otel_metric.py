@@ -1,0 +1,74 @@
+"""One report value as an OpenTelemetry SDK metric, exact: a histogram keeps its bounds and counts."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from torchtelemetry.metric import MetricKind
+from torchtelemetry.report import STEP_METRIC, HistogramValue, MetricDescriptor, otel_name, otel_unit
+
+__all__ = ["otel_metric"]
+
+
+def otel_metric(descriptor: MetricDescriptor, value: Any, start_ns: int, now_ns: int) -> Any:
+    """One report value as an OpenTelemetry SDK `Metric`: a gauge, a cumulative monotonic sum
+    (counters) or a cumulative explicit-bucket histogram, with the metric's own bounds and counts."""
+    from opentelemetry.sdk.metrics.export import (
+        AggregationTemporality,
+        Gauge,
+        Histogram,
+        HistogramDataPoint,
+        Metric,
+        NumberDataPoint,
+        Sum,
+    )
+
+    if descriptor.kind is MetricKind.HISTOGRAM:
+        if not isinstance(value, HistogramValue):
+            raise TypeError(
+                f"{descriptor.name!r}: a histogram needs a HistogramValue, got {type(value).__name__}"
+            )
+        point = HistogramDataPoint(
+            attributes={},
+            start_time_unix_nano=start_ns,
+            time_unix_nano=now_ns,
+            count=round(value.count),
+            sum=value.sum,
+            bucket_counts=[round(count) for count in value.counts],
+            explicit_bounds=list(value.bounds),
+            min=None,  # unknown: only bucket counts are kept
+            max=None,
+        )
+        data: Any = Histogram(data_points=[point], aggregation_temporality=AggregationTemporality.CUMULATIVE)
+    else:
+        if isinstance(value, HistogramValue):
+            raise TypeError(f"{descriptor.name!r}: described as a {descriptor.kind.value}, got a histogram")
+        if isinstance(value, Mapping):
+            label = descriptor.label_name or "label"
+            points = [
+                NumberDataPoint(
+                    attributes={label: key},
+                    start_time_unix_nano=start_ns,
+                    time_unix_nano=now_ns,
+                    value=float(entry),
+                )
+                for key, entry in value.items()
+            ]
+        else:
+            number = value if descriptor is STEP_METRIC else float(value)  # the step stays an integer
+            points = [
+                NumberDataPoint(
+                    attributes={}, start_time_unix_nano=start_ns, time_unix_nano=now_ns, value=number
+                )
+            ]
+        if descriptor.kind is MetricKind.COUNTER:
+            data = Sum(points, AggregationTemporality.CUMULATIVE, is_monotonic=True)
+        else:
+            data = Gauge(points)
+    return Metric(
+        name=otel_name(descriptor),
+        description=descriptor.description,
+        unit=otel_unit(descriptor.unit),
+        data=data,
+    )
