@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import logging
+import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,12 +20,14 @@ from torchtelemetry.export import Exporter, ExportHub, NullHub, RunInfo, exporte
 from torchtelemetry.metric import MetricKind
 from torchtelemetry.report import (
     MetricDescriptor,
+    ModelFlops,
     RunningTotals,
     ScalarValue,
     TrainingSignals,
     WindowTiming,
     describe_metrics,
     flatten_results,
+    peak_flops_of,
 )
 from torchtelemetry.sync import GroupLike, group_rank, group_world_size, metric_leaves, resolve_group
 
@@ -49,8 +53,17 @@ class TelemetryConfig:
     """Add the built-in signals (step time per rank, tokens, samples, throughput, learning rate,
     peak memory)."""
     max_rank_series: int = 64
-    """Above this many ranks, step time is exported as min/median/max instead of one series per rank
-    (0: always)."""
+    """Above this many ranks, step time and data wait are exported as min/median/max over ranks
+    instead of one series per rank (0: always); the ranks holding the min and max step time are
+    exported either way."""
+    flops_per_token: float | None = None
+    """Model FLOPs of training on one token (forward and backward, e.g. 6 x parameters plus
+    attention); exports `train/tflops_per_second` and `train/mfu` from `step(tokens=)`."""
+    flops_per_sample: float | None = None
+    """As `flops_per_token`, per sample counted by `step(samples=)`; give one of the two."""
+    peak_flops: float | None = None
+    """Peak FLOP/s of one accelerator for `train/mfu`; default: the CUDA device's dense BF16 peak
+    from `torchtelemetry.report.PEAK_FLOPS` (no MFU when the device is not listed)."""
     timeout_s: float = 300.0
     """Bound on one collection: a dead or missing rank raises instead of hanging."""
     max_pending: int = 2
@@ -68,6 +81,15 @@ class TelemetryConfig:
             )
         if not self.timeout_s > 0:
             raise ValueError(f"TelemetryConfig.timeout_s must be positive, got {self.timeout_s}")
+        for key in ("flops_per_token", "flops_per_sample", "peak_flops"):
+            value = getattr(self, key)
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise ValueError(f"TelemetryConfig.{key} must be a positive number, got {value}")
+        if self.flops_per_token is not None and self.flops_per_sample is not None:
+            raise ValueError(
+                "TelemetryConfig.flops_per_token and flops_per_sample are both set; give FLOPs per token "
+                "or per sample, not both"
+            )
 
     def replace(self, **fields: Any) -> TelemetryConfig:
         """A copy with `fields` changed; unknown names raise a TypeError listing the valid ones."""
@@ -128,6 +150,7 @@ class Telemetry:
                 rank=group_rank(resolved),
                 device=device,
                 max_rank_series=config.max_rank_series,
+                flops=_model_flops(config, device),
             )
             if config.signals
             else None
@@ -159,7 +182,7 @@ class Telemetry:
         self._steps_in_window = 0
         self._last_step: int | None = None
         self._last_step_clock: float | None = None
-        self._window_start = time.perf_counter()
+        self._window_start = self._signals_flushed = time.perf_counter()
         self.backpressure_waits = 0
         """Times `step()` waited because `max_pending` collections were in flight."""
         self.latest: dict[str, ScalarValue] = {}
@@ -178,7 +201,8 @@ class Telemetry:
         if duplicates:
             raise ValueError(
                 f"Telemetry: metric names {duplicates} are defined twice (the built-in signals use "
-                "train/step_time, train/tokens, train/samples, train/learning_rate, train/peak_memory); "
+                "train/step_time, train/data_wait, train/tokens, train/samples, train/learning_rate, "
+                "train/peak_memory, train/memory/..., train/tokens_per_second, train/mfu, ...); "
                 "rename yours or pass signals=False"
             )
         return described
@@ -197,17 +221,20 @@ class Telemetry:
         tokens: torch.Tensor | float | None = None,
         samples: torch.Tensor | float | None = None,
         learning_rate: float | None = None,
+        data_time: float | None = None,
     ) -> None:
         """Mark the end of training step `step`; schedule and export without waiting.
 
         `tokens` and `samples` (tensors stay on the device) feed the throughput
-        counters; `learning_rate` the learning-rate gauge.
+        counters; `learning_rate` the learning-rate gauge; `data_time` the seconds this step
+        waited for its batch (or mark the wait with `data_wait()`).
         """
         self._require_open("step")
         now = time.perf_counter()
         if self._signals is not None:
-            if self._last_step_clock is not None:
-                self._signals.record_step_time(now - self._last_step_clock)
+            if data_time is not None:
+                self._signals.record_data_wait(data_time)
+            self._signals.record_step(None if self._last_step_clock is None else now - self._last_step_clock)
             if tokens is not None:
                 self._signals.record_tokens(tokens)
             if samples is not None:
@@ -220,6 +247,20 @@ class Telemetry:
         self._drain(block=False)
         if self._steps_in_window >= self.every:
             self.schedule_collection()
+
+    @contextlib.contextmanager
+    def data_wait(self) -> Iterator[None]:
+        """Time the block as waiting for data: `with telemetry.data_wait(): batch = next(batches)`.
+
+        Adds to the current step's `train/data_wait` (host wall time, no device sync);
+        `step(data_time=)` does the same with a duration measured elsewhere.
+        """
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self._signals is not None:
+                self._signals.record_data_wait(time.perf_counter() - start)
 
     def schedule_collection(self) -> None:
         """Schedule a collection of the steps since the last one now, without waiting for it.
@@ -248,11 +289,16 @@ class Telemetry:
         else:
             self.hub.submit(step, dict(values), time.time())
 
-    def _schedule(self) -> None:
-        if self._signals is not None:
-            self._signals.flush_to_device()
-        self._collector.schedule_collection()
+    def _flush_signals(self) -> float:
         now = time.perf_counter()
+        if self._signals is not None:
+            self._signals.flush_to_device(now - self._signals_flushed)
+        self._signals_flushed = now
+        return now
+
+    def _schedule(self) -> None:
+        now = self._flush_signals()
+        self._collector.schedule_collection()
         self._windows.append(
             WindowTiming(
                 step=self._last_step or 0, timestamp=time.time(), duration_s=now - self._window_start
@@ -344,8 +390,7 @@ class Telemetry:
         """
         if not self._closed:
             self._drain(block=True)
-            if self._signals is not None:
-                self._signals.flush_to_device()
+            self._flush_signals()
         return {
             "metrics": {name: metric.state_dict() for name, metric in self._leaves},
             "counters": self._totals.state_dict(),
@@ -368,3 +413,20 @@ class Telemetry:
         step = int(state.get("step", -1))
         self._last_step = None if step < 0 else step
         self._steps_in_window = int(state.get("steps_in_window", 0))
+
+
+def _model_flops(config: TelemetryConfig, device: torch.device) -> ModelFlops | None:
+    per_unit = config.flops_per_token or config.flops_per_sample
+    if per_unit is None:
+        return None
+    peak = config.peak_flops
+    if peak is None:
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+        peak = peak_flops_of(name)
+        if peak is None:
+            logger.warning(
+                "Telemetry: no peak FLOP/s known for device %r, so train/mfu is not exported; "
+                "pass TelemetryConfig.peak_flops (FLOP/s of one device)",
+                name,
+            )
+    return ModelFlops(per_unit=per_unit, per_sample=config.flops_per_sample is not None, peak=peak)

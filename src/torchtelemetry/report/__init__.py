@@ -7,6 +7,8 @@ how each backend spells a path.
 """
 
 from torchtelemetry.report._flatten import describe_metrics, flatten_results
+from torchtelemetry.report._flops import PEAK_FLOPS, model_flops, peak_flops_of
+from torchtelemetry.report._memory import allocator_metrics
 from torchtelemetry.report._naming import (
     LAST_UPDATE_METRIC,
     MAX_NAME_LENGTH,
@@ -25,7 +27,7 @@ from torchtelemetry.report._naming import (
     wandb_label_name,
     wandb_name,
 )
-from torchtelemetry.report._signals import TrainingSignals, WindowTiming
+from torchtelemetry.report._signals import ModelFlops, TrainingSignals, WindowTiming
 from torchtelemetry.report._totals import RunningTotals, difference
 from torchtelemetry.report._values import HistogramValue, MetricDescriptor, Scalars, ScalarValue
 
@@ -33,23 +35,28 @@ __all__ = [
     "LAST_UPDATE_METRIC",
     "MAX_NAME_LENGTH",
     "NAMESPACE",
+    "PEAK_FLOPS",
     "STEP_METRIC",
     "HistogramValue",
     "InvalidMetricNameError",
     "MetricDescriptor",
+    "ModelFlops",
     "NameCollisionError",
     "RunningTotals",
     "ScalarValue",
     "Scalars",
     "TrainingSignals",
     "WindowTiming",
+    "allocator_metrics",
     "check_unique",
     "difference",
     "describe_metrics",
     "flatten_results",
     "merge_descriptors",
+    "model_flops",
     "otel_name",
     "otel_unit",
+    "peak_flops_of",
     "prometheus_label_name",
     "prometheus_name",
     "sanitize_path",

@@ -1,15 +1,17 @@
-"""Built-in training signals: step time per rank, tokens, samples, throughput, LR, peak memory.
+"""Built-in training signals: step time and data wait per rank, tokens, samples, throughput, model
+FLOPs utilization, learning rate, memory.
 
 Per-step inputs are accumulated on the host (Python floats, no device work) and
 handed to device-resident metrics once per window, so leaving them on costs
 nothing per step and no extra collective: they ride in the same buckets as the
-user's metrics.
+user's metrics. Per-rank values are world-sized vectors in the SUM bucket, so the
+ranks holding the fastest and slowest step time (`train/step_time/min_rank`, `max_rank`, exported
+whatever the world size) are known on every rank for free.
 """
 
 from __future__ import annotations
 
 import math
-import resource
 import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -18,17 +20,26 @@ from typing import Any
 import torch
 
 from torchtelemetry.metric import MaxMetric, MetricKind, PerRankMetric, SumMetric
+from torchtelemetry.report._flops import model_flops
+from torchtelemetry.report._memory import AllocatorStats, allocator_metrics, peak_memory
 from torchtelemetry.report._values import MetricDescriptor, ScalarValue
+from torchtelemetry.sync import metric_leaves
 
-__all__ = ["TrainingSignals", "WindowTiming"]
+__all__ = ["ModelFlops", "TrainingSignals", "WindowTiming"]
 
 STEP_TIME = "train/step_time"
+DATA_WAIT = "train/data_wait"
+DATA_WAIT_SHARE = "train/data_wait_share"
 TOKENS = "train/tokens"
 SAMPLES = "train/samples"
 TOKENS_PER_SECOND = "train/tokens_per_second"
 SAMPLES_PER_SECOND = "train/samples_per_second"
+TFLOPS_PER_SECOND = "train/tflops_per_second"
+MFU = "train/mfu"
 LEARNING_RATE = "train/learning_rate"
 PEAK_MEMORY = "train/peak_memory"
+PER_RANK = (STEP_TIME, DATA_WAIT, DATA_WAIT_SHARE)
+"""Exported per rank up to `max_rank_series` ranks, as min/median/max over ranks above."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,15 +54,42 @@ class WindowTiming:
     """Host time from the previous window's schedule to this one's."""
 
 
+@dataclass(frozen=True, slots=True)
+class ModelFlops:
+    """What `train/tflops_per_second` and `train/mfu` are computed from (see `model_flops`)."""
+
+    per_unit: float
+    """FLOPs of one training token, or of one sample when `per_sample`."""
+    per_sample: bool
+    """`per_unit` counts FLOPs per sample (fed by `step(samples=)`) instead of per token."""
+    peak: float | None
+    """Peak FLOP/s of one device; None exports no MFU."""
+
+
 class TrainingSignals:
     """Metrics and host accumulators for the built-in signals of one rank."""
 
-    def __init__(self, *, world_size: int, rank: int, device: torch.device, max_rank_series: int) -> None:
+    def __init__(
+        self,
+        *,
+        world_size: int,
+        rank: int,
+        device: torch.device,
+        max_rank_series: int,
+        flops: ModelFlops | None = None,
+    ) -> None:
         self.world_size = world_size
         self.device = device
         self.per_rank_series = world_size <= max_rank_series
-        self.step_time = PerRankMetric(
-            world_size, rank, unit="seconds", description="Mean host wall time of a training step, per rank"
+        self.flops = flops
+
+        def per_rank(unit: str, description: str) -> PerRankMetric:
+            return PerRankMetric(world_size, rank, unit=unit, description=description)
+
+        self.step_time = per_rank("seconds", "Mean host wall time of a training step, per rank")
+        self.data_wait = per_rank("seconds", "Mean time per step spent waiting for the next batch, per rank")
+        self.data_wait_share = per_rank(
+            "percent", "Share of the window's wall time spent waiting for data, per rank"
         )
         self.tokens = SumMetric(kind="counter", unit="tokens", description="Tokens trained on")
         self.samples = SumMetric(kind="counter", unit="samples", description="Samples trained on")
@@ -59,26 +97,43 @@ class TrainingSignals:
         self.peak_memory = MaxMetric(
             unit="bytes", description="Peak device memory allocated (CUDA), else peak resident memory"
         )
-        self.metrics = {
-            "train": {
-                "step_time": self.step_time,
-                "tokens": self.tokens,
-                "samples": self.samples,
-                "learning_rate": self.learning_rate,
-                "peak_memory": self.peak_memory,
-            }
+        train: dict[str, Any] = {
+            "step_time": self.step_time,
+            "data_wait": self.data_wait,
+            "data_wait_share": self.data_wait_share,
+            "tokens": self.tokens,
+            "samples": self.samples,
+            "learning_rate": self.learning_rate,
+            "peak_memory": self.peak_memory,
         }
-        for metric in (self.step_time, self.tokens, self.samples, self.learning_rate, self.peak_memory):
-            metric.to(device)
+        self._allocator = AllocatorStats(device) if device.type == "cuda" else None
+        if self._allocator is not None:
+            self.memory = allocator_metrics()
+            train["memory"] = self.memory
+        self.metrics = {"train": train}
+        for metric in metric_leaves(self.metrics, op="TrainingSignals"):
+            metric[1].to(device)
         self._step_times: list[float] = []
+        self._data_wait = 0.0
+        self._steps = 0
         self._host_counts = {TOKENS: 0.0, SAMPLES: 0.0}
         self._seen: set[str] = set()
         self._learning_rate: float | None = None
 
     # -- per step (host only) ------------------------------------------------------------
 
-    def record_step_time(self, seconds: float) -> None:
-        self._step_times.append(seconds)
+    def record_step(self, step_time: float | None) -> None:
+        """One step ended; `step_time` is None for the first step (no previous step to time from)."""
+        self._steps += 1
+        if step_time is not None:
+            self._step_times.append(step_time)
+
+    def record_data_wait(self, seconds: float) -> None:
+        """Time spent waiting for the next batch during the current step (added up within a step)."""
+        if not (math.isfinite(seconds) and seconds >= 0):
+            raise ValueError(f"{DATA_WAIT}: data wait must be a finite number of seconds >= 0, got {seconds}")
+        self._seen.add(DATA_WAIT)
+        self._data_wait += float(seconds)
 
     def record_tokens(self, value: torch.Tensor | float | int) -> None:
         """Count tokens: tensors are added on the device, numbers on the host."""
@@ -101,76 +156,135 @@ class TrainingSignals:
 
     # -- per window ----------------------------------------------------------------------
 
-    def flush_to_device(self) -> None:
+    def flush_to_device(self, duration_s: float) -> None:
         """Hand the host accumulators to the metrics: one small host-to-device copy per window.
 
-        The values are the signals' own, already checked on the host, so they go straight
-        into the accumulators.
+        `duration_s` is this rank's host time since the previous flush; the data-wait share is
+        the waits over the durations, so a flush in mid-window (a checkpoint) changes nothing.
+        The values are the signals' own, already checked on the host, so they go straight into
+        the accumulators.
         """
         learning_rate = float("-inf") if self._learning_rate is None else self._learning_rate
+        memory = self._allocator.read() if self._allocator is not None else []
         values = _to_device(
             [
                 sum(self._step_times),
                 len(self._step_times),
+                self._data_wait,
+                self._steps,
+                100 * self._data_wait,
+                duration_s,
                 self._host_counts[TOKENS],
                 self._host_counts[SAMPLES],
-                _peak_memory(self.device),
+                peak_memory(self.device),
                 learning_rate,
+                *memory,
             ],
             self.device,
         )
         self.step_time.update_total(values[0], values[1])
-        self.tokens.total.update(values[2])
-        self.samples.total.update(values[3])
-        self.peak_memory.extremum.update(values[4])
-        self.learning_rate.extremum.update(values[5])
+        self.data_wait.update_total(values[2], values[3])
+        self.data_wait_share.update_total(values[4], values[5])
+        self.tokens.total.update(values[6])
+        self.samples.total.update(values[7])
+        self.peak_memory.extremum.update(values[8])
+        self.learning_rate.extremum.update(values[9])
+        if memory:
+            self.memory["max_active"].extremum.update(values[10])
+            self.memory["max_reserved"].extremum.update(values[11])
+            self.memory["alloc_retries"].total.update(values[12])
+            self.memory["ooms"].total.update(values[13])
         self._step_times = []
+        self._data_wait = 0.0
+        self._steps = 0
         self._host_counts = {TOKENS: 0.0, SAMPLES: 0.0}
 
     def descriptors(self, described: list[MetricDescriptor]) -> list[MetricDescriptor]:
-        """`described` (from the metrics) adjusted for what `publish` emits, plus throughput."""
+        """`described` (from the metrics) adjusted for what `publish` emits, plus derived signals."""
         out = []
         for descriptor in described:
-            if descriptor.name == STEP_TIME and not self.per_rank_series:
+            if descriptor.name in PER_RANK and not self.per_rank_series:
                 out.extend(
-                    MetricDescriptor(f"{STEP_TIME}/{stat}", MetricKind.GAUGE, "seconds", f"{stat} over ranks")
+                    MetricDescriptor(
+                        f"{descriptor.name}/{stat}", MetricKind.GAUGE, descriptor.unit, f"{stat} over ranks"
+                    )
                     for stat in ("min", "median", "max")
                 )
             else:
                 out.append(descriptor)
+            if descriptor.name == STEP_TIME:
+                out.extend(
+                    MetricDescriptor(
+                        f"{STEP_TIME}/{stat}_rank", description=f"Rank with the {stat} step time"
+                    )
+                    for stat in ("min", "max")
+                )
         out.append(
             MetricDescriptor(TOKENS_PER_SECOND, MetricKind.GAUGE, "tokens_per_second", "Token throughput")
         )
         out.append(
             MetricDescriptor(SAMPLES_PER_SECOND, MetricKind.GAUGE, "samples_per_second", "Sample throughput")
         )
+        if self.flops is not None:
+            out.append(
+                MetricDescriptor(
+                    TFLOPS_PER_SECOND,
+                    unit="tflops_per_second",
+                    description="Model TFLOP/s achieved per device",
+                )
+            )
+            if self.flops.peak is not None:
+                out.append(
+                    MetricDescriptor(
+                        MFU, unit="percent", description="Model FLOPs utilization per device (PaLM)"
+                    )
+                )
         return out
 
     def publish(self, window: dict[str, ScalarValue], timing: WindowTiming) -> None:
-        """Turn one window's signal values into what is exported (in place): throughput,
-        min/median/max step time above the per-rank series limit, and nothing for unfed signals."""
-        for name in (TOKENS, SAMPLES):
+        """Turn one window's signal values into what is exported (in place): throughput, model
+        FLOPs, per-rank statistics above the per-rank series limit, nothing for unfed signals."""
+        for name in (TOKENS, SAMPLES, LEARNING_RATE):
             if name not in self._seen:
                 window.pop(name, None)
-        if LEARNING_RATE not in self._seen:
-            window.pop(LEARNING_RATE, None)
+        if DATA_WAIT not in self._seen:
+            window.pop(DATA_WAIT, None)
+            window.pop(DATA_WAIT_SHARE, None)
         if timing.duration_s > 0:
             if TOKENS in window:
                 window[TOKENS_PER_SECOND] = float(window[TOKENS]) / timing.duration_s  # type: ignore[arg-type]
             if SAMPLES in window:
                 window[SAMPLES_PER_SECOND] = float(window[SAMPLES]) / timing.duration_s  # type: ignore[arg-type]
-        step_times = window.get(STEP_TIME)
-        if isinstance(step_times, Mapping):
-            finite = {rank: value for rank, value in step_times.items() if math.isfinite(value)}
-            if self.per_rank_series:
-                window[STEP_TIME] = finite
-            else:
-                del window[STEP_TIME]
-                if finite:
-                    values = list(finite.values())
-                    window[f"{STEP_TIME}/min"] = min(values)
-                    window[f"{STEP_TIME}/median"] = statistics.median(values)
-                    window[f"{STEP_TIME}/max"] = max(values)
+            work = window.get(SAMPLES if self.flops and self.flops.per_sample else TOKENS)
+            if self.flops is not None and work is not None:
+                computed = model_flops(
+                    float(work),
+                    timing.duration_s,
+                    self.world_size,
+                    self.flops.per_unit,
+                    self.flops.peak,  # type: ignore[arg-type]
+                )
+                window.update({f"train/{name}": value for name, value in computed.items()})
+        for name in PER_RANK:
+            values = window.get(name)
+            if isinstance(values, Mapping):
+                self._publish_per_rank(window, name, values)
+
+    def _publish_per_rank(
+        self, window: dict[str, ScalarValue], name: str, values: Mapping[str, float]
+    ) -> None:
+        finite = {rank: value for rank, value in values.items() if math.isfinite(value)}
+        if finite and name == STEP_TIME:  # lowest rank on ties
+            window[f"{name}/min_rank"] = float(min(finite, key=lambda rank: (finite[rank], int(rank))))
+            window[f"{name}/max_rank"] = float(max(finite, key=lambda rank: (finite[rank], -int(rank))))
+        if self.per_rank_series:
+            window[name] = finite
+            return
+        del window[name]
+        if finite:
+            window[f"{name}/min"] = min(finite.values())
+            window[f"{name}/median"] = statistics.median(finite.values())
+            window[f"{name}/max"] = max(finite.values())
 
     def state_dict(self) -> dict[str, Any]:
         return {"seen": sorted(self._seen)}
@@ -184,9 +298,3 @@ def _to_device(values: list[float], device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         return host.pin_memory().to(device, non_blocking=True)
     return host.to(device)
-
-
-def _peak_memory(device: torch.device) -> float:
-    if device.type == "cuda":
-        return float(torch.cuda.max_memory_allocated(device))
-    return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
