@@ -6,6 +6,7 @@ Names are computed from descriptors with the library's own naming rules
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 from collections.abc import Iterator
@@ -19,7 +20,15 @@ from torchtelemetry.demo import build_metrics
 from torchtelemetry.export import HEALTH_DESCRIPTORS, MetricDescriptor
 from torchtelemetry.export._prometheus import RUN_LABEL
 from torchtelemetry.metric import MetricKind
-from torchtelemetry.report import LAST_UPDATE_METRIC, STEP_METRIC, prometheus_label_name, prometheus_name
+from torchtelemetry.report import (
+    LAST_UPDATE_METRIC,
+    STEP_METRIC,
+    allocator_metrics,
+    describe_metrics,
+    prometheus_label_name,
+    prometheus_name,
+    signal_descriptors,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
@@ -61,20 +70,58 @@ def demo_metrics() -> dict[str, Any]:
     return build_metrics()
 
 
+def other_metrics() -> dict[str, Any]:
+    """A tree that shares no name with the demo's: perplexity, validation loss and worst loss,
+    a counter of skipped samples, an update-norm histogram and a per-class accuracy."""
+    import torchtelemetry as tt
+
+    return {
+        "train": {"ppl": tt.WeightedMeanMetric()},
+        "val": {"loss": tt.WeightedMeanMetric(), "worst_loss": tt.MaxMetric()},
+        "data": {"skipped": tt.SumMetric(kind="counter", unit="samples")},
+        "optim": {"update_norm": tt.HistogramMetric(bins=[1e-3, 1e-2, 1e-1, 1])},
+    }
+
+
+TREES = {"demo": demo_metrics, "other": other_metrics}
+"""Metric trees the dashboards are tested with: each must get data in every discovered panel."""
+
+
+def feed(tree: str, metrics: dict[str, Any], generator: Any) -> None:
+    """One training step's updates of every metric of `TREES[tree]`."""
+    import torch
+
+    if tree == "demo":
+        logits = torch.randn(8, 4, generator=generator)
+        target = torch.randint(0, 4, (8,), generator=generator)
+        metrics["train"]["loss"].update(1.0 + torch.rand((), generator=generator), 8)
+        metrics["train"]["accuracy"].update(logits, target)
+        metrics["train"]["grad_norm"].update(4 * torch.rand(3, generator=generator))
+    else:
+        metrics["train"]["ppl"].update(20 + torch.rand((), generator=generator), 8)
+        metrics["val"]["loss"].update(2 + torch.rand((), generator=generator), 1)
+        metrics["val"]["worst_loss"].update(3 + torch.rand(4, generator=generator))
+        metrics["data"]["skipped"].update(torch.tensor(2.0))
+        metrics["optim"]["update_norm"].update(torch.rand(5, generator=generator))
+
+
+def tree_descriptors(tree: str) -> tuple[MetricDescriptor, ...]:
+    """What `Telemetry` exports for the metrics of `TREES[tree]` themselves."""
+    return tuple(describe_metrics(TREES[tree]()))
+
+
 @cache
 def training_descriptors() -> tuple[MetricDescriptor, ...]:
-    """What `Telemetry` exports for the demo's metrics plus its built-in signals, in both step-time
-    shapes: one series per rank, and min/median/max above `max_rank_series` ranks."""
-    from torchtelemetry.telemetry import Telemetry
-
-    found: dict[str, MetricDescriptor] = {}
-    for max_rank_series in (64, 0):
-        telemetry = Telemetry(demo_metrics(), exporters=[], run_id="names", max_rank_series=max_rank_series)
-        try:
-            found.update((d.name, d) for d in telemetry.descriptors)
-        finally:
-            telemetry.close()
+    """Every training name: the built-in signals and the metrics of every tree in `TREES`."""
+    found = {d.name: d for tree in TREES for d in tree_descriptors(tree)}
+    found.update((d.name, d) for d in signal_descriptors())
     return tuple(found.values())
+
+
+def cuda_only_names() -> frozenset[str]:
+    """Sample names only a CUDA run emits (the allocator's detail)."""
+    described = describe_metrics({"train": {"memory": allocator_metrics()}})
+    return frozenset(name for descriptor in described for name in sample_names(descriptor))
 
 
 def health_descriptors() -> tuple[MetricDescriptor, ...]:
@@ -153,6 +200,56 @@ def alert_rules() -> list[dict[str, Any]]:
     return [rule for group in load_yaml(ALERTS)["groups"] for rule in group["rules"]]
 
 
-def substitute(expr: str, values: dict[str, str]) -> str:
-    """Replace dashboard variables as Grafana does for a single value (`$name` and `${name}`)."""
-    return _VARIABLE.sub(lambda m: values[next(group for group in m.groups() if group)], expr)
+def substitute(expr: str, values: dict[str, str], *, keep_others: bool = False) -> str:
+    """Replace dashboard variables as Grafana does for a single value (`$name` and `${name}`);
+    with `keep_others`, variables missing from `values` stay as they are."""
+
+    def value(match: re.Match[str]) -> str:
+        name = next(group for group in match.groups() if group)
+        return values.get(name, match.group(0)) if keep_others else values[name]
+
+    return _VARIABLE.sub(value, expr)
+
+
+DISCOVERY_VARIABLES = ("gauge", "counter", "histogram")
+"""Template variables that list the run's own metrics of the kind they are named after; a panel
+repeated over one is a discovered panel."""
+
+
+def own_names(tree: str) -> dict[str, set[str]]:
+    """What each discovery variable must list for a run of `TREES[tree]`."""
+    return {
+        variable: {prometheus_name(d) for d in tree_descriptors(tree) if d.kind is MetricKind(variable)}
+        for variable in DISCOVERY_VARIABLES
+    }
+
+
+def generated_training_dashboard() -> str:
+    """What dashboards/generate.py writes to dashboards/training.json."""
+    spec = importlib.util.spec_from_file_location("generate_dashboards", DASHBOARD_DIR / "generate.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.render()
+
+
+def discovery_query(variable: dict[str, Any]) -> tuple[str, re.Pattern[str]]:
+    """(series selector, Grafana regex as a Python pattern) of a `label_values(selector, __name__)`
+    variable; the regex's first group, if any, is the value (as in Grafana)."""
+    definition = variable["definition"]
+    assert definition.startswith("label_values(") and definition.endswith(", __name__)"), definition
+    regex = variable["regex"]
+    assert regex.startswith("/") and regex.endswith("/"), regex
+    return definition[len("label_values(") : -len(", __name__)")], re.compile(regex[1:-1])
+
+
+def discovered(variable: dict[str, Any], names: set[str] | frozenset[str]) -> set[str]:
+    """The values a discovery variable lists when Prometheus holds series named `names`."""
+    selector, pattern = discovery_query(variable)
+    (name_regex,) = re.findall(r'__name__=~"([^"]*)"', selector)
+    values = set()
+    for name in names:
+        match = pattern.fullmatch(name) if re.fullmatch(name_regex, name) else None
+        if match:
+            values.add(match.group(1) if pattern.groups else name)
+    return values

@@ -10,19 +10,28 @@ import pytest
 
 from tests.stack._stack import (
     DASHBOARD_DIR,
+    DISCOVERY_VARIABLES,
     GRAFANA_GLOBAL_VARIABLES,
     STACK_DOC,
+    TREES,
     dashboards,
+    discovered,
     emitted_labels,
     emitted_names,
+    exporter_descriptors,
+    generated_training_dashboard,
     health_descriptors,
+    own_names,
     panels,
     queried_labels,
     queried_metrics,
     sample_names,
+    substitute,
     training_descriptors,
+    tree_descriptors,
     variables_used,
 )
+from torchtelemetry.report import signal_descriptors
 
 PANEL_TYPES = {"timeseries", "heatmap", "stat"}
 EXPECTED = {
@@ -39,6 +48,32 @@ def _ids(item: Any) -> str:
 
 def _queries(dashboard: dict[str, Any]) -> list[str]:
     return [target["expr"] for panel in panels(dashboard) for target in panel["targets"]]
+
+
+def _run_names(tree: str) -> frozenset[str]:
+    """Sample names Prometheus holds for a run of `TREES[tree]` (CPU or CUDA)."""
+    descriptors = (*tree_descriptors(tree), *signal_descriptors(), *health_descriptors())
+    return frozenset(name for d in (*descriptors, *exporter_descriptors()) for name in sample_names(d))
+
+
+def _variables(dashboard: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {variable["name"]: variable for variable in dashboard["templating"]["list"]}
+
+
+def _expanded_queries(dashboard: dict[str, Any]) -> list[str]:
+    """Every query, a repeated panel's once per value its variable lists for each tree in `TREES`."""
+    variables = _variables(dashboard)
+    out = []
+    for panel in panels(dashboard):
+        repeat = panel.get("repeat")
+        exprs = [target["expr"] for target in panel["targets"]]
+        if repeat is None:
+            out.extend(exprs)
+            continue
+        for tree in TREES:
+            for value in sorted(discovered(variables[repeat], _run_names(tree))):
+                out.extend(substitute(expr, {repeat: value}, keep_others=True) for expr in exprs)
+    return out
 
 
 def test_dashboards_are_valid_json_with_stable_unique_uids() -> None:
@@ -80,7 +115,8 @@ def test_every_panel_has_a_datasource_a_unit_and_queries(path: Path) -> None:
 def test_every_variable_used_is_defined(path: Path) -> None:
     dashboard = DASHBOARDS[path]
     defined = [variable["name"] for variable in dashboard["templating"]["list"]]
-    assert defined == ["datasource", "job", "run"]
+    discovery = list(DISCOVERY_VARIABLES) if path.name == "training.json" else []
+    assert defined == ["datasource", "job", "run", *discovery]
     used = variables_used(json.dumps(dashboard["panels"]))
     used |= variables_used(json.dumps(dashboard["templating"]))
     assert used - GRAFANA_GLOBAL_VARIABLES <= set(defined), sorted(
@@ -94,8 +130,10 @@ def test_every_variable_used_is_defined(path: Path) -> None:
 @pytest.mark.parametrize("path", list(DASHBOARDS), ids=_ids)
 def test_panels_query_only_what_the_library_emits(path: Path) -> None:
     dashboard = DASHBOARDS[path]
-    queries = _queries(dashboard) + [
-        v["definition"] for v in dashboard["templating"]["list"] if "definition" in v
+    queries = _expanded_queries(dashboard) + [
+        v["definition"]
+        for v in dashboard["templating"]["list"]
+        if "definition" in v and v["name"] not in DISCOVERY_VARIABLES
     ]
     for query in queries:
         metrics = queried_metrics(query)
@@ -107,7 +145,10 @@ def test_panels_query_only_what_the_library_emits(path: Path) -> None:
 
 
 def test_dashboards_show_everything_the_library_emits() -> None:
-    by_name = {path.name: set().union(*map(queried_metrics, _queries(d))) for path, d in DASHBOARDS.items()}
+    """Built-in signals in fixed panels; each tree's own metrics in the panels repeated for them."""
+    by_name = {
+        path.name: set().union(*map(queried_metrics, _expanded_queries(d))) for path, d in DASHBOARDS.items()
+    }
     training = {min(sample_names(d)) for d in training_descriptors()}
     assert training <= by_name["training.json"], sorted(training - by_name["training.json"])
     health = {min(sample_names(d)) for d in health_descriptors()}
@@ -120,3 +161,26 @@ def test_stack_doc_lists_every_panel() -> None:
         assert dashboard["title"] in doc, f"docs/stack.md does not describe {path.name}"
         for panel in panels(dashboard):
             assert f"**{panel['title']}**" in doc, f"docs/stack.md does not list panel {panel['title']!r}"
+
+
+@pytest.mark.parametrize("tree", list(TREES))
+def test_discovery_variables_list_exactly_the_trees_own_metrics(tree: str) -> None:
+    """Gauges, counters and histograms of the tree, never a built-in signal or a health metric."""
+    variables = _variables(DASHBOARDS[DASHBOARD_DIR / "training.json"])
+    listed = {name: discovered(variables[name], _run_names(tree)) for name in DISCOVERY_VARIABLES}
+    assert listed == own_names(tree)
+
+
+def test_fixed_panels_are_only_for_the_built_in_signals() -> None:
+    dashboard = DASHBOARDS[DASHBOARD_DIR / "training.json"]
+    fixed = set().union(
+        *(queried_metrics(t["expr"]) for p in panels(dashboard) if "repeat" not in p for t in p["targets"])
+    )
+    own = {name for tree in TREES for d in tree_descriptors(tree) for name in sample_names(d)}
+    assert not fixed & own, sorted(fixed & own)
+
+
+def test_the_training_dashboard_is_what_the_generator_writes() -> None:
+    assert (DASHBOARD_DIR / "training.json").read_text() == generated_training_dashboard(), (
+        "dashboards/training.json is stale: run `python dashboards/generate.py`"
+    )

@@ -1,10 +1,13 @@
-"""Every dashboard query and alert rule against a real Prometheus that scraped a real 2-rank run.
+"""Every dashboard query and alert rule against a real Prometheus that scraped a real 2-rank run,
+once for each metric tree in `TREES` (the demo's and one that shares no name with it).
 
 The run exports through both routes the stack offers to Prometheus: the scrape
 endpoint (`PrometheusExporter`, job "trainer") and the Pushgateway
 (`PushgatewayExporter`, scraped with the repository's `honor_labels` job, so
-the series keep the pushed job "torchtelemetry"). Each panel query, with its
-variables substituted as Grafana would, must return data on both routes.
+the series keep the pushed job "torchtelemetry"). The discovery variables, read
+from Prometheus, must list exactly the tree's own metrics, and each panel query,
+with its variables substituted as Grafana would (a repeated panel once per value),
+must return data on both routes.
 """
 
 from __future__ import annotations
@@ -22,12 +25,19 @@ import pytest
 from tests.distributed import free_port, run_ranks
 from tests.servers import PrometheusServer, PushgatewayServer, QueryError, http_get, query, wait_for
 from tests.stack._stack import (
+    DISCOVERY_VARIABLES,
     PROMETHEUS_CONFIG,
+    TREES,
     alert_rules,
+    cuda_only_names,
     dashboards,
-    demo_metrics,
+    discovered,
+    discovery_query,
+    feed,
     load_yaml,
+    own_names,
     panels,
+    queried_metrics,
     substitute,
 )
 
@@ -39,8 +49,10 @@ RUN_LIMIT_S = 150.0
 """The ranks stop on their own after this long, should the test never tell them to."""
 
 
-def _train(rank: int, world_size: int, port: int, gateway_url: str, run_id: str, stop_file: str) -> int:
-    """Train-like loop on one rank: the demo's metrics plus every built-in signal, until told to stop."""
+def _train(
+    rank: int, world_size: int, tree: str, port: int, gateway_url: str, run_id: str, stop_file: str
+) -> int:
+    """Train-like loop on one rank: a tree's metrics plus every built-in signal, until told to stop."""
     import torch
     import torch.distributed as dist
 
@@ -49,12 +61,14 @@ def _train(rank: int, world_size: int, port: int, gateway_url: str, run_id: str,
     from torchtelemetry.telemetry import Telemetry
 
     assert tt.__name__  # the package imports with only torch
-    metrics = demo_metrics()
+    metrics = TREES[tree]()
     telemetry = Telemetry(
         metrics,
         exporters=[PrometheusExporter(port=port), PushgatewayExporter(gateway_url)],
         every=2,
         run_id=run_id,
+        flops_per_token=6e6,
+        peak_flops=1e12,
     )
     generator = torch.Generator().manual_seed(rank)
     deadline = time.monotonic() + RUN_LIMIT_S
@@ -66,11 +80,9 @@ def _train(rank: int, world_size: int, port: int, gateway_url: str, run_id: str,
                 dist.all_reduce(stop, op=dist.ReduceOp.MAX)  # every rank stops at the same step
                 if stop.item():
                     break
-            logits = torch.randn(8, 4, generator=generator)
-            target = torch.randint(0, 4, (8,), generator=generator)
-            metrics["train"]["loss"].update(1.0 + torch.rand((), generator=generator), 8)
-            metrics["train"]["accuracy"].update(logits, target)
-            metrics["train"]["grad_norm"].update(4 * torch.rand(3, generator=generator))
+            with telemetry.data_wait():
+                time.sleep(0.002)
+            feed(tree, metrics, generator)
             telemetry.step(step, tokens=8 * 16, samples=8, learning_rate=1e-3 / (1 + step))
             time.sleep(0.02 * (1 + rank))  # rank 1 is the slower one
             step += 1
@@ -93,6 +105,12 @@ def _variable_query(variable: dict[str, Any]) -> tuple[str, str]:
     return selector.strip(), label.strip()
 
 
+def _discovered_in(url: str, variable: dict[str, Any], values: dict[str, str]) -> set[str]:
+    """What a discovery variable lists, read from the Prometheus at `url` as Grafana reads it."""
+    selector, _ = discovery_query(variable)
+    return discovered(variable, _label_values(url, "__name__", substitute(selector, values)))
+
+
 def _wait_for_ranks(ranks: Future[Any], url: str, expr: str) -> None:
     """Wait for `expr` to return data, failing at once with the ranks' error if they died first."""
     deadline = time.monotonic() + 120
@@ -109,10 +127,11 @@ def _wait_for_ranks(ranks: Future[Any], url: str, expr: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("tree", list(TREES))
 def test_every_panel_and_alert_on_a_real_two_rank_run(
-    tmp_path: Path, prometheus: PrometheusServer, pushgateway: PushgatewayServer
+    tmp_path: Path, prometheus: PrometheusServer, pushgateway: PushgatewayServer, tree: str
 ) -> None:
-    run_id, port, stop_file = f"stack-{uuid.uuid4().hex[:8]}", free_port(), tmp_path / "stop"
+    run_id, port, stop_file = f"stack-{tree}-{uuid.uuid4().hex[:8]}", free_port(), tmp_path / "stop"
     (pushgateway_job,) = [
         j for j in load_yaml(PROMETHEUS_CONFIG)["scrape_configs"] if j["job_name"] == "pushgateway"
     ]
@@ -123,7 +142,7 @@ def test_every_panel_and_alert_on_a_real_two_rank_run(
     rate_interval = f"{4 * round(prometheus.scrape_interval_s)}s"  # Grafana: 4 x the scrape interval
     with ThreadPoolExecutor(max_workers=1) as pool:
         ranks = pool.submit(
-            run_ranks, _train, WORLD_SIZE, port, pushgateway.url, run_id, str(stop_file), timeout_s=240
+            run_ranks, _train, WORLD_SIZE, tree, port, pushgateway.url, run_id, str(stop_file), timeout_s=240
         )
         try:
             for job in (SCRAPE_JOB, PUSHED_JOB):
@@ -152,15 +171,28 @@ def test_every_panel_and_alert_on_a_real_two_rank_run(
                         "run": run_id,
                         "__rate_interval": rate_interval,
                     }
+                    listed = {
+                        name: _discovered_in(url, variables[name], values)
+                        for name in DISCOVERY_VARIABLES
+                        if name in variables
+                    }
+                    if listed:
+                        assert listed == own_names(tree), (path.name, job, listed)
                     for panel in panels(dashboard):
-                        for target in panel["targets"]:
-                            expr = substitute(target["expr"], values)
-                            try:
-                                wait_for(url, expr, timeout_s=10)
-                            except TimeoutError:
-                                missing.append(
-                                    f"{path.name} / {panel['title']} / {target['refId']} ({job}): {expr}"
+                        repeat = panel.get("repeat")
+                        for value in sorted(listed[repeat]) if repeat else [None]:
+                            for target in panel["targets"]:
+                                expr = substitute(
+                                    target["expr"], values | ({repeat: value} if repeat else {})
                                 )
+                                if queried_metrics(expr) <= cuda_only_names():
+                                    continue  # the CUDA allocator's detail: a CPU run has none
+                                try:
+                                    wait_for(url, expr, timeout_s=10)
+                                except TimeoutError:
+                                    missing.append(
+                                        f"{path.name} / {panel['title']} / {target['refId']} ({job}): {expr}"
+                                    )
             assert not missing, "panel queries without data:\n" + "\n".join(missing)
 
             per_rank = query(

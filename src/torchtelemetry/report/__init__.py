@@ -27,7 +27,7 @@ from torchtelemetry.report._naming import (
     wandb_label_name,
     wandb_name,
 )
-from torchtelemetry.report._signals import ModelFlops, TrainingSignals, WindowTiming
+from torchtelemetry.report._signals import ModelFlops, TrainingSignals, WindowTiming, signal_descriptors
 from torchtelemetry.report._totals import RunningTotals, difference
 from torchtelemetry.report._values import HistogramValue, MetricDescriptor, Scalars, ScalarValue
 
@@ -60,6 +60,7 @@ __all__ = [
     "prometheus_label_name",
     "prometheus_name",
     "sanitize_path",
+    "signal_descriptors",
     "validate_path",
     "wandb_label_name",
     "wandb_name",

@@ -25,7 +25,7 @@ from torchtelemetry.report._memory import AllocatorStats, allocator_metrics, pea
 from torchtelemetry.report._values import MetricDescriptor, ScalarValue
 from torchtelemetry.sync import metric_leaves
 
-__all__ = ["ModelFlops", "TrainingSignals", "WindowTiming"]
+__all__ = ["ModelFlops", "TrainingSignals", "WindowTiming", "signal_descriptors"]
 
 STEP_TIME = "train/step_time"
 DATA_WAIT = "train/data_wait"
@@ -291,6 +291,26 @@ class TrainingSignals:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self._seen = set(state.get("seen", ()))
+
+
+def signal_descriptors() -> list[MetricDescriptor]:
+    """Every name the built-in signals can export, in every shape: one series per rank and
+    min/median/max over ranks, model FLOPs with MFU, the CUDA allocator's detail (for dashboards
+    and alert rules that must know them all)."""
+    from torchtelemetry.report._flatten import describe_metrics
+
+    found: dict[str, MetricDescriptor] = {}
+    for max_rank_series in (1, 0):
+        signals = TrainingSignals(
+            world_size=1,
+            rank=0,
+            device=torch.device("cpu"),
+            max_rank_series=max_rank_series,
+            flops=ModelFlops(per_unit=1.0, per_sample=False, peak=1.0),
+        )
+        signals.metrics["train"]["memory"] = allocator_metrics()
+        found.update((d.name, d) for d in signals.descriptors(describe_metrics(signals.metrics)))
+    return list(found.values())
 
 
 def _to_device(values: list[float], device: torch.device) -> torch.Tensor:

@@ -1,0 +1,598 @@
+"""Generate dashboards/training.json from code: `python dashboards/generate.py`.
+
+The training dashboard has fixed panels for the built-in signals of `Telemetry` and discovers
+everything else: template variables list the run's own gauges, counters and histograms from the
+`torchtelemetry_` series Prometheus holds, and one panel is repeated per value (a line per gauge,
+a rate per counter, a heatmap and quantiles per histogram). The names of the built-in signals
+are taken from the library, so the discovery variables never list them twice. tests/stack checks
+that the committed JSON is what this script writes.
+
+(Grafana's grafana-foundation-sdk was considered: the release installable here targets the
+Grafana 10.1 schema (version 36), older than these dashboards' 41, so plain dicts it is.)
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+OUT = Path(__file__).resolve().parent / "training.json"
+DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
+SELECTION = '{job=~"$job", run=~"$run"}'
+HIDDEN_PARTS = ("total", "bucket", "sum", "count")
+"""Sample-name endings of counters and histograms: the gauge variable never lists them."""
+
+
+def builtin_names() -> list[str]:
+    """Every Prometheus sample name of the built-in signals (both per-rank shapes, model FLOPs,
+    CUDA allocator detail), the exporters' step and timestamp, and the export hub's health."""
+    from torchtelemetry.export._hub import HEALTH_DESCRIPTORS
+    from torchtelemetry.metric import MetricKind
+    from torchtelemetry.report import LAST_UPDATE_METRIC, STEP_METRIC, prometheus_name, signal_descriptors
+
+    descriptors = [STEP_METRIC, LAST_UPDATE_METRIC, *HEALTH_DESCRIPTORS, *signal_descriptors()]
+    names = set()
+    for descriptor in descriptors:
+        name = prometheus_name(descriptor)
+        parts = ("_bucket", "_sum", "_count") if descriptor.kind is MetricKind.HISTOGRAM else ("",)
+        names.update(name + part for part in parts)
+    return sorted(names)
+
+
+# -- panels -------------------------------------------------------------------------------------
+
+
+def selected(name: str) -> str:
+    """`name` restricted to the selected jobs and runs."""
+    return name + SELECTION
+
+
+def target(expr: str, legend: str, ref: str, *, heatmap: bool = False) -> dict[str, Any]:
+    out = {
+        "datasource": DATASOURCE,
+        "editorMode": "code",
+        "expr": expr,
+        "legendFormat": legend,
+        "range": True,
+        "instant": False,
+        "refId": ref,
+    }
+    return out | ({"format": "heatmap"} if heatmap else {})
+
+
+def targets(*queries: tuple[str, str]) -> list[dict[str, Any]]:
+    return [target(expr, legend, chr(ord("A") + i)) for i, (expr, legend) in enumerate(queries)]
+
+
+def _thresholds(*steps: tuple[str, float | None]) -> dict[str, Any]:
+    return {"mode": "absolute", "steps": [{"color": color, "value": value} for color, value in steps]}
+
+
+def _panel(kind: str, title: str, description: str, width: int, height: int, queries: list[dict[str, Any]]):
+    return {
+        "type": kind,
+        "title": title,
+        "description": description,
+        "datasource": DATASOURCE,
+        "gridPos": {"w": width, "h": height},
+        "targets": queries,
+    }
+
+
+def stat(
+    title: str,
+    description: str,
+    unit: str,
+    queries: list[dict[str, Any]],
+    *,
+    decimals: int | None = None,
+    thresholds: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    defaults: dict[str, Any] = {
+        "unit": unit,
+        "color": {"mode": "thresholds"},
+        "thresholds": thresholds or _thresholds(("green", None)),
+    }
+    if decimals is not None:
+        defaults["decimals"] = decimals
+    return _panel("stat", title, description, 3, 4, queries) | {
+        "fieldConfig": {"defaults": defaults, "overrides": []},
+        "options": {
+            "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+            "colorMode": "value",
+            "graphMode": "area",
+            "justifyMode": "auto",
+            "textMode": "auto",
+            "orientation": "auto",
+            "wideLayout": True,
+            "showPercentChange": False,
+        },
+    }
+
+
+def timeseries(
+    title: str,
+    description: str,
+    unit: str,
+    queries: list[dict[str, Any]],
+    *,
+    axis_label: str = "",
+    threshold_line: float | None = None,
+    width: int = 12,
+) -> dict[str, Any]:
+    custom: dict[str, Any] = {
+        "drawStyle": "line",
+        "lineWidth": 1,
+        "fillOpacity": 10,
+        "showPoints": "auto",
+        "pointSize": 4,
+        "spanNulls": False,
+        "axisLabel": axis_label,
+        "axisPlacement": "auto",
+        "lineInterpolation": "linear",
+        "stacking": {"mode": "none", "group": "A"},
+    }
+    thresholds = _thresholds(("green", None))
+    if threshold_line is not None:
+        custom["thresholdsStyle"] = {"mode": "dashed"}
+        thresholds = _thresholds(("green", None), ("red", threshold_line))
+    return _panel("timeseries", title, description, width, 8, queries) | {
+        "fieldConfig": {
+            "defaults": {
+                "unit": unit,
+                "custom": custom,
+                "color": {"mode": "palette-classic"},
+                "thresholds": thresholds,
+            },
+            "overrides": [],
+        },
+        "options": {
+            "legend": {"displayMode": "list", "placement": "bottom", "showLegend": True},
+            "tooltip": {"mode": "multi", "sort": "desc"},
+        },
+    }
+
+
+def heatmap(title: str, description: str, expr: str) -> dict[str, Any]:
+    return _panel("heatmap", title, description, 12, 8, [target(expr, "{{le}}", "A", heatmap=True)]) | {
+        "fieldConfig": {
+            "defaults": {
+                "unit": "short",
+                "custom": {
+                    "hideFrom": {"legend": False, "tooltip": False, "viz": False},
+                    "scaleDistribution": {"type": "linear"},
+                },
+            },
+            "overrides": [],
+        },
+        "options": {
+            "calculate": False,
+            "cellGap": 1,
+            "color": {
+                "mode": "scheme",
+                "scheme": "Oranges",
+                "fill": "dark",
+                "scale": "exponential",
+                "exponent": 0.5,
+                "steps": 64,
+                "reverse": False,
+            },
+            "yAxis": {"axisPlacement": "left", "unit": "none", "reverse": False},
+            "rowsFrame": {"layout": "auto"},
+            "cellValues": {"unit": "short"},
+            "legend": {"show": True},
+            "tooltip": {"mode": "single", "yHistogram": True, "showColorScale": True},
+            "filterValues": {"le": 1e-09},
+            "exemplars": {"color": "rgba(255,0,255,0.7)"},
+        },
+    }
+
+
+def repeated(panel: dict[str, Any], variable: str, direction: str = "h") -> dict[str, Any]:
+    """`panel` once per value of `variable`."""
+    extra: dict[str, Any] = {"repeat": variable, "repeatDirection": direction}
+    if direction == "h":  # Grafana splits the full width between the copies, at most two a row
+        extra["maxPerRow"] = 2
+        extra["gridPos"] = panel["gridPos"] | {"w": 24}
+    return panel | extra
+
+
+def over_ranks(name: str, unit_suffix: str, stat_name: str) -> str:
+    """`stat_name` (min/median/max) over the per-rank series of `name`, or the series the library
+    exports instead above `max_rank_series` ranks."""
+    per_rank = selected(f"{name}_{unit_suffix}")
+    wide = selected(f"{name}_{stat_name}_{unit_suffix}")
+    if stat_name == "median":
+        return f"quantile by (job, run) (0.5, {per_rank}) or max by (job, run) ({wide})"
+    return f"{stat_name} by (job, run) ({per_rank}) or max by (job, run) ({wide})"
+
+
+def spread(name: str, unit_suffix: str) -> list[dict[str, Any]]:
+    return targets(*((over_ranks(name, unit_suffix, s), "{{run}} " + s) for s in ("min", "median", "max")))
+
+
+# -- the dashboard ------------------------------------------------------------------------------
+
+
+def builtin_panels() -> list[dict[str, Any]]:
+    step_time = "torchtelemetry_train_step_time"
+    data_wait_share = over_ranks("torchtelemetry_train_data_wait_share", "percent", "max")
+    return [
+        stat(
+            "Training step",
+            "Step of the latest report (torchtelemetry_train_step).",
+            "none",
+            targets((f"max by (job, run) ({selected('torchtelemetry_train_step')})", "{{run}}")),
+            decimals=0,
+        ),
+        stat(
+            "Time since last report",
+            "Seconds since the latest report was collected; TrainingStalled fires after 300 s.",
+            "s",
+            targets(
+                (
+                    "time() - max by (job, run) "
+                    f"({selected('torchtelemetry_last_update_timestamp_seconds')})",
+                    "{{run}}",
+                )
+            ),
+            thresholds=_thresholds(("green", None), ("orange", 120), ("red", 300)),
+        ),
+        stat(
+            "Tokens seen",
+            "Tokens trained on since the run started, all ranks (torchtelemetry_train_tokens_total).",
+            "short",
+            targets((f"sum by (job, run) ({selected('torchtelemetry_train_tokens_total')})", "{{run}}")),
+        ),
+        stat(
+            "Samples seen",
+            "Samples trained on since the run started, all ranks (torchtelemetry_train_samples_total).",
+            "short",
+            targets((f"sum by (job, run) ({selected('torchtelemetry_train_samples_total')})", "{{run}}")),
+        ),
+        stat(
+            "Tokens per second",
+            "Token throughput of all ranks over the latest window.",
+            "short",
+            targets((f"sum by (job, run) ({selected('torchtelemetry_train_tokens_per_second')})", "{{run}}")),
+        ),
+        stat(
+            "MFU",
+            "Model FLOPs utilization per device (torchtitan's formula; needs flops_per_token).",
+            "percent",
+            targets((f"max by (job, run) ({selected('torchtelemetry_train_mfu_percent')})", "{{run}}")),
+        ),
+        stat(
+            "Data wait",
+            "Largest share of a window any rank spent waiting for data; DataWaitHigh fires above 20 %.",
+            "percent",
+            targets((data_wait_share, "{{run}}")),
+            thresholds=_thresholds(("green", None), ("orange", 10), ("red", 20)),
+        ),
+        stat(
+            "Slowest and fastest rank",
+            "Ranks holding the longest and shortest mean step time of the latest window.",
+            "none",
+            targets(
+                (f"max by (job, run) ({selected(step_time + '_max_rank')})", "{{run}} slowest"),
+                (f"max by (job, run) ({selected(step_time + '_min_rank')})", "{{run}} fastest"),
+            ),
+            decimals=0,
+        ),
+        timeseries(
+            "Throughput: tokens per second",
+            "Tokens per second of all ranks together, per window.",
+            "short",
+            targets((selected("torchtelemetry_train_tokens_per_second"), "{{run}}")),
+            axis_label="tokens/s",
+        ),
+        timeseries(
+            "Throughput: samples per second",
+            "Samples per second of all ranks together, per window.",
+            "short",
+            targets((selected("torchtelemetry_train_samples_per_second"), "{{run}}")),
+            axis_label="samples/s",
+        ),
+        timeseries(
+            "Model TFLOP/s per device",
+            "Model FLOPs achieved per device and second, in TFLOP/s (flops_per_token x tokens/s per device).",
+            "short",
+            targets((selected("torchtelemetry_train_tflops_per_second"), "{{run}}")),
+            axis_label="TFLOP/s",
+        ),
+        timeseries(
+            "MFU over time",
+            "Model FLOPs utilization per device: achieved model FLOP/s over the device's dense BF16 peak.",
+            "percent",
+            targets((selected("torchtelemetry_train_mfu_percent"), "{{run}}")),
+        ),
+        timeseries(
+            "Step time per rank",
+            "Mean host wall time of a step on each rank; a line above the others is a straggler.",
+            "s",
+            targets((selected(step_time + "_seconds"), "{{run}} rank {{rank}}")),
+        ),
+        timeseries(
+            "Step time over ranks: min / median / max",
+            "Spread of the step time over ranks: from the per-rank series, or from the min/median/max "
+            "series the library exports above max_rank_series ranks.",
+            "s",
+            spread(step_time, "seconds"),
+        ),
+        timeseries(
+            "Straggler: slowest over median step time",
+            "Slowest rank's step time over the median of all ranks; RankStraggler fires above 1.2.",
+            "none",
+            targets(
+                (
+                    f"(max by (job, run) ({selected(step_time + '_seconds')}) / quantile by (job, run) "
+                    f"(0.5, {selected(step_time + '_seconds')})) or (max by (job, run) "
+                    f"({selected(step_time + '_max_seconds')}) / max by (job, run) "
+                    f"({selected(step_time + '_median_seconds')}))",
+                    "{{run}}",
+                )
+            ),
+            threshold_line=1.2,
+        ),
+        timeseries(
+            "Learning rate",
+            "Learning rate at the end of each window (torchtelemetry_train_learning_rate).",
+            "sci",
+            targets((selected("torchtelemetry_train_learning_rate"), "{{run}}")),
+        ),
+        timeseries(
+            "Data wait per step over ranks: min / median / max",
+            "Mean seconds per step spent waiting for the next batch, over ranks.",
+            "s",
+            spread("torchtelemetry_train_data_wait", "seconds"),
+        ),
+        timeseries(
+            "Data wait share over ranks: min / median / max",
+            "Share of each rank's window wall time spent waiting for data (torchtitan's data_loading %).",
+            "percent",
+            spread("torchtelemetry_train_data_wait_share", "percent"),
+            threshold_line=20,
+        ),
+        timeseries(
+            "Peak memory over time",
+            "Peak CUDA memory allocated, or peak resident memory on CPU, max over ranks.",
+            "bytes",
+            targets((selected("torchtelemetry_train_peak_memory_bytes"), "{{run}}")),
+        ),
+        timeseries(
+            "CUDA allocator: max active / max reserved",
+            "Peaks of the CUDA caching allocator, max over ranks (CUDA runs only).",
+            "bytes",
+            targets(
+                (selected("torchtelemetry_train_memory_max_active_bytes"), "{{run}} max active"),
+                (selected("torchtelemetry_train_memory_max_reserved_bytes"), "{{run}} max reserved"),
+            ),
+        ),
+        timeseries(
+            "CUDA allocator: retries and OOMs",
+            "Allocations retried after flushing the allocator's cache, and out-of-memory errors, per "
+            "interval, summed over ranks (CUDA runs only); AllocatorRetriesRising fires on retries.",
+            "short",
+            targets(
+                (
+                    f"increase({selected('torchtelemetry_train_memory_alloc_retries_total')}[$__rate_interval])",
+                    "{{run}} retries",
+                ),
+                (
+                    f"increase({selected('torchtelemetry_train_memory_ooms_total')}[$__rate_interval])",
+                    "{{run}} OOMs",
+                ),
+            ),
+        ),
+        timeseries(
+            "Tokens seen over time",
+            "Tokens trained on since the run started (torchtelemetry_train_tokens_total).",
+            "short",
+            targets((selected("torchtelemetry_train_tokens_total"), "{{run}}")),
+        ),
+    ]
+
+
+def discovered_panels() -> list[dict[str, Any]]:
+    bucket = selected("${histogram}_bucket")
+    rates = f"sum by (job, run, le) (rate({bucket}[$__rate_interval]))"
+    return [
+        repeated(
+            timeseries(
+                "$gauge",
+                "One panel per gauge of the run's own metric tree (Gauge variable), one line per series.",
+                "short",
+                targets((selected("$gauge"), "__auto")),
+            ),
+            "gauge",
+        ),
+        repeated(
+            timeseries(
+                "$counter per second",
+                "One panel per counter of the run's own metric tree (Counter variable), as a rate.",
+                "short",
+                targets((f"rate({selected('$counter')}[$__rate_interval])", "__auto")),
+            ),
+            "counter",
+        ),
+        repeated(
+            heatmap(
+                "$histogram distribution",
+                "One heatmap per histogram of the run's own tree: one column per interval (increase "
+                "of the cumulative buckets), one cell per bucket, colour = number of observations.",
+                f"sum by (le) (increase({bucket}[$__rate_interval]))",
+            ),
+            "histogram",
+            "v",
+        ),
+        repeated(
+            timeseries(
+                "$histogram quantiles",
+                "Median and 90th percentile per interval, interpolated from the histogram's buckets.",
+                "none",
+                targets(
+                    *(
+                        (f"histogram_quantile({q}, {rates})", "{{run}} p" + str(round(q * 100)))
+                        for q in (0.5, 0.9)
+                    )
+                ),
+            ),
+            "histogram",
+            "v",
+        ),
+    ]
+
+
+def layout(panels: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Ids in order, and positions: left to right, wrapping at 24 columns."""
+    x = y = row_height = 0
+    for number, panel in enumerate(panels, start=1):
+        grid = panel["gridPos"]
+        if x + grid["w"] > 24:
+            x, y, row_height = 0, y + row_height, 0
+        panel["id"] = number
+        panel["gridPos"] = {"x": x, "y": y, "w": grid["w"], "h": grid["h"]}
+        x += grid["w"]
+        row_height = max(row_height, grid["h"])
+    return panels
+
+
+def _query_variable(name: str, label: str, definition: str, **options: Any) -> dict[str, Any]:
+    return {
+        "name": name,
+        "label": label,
+        "type": "query",
+        "datasource": DATASOURCE,
+        "query": {"query": definition, "refId": name, "qryType": 1},
+        "definition": definition,
+        "refresh": 2,
+        "hide": 0,
+        "regex": "",
+        "options": [],
+    } | options
+
+
+def _discovery_variable(name: str, label: str, pattern: str, regex: str) -> dict[str, Any]:
+    definition = f'label_values({{__name__=~"{pattern}", job=~"$job", run=~"$run"}}, __name__)'
+    return _query_variable(
+        name,
+        label,
+        definition,
+        regex=regex,
+        includeAll=True,
+        multi=True,
+        sort=1,
+        current={"selected": True, "text": ["All"], "value": ["$__all"]},
+    )
+
+
+def templating() -> dict[str, Any]:
+    builtin = "|".join(re.escape(name) for name in builtin_names())
+    hidden = "|".join(HIDDEN_PARTS)
+    return {
+        "list": [
+            {
+                "name": "datasource",
+                "label": "Data source",
+                "type": "datasource",
+                "query": "prometheus",
+                "current": {"selected": False, "text": "Prometheus", "value": "prometheus"},
+                "hide": 0,
+                "refresh": 1,
+                "regex": "",
+                "includeAll": False,
+                "multi": False,
+                "options": [],
+            },
+            _query_variable(
+                "job",
+                "Job",
+                "label_values(torchtelemetry_train_step, job)",
+                includeAll=True,
+                allValue=".*",
+                multi=True,
+                sort=1,
+                current={"selected": True, "text": ["All"], "value": ["$__all"]},
+            ),
+            _query_variable(
+                "run",
+                "Run",
+                'label_values(torchtelemetry_train_step{job=~"$job"}, run)',
+                includeAll=False,
+                multi=True,
+                sort=2,
+                current={},
+            ),
+            _discovery_variable(
+                "gauge", "Gauge", "torchtelemetry_.+", f"/^(?!(?:{builtin})$)(?!.*_(?:{hidden})$)(.+)$/"
+            ),
+            _discovery_variable(
+                "counter", "Counter", "torchtelemetry_.+_total", f"/^(?!(?:{builtin})$)(.+)$/"
+            ),
+            _discovery_variable(
+                "histogram", "Histogram", "torchtelemetry_.+_bucket", f"/^(?!(?:{builtin})$)(.+)_bucket$/"
+            ),
+        ]
+    }
+
+
+def build() -> dict[str, Any]:
+    """The training dashboard as Grafana's JSON model."""
+    return {
+        "uid": "torchtelemetry-training",
+        "title": "torchtelemetry: training",
+        "description": "Training signals of torchtelemetry runs: progress, throughput, MFU, stragglers, "
+        "data wait, memory, and every gauge, counter and histogram of the run's own metric tree.",
+        "tags": ["torchtelemetry", "training"],
+        "editable": False,
+        "schemaVersion": 41,
+        "version": 1,
+        "graphTooltip": 1,
+        "refresh": "10s",
+        "timezone": "browser",
+        "time": {"from": "now-1h", "to": "now"},
+        "timepicker": {},
+        "fiscalYearStartMonth": 0,
+        "liveNow": False,
+        "links": [
+            {
+                "title": "torchtelemetry",
+                "type": "dashboards",
+                "tags": ["torchtelemetry"],
+                "asDropdown": True,
+                "includeVars": True,
+                "keepTime": True,
+                "icon": "external link",
+                "targetBlank": False,
+                "tooltip": "",
+                "url": "",
+            }
+        ],
+        "annotations": {
+            "list": [
+                {
+                    "builtIn": 1,
+                    "datasource": {"type": "grafana", "uid": "-- Grafana --"},
+                    "enable": True,
+                    "hide": True,
+                    "iconColor": "rgba(0, 211, 255, 1)",
+                    "name": "Annotations & Alerts",
+                    "type": "dashboard",
+                }
+            ]
+        },
+        "templating": templating(),
+        "panels": layout(builtin_panels() + discovered_panels()),
+    }
+
+
+def render() -> str:
+    return json.dumps(build(), indent=2) + "\n"
+
+
+if __name__ == "__main__":
+    OUT.write_text(render())
+    sys.stdout.write(f"wrote {OUT}\n")
