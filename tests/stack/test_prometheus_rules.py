@@ -49,7 +49,8 @@ def test_promtool_accepts_the_rules() -> None:
 
 @needs_promtool
 def test_rule_unit_tests_pass() -> None:
-    """Stalled (old timestamp, frozen step), straggler (both shapes), loss not finite, export errors/drops."""
+    """Stalled (old timestamp, frozen step), straggler and data wait (both shapes), loss not finite,
+    allocator retries and OOMs, export errors/drops."""
     result = _promtool("test", "rules", str(ALERTS_TEST))
     assert result.returncode == 0, result.stdout + result.stderr
     assert "SUCCESS" in result.stdout
@@ -74,6 +75,14 @@ def test_the_required_alerts_exist() -> None:
     assert "torchtelemetry_train_loss" in queried_metrics(by_name["LossNotFinite"])
     assert "torchtelemetry_exporter_errors_total" in queried_metrics(by_name["ExportErrorsRising"])
     assert "torchtelemetry_train_step_time_seconds" in queried_metrics(by_name["RankStraggler"])
+    assert {
+        "torchtelemetry_train_data_wait_share_percent",
+        "torchtelemetry_train_data_wait_share_max_percent",
+    } == queried_metrics(by_name["DataWaitHigh"])
+    assert "torchtelemetry_train_memory_alloc_retries_total" in queried_metrics(
+        by_name["AllocatorRetriesRising"]
+    )
+    assert "torchtelemetry_train_memory_ooms_total" in queried_metrics(by_name["CudaOutOfMemory"])
 
 
 @pytest.mark.parametrize("rule", alert_rules(), ids=lambda rule: rule["alert"])
