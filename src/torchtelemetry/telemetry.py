@@ -27,7 +27,6 @@ from torchtelemetry.report import (
     WindowTiming,
     describe_metrics,
     flatten_results,
-    peak_flops_of,
 )
 from torchtelemetry.sync import GroupLike, group_rank, group_world_size, metric_leaves, resolve_group
 
@@ -150,7 +149,9 @@ class Telemetry:
                 rank=group_rank(resolved),
                 device=device,
                 max_rank_series=config.max_rank_series,
-                flops=_model_flops(config, device),
+                flops=ModelFlops.resolve(
+                    config.flops_per_token, config.flops_per_sample, config.peak_flops, device
+                ),
             )
             if config.signals
             else None
@@ -413,20 +414,3 @@ class Telemetry:
         step = int(state.get("step", -1))
         self._last_step = None if step < 0 else step
         self._steps_in_window = int(state.get("steps_in_window", 0))
-
-
-def _model_flops(config: TelemetryConfig, device: torch.device) -> ModelFlops | None:
-    per_unit = config.flops_per_token or config.flops_per_sample
-    if per_unit is None:
-        return None
-    peak = config.peak_flops
-    if peak is None:
-        name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-        peak = peak_flops_of(name)
-        if peak is None:
-            logger.warning(
-                "Telemetry: no peak FLOP/s known for device %r, so train/mfu is not exported; "
-                "pass TelemetryConfig.peak_flops (FLOP/s of one device)",
-                name,
-            )
-    return ModelFlops(per_unit=per_unit, per_sample=config.flops_per_sample is not None, peak=peak)

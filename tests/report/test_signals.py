@@ -141,7 +141,7 @@ def test_flops_configuration_is_checked_and_mfu_needs_a_known_peak(caplog: pytes
         tt.TelemetryConfig(flops_per_token=1e9, flops_per_sample=1e12)
     with pytest.raises(ValueError, match=r"TelemetryConfig\.peak_flops must be a positive number"):
         tt.TelemetryConfig(peak_flops=0)
-    with caplog.at_level(logging.WARNING, logger="torchtelemetry.telemetry"):
+    with caplog.at_level(logging.WARNING, logger="torchtelemetry.report._flops"):
         telemetry = tt.Telemetry({}, [], flops_per_sample=1e12)
     names = {d.name for d in telemetry.descriptors}
     telemetry.close()

@@ -7,7 +7,7 @@ how each backend spells a path.
 """
 
 from torchtelemetry.report._flatten import describe_metrics, flatten_results
-from torchtelemetry.report._flops import PEAK_FLOPS, model_flops, peak_flops_of
+from torchtelemetry.report._flops import PEAK_FLOPS, ModelFlops, model_flops, peak_flops_of
 from torchtelemetry.report._memory import allocator_metrics
 from torchtelemetry.report._naming import (
     LAST_UPDATE_METRIC,
@@ -27,7 +27,7 @@ from torchtelemetry.report._naming import (
     wandb_label_name,
     wandb_name,
 )
-from torchtelemetry.report._signals import ModelFlops, TrainingSignals, WindowTiming, signal_descriptors
+from torchtelemetry.report._signals import TrainingSignals, WindowTiming, signal_descriptors
 from torchtelemetry.report._totals import RunningTotals, difference
 from torchtelemetry.report._values import HistogramValue, MetricDescriptor, Scalars, ScalarValue
 

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-__all__ = ["PEAK_FLOPS", "model_flops", "peak_flops_of"]
+import logging
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["PEAK_FLOPS", "ModelFlops", "model_flops", "peak_flops_of"]
+
+logger = logging.getLogger(__name__)
 
 PEAK_FLOPS: dict[str, float] = {
     "A100": 312e12,
@@ -29,6 +36,38 @@ def peak_flops_of(device_name: str) -> float | None:
         if key.lower() in device_name.lower():
             return peak
     return None
+
+
+@dataclass(frozen=True, slots=True)
+class ModelFlops:
+    """What `train/tflops_per_second` and `train/mfu` are computed from (see `model_flops`)."""
+
+    per_unit: float
+    """FLOPs of one training token, or of one sample when `per_sample`."""
+    per_sample: bool
+    """`per_unit` counts FLOPs per sample (fed by `step(samples=)`) instead of per token."""
+    peak: float | None
+    """Peak FLOP/s of one device; None exports no MFU."""
+
+    @classmethod
+    def resolve(
+        cls, per_token: float | None, per_sample: float | None, peak: float | None, device: torch.device
+    ) -> ModelFlops | None:
+        """From `TelemetryConfig`: None without FLOPs per token or sample; the peak, if not given, from
+        `PEAK_FLOPS` by the CUDA device's name (a warning, and no MFU, when it is not listed)."""
+        per_unit = per_token or per_sample
+        if per_unit is None:
+            return None
+        if peak is None:
+            name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+            peak = peak_flops_of(name)
+            if peak is None:
+                logger.warning(
+                    "Telemetry: no peak FLOP/s known for device %r, so train/mfu is not exported; "
+                    "pass TelemetryConfig.peak_flops (FLOP/s of one device)",
+                    name,
+                )
+        return cls(per_unit=per_unit, per_sample=per_sample is not None, peak=peak)
 
 
 def model_flops(

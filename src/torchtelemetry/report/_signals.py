@@ -20,12 +20,12 @@ from typing import Any
 import torch
 
 from torchtelemetry.metric import MaxMetric, MetricKind, PerRankMetric, SumMetric
-from torchtelemetry.report._flops import model_flops
+from torchtelemetry.report._flops import ModelFlops, model_flops
 from torchtelemetry.report._memory import AllocatorStats, allocator_metrics, peak_memory
 from torchtelemetry.report._values import MetricDescriptor, ScalarValue
 from torchtelemetry.sync import metric_leaves
 
-__all__ = ["ModelFlops", "TrainingSignals", "WindowTiming", "signal_descriptors"]
+__all__ = ["TrainingSignals", "WindowTiming", "signal_descriptors"]
 
 STEP_TIME = "train/step_time"
 DATA_WAIT = "train/data_wait"
@@ -52,18 +52,6 @@ class WindowTiming:
     """Unix time at which the window was scheduled."""
     duration_s: float
     """Host time from the previous window's schedule to this one's."""
-
-
-@dataclass(frozen=True, slots=True)
-class ModelFlops:
-    """What `train/tflops_per_second` and `train/mfu` are computed from (see `model_flops`)."""
-
-    per_unit: float
-    """FLOPs of one training token, or of one sample when `per_sample`."""
-    per_sample: bool
-    """`per_unit` counts FLOPs per sample (fed by `step(samples=)`) instead of per token."""
-    peak: float | None
-    """Peak FLOP/s of one device; None exports no MFU."""
 
 
 class TrainingSignals:
