@@ -131,6 +131,8 @@ def test_a_bad_data_time_names_the_signal_and_loses_nothing() -> None:
     telemetry.step(0, data_time=0.5)
     with pytest.raises(ValueError, match=r"train/data_wait.*-1"):
         telemetry.step(1, data_time=-1.0)
+    with pytest.raises(TypeError, match=r"train/data_wait: data wait must be host seconds.*Tensor"):
+        telemetry.step(1, data_time=torch.tensor(0.1))  # type: ignore[arg-type]
     telemetry.step(1)
     telemetry.close()
     assert telemetry.latest["train/data_wait"]["0"] == 0.25

@@ -118,6 +118,10 @@ class TrainingSignals:
 
     def record_data_wait(self, seconds: float) -> None:
         """Time spent waiting for the next batch during the current step (added up within a step)."""
+        if isinstance(seconds, torch.Tensor) or not isinstance(seconds, int | float):
+            raise TypeError(
+                f"{DATA_WAIT}: data wait must be host seconds (a float), got {type(seconds).__name__}"
+            )
         if not (math.isfinite(seconds) and seconds >= 0):
             raise ValueError(f"{DATA_WAIT}: data wait must be a finite number of seconds >= 0, got {seconds}")
         self._seen.add(DATA_WAIT)
