@@ -67,6 +67,7 @@ def test_prometheus_label_names(label: str, name: str) -> None:
 def test_otel_names_and_units() -> None:
     assert otel_name(MetricDescriptor("train/loss")) == "train.loss"
     assert (otel_unit("seconds"), otel_unit("tokens"), otel_unit("furlongs")) == ("s", "{token}", "furlongs")
+    assert (otel_unit("percent"), otel_unit("tflops_per_second")) == ("%", "{TFLOP}/s")
 
 
 @pytest.mark.parametrize("path", ["", "a//b", "/a", "a/", "bad name", "a/b$c", "x" * 201, "-lead"])

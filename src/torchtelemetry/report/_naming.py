@@ -60,6 +60,7 @@ _UCUM = {
     "samples": "{sample}",
     "tokens_per_second": "{token}/s",
     "samples_per_second": "{sample}/s",
+    "tflops_per_second": "{TFLOP}/s",
 }
 
 
