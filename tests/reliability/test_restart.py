@@ -26,7 +26,14 @@ SAVE_EVERY = 4  # checkpoints after steps 3, 7, 11, 15: in the middle of a windo
 STALL_AFTER = 9  # the killed run got past the checkpoint at step 7 and scheduled the window ending at 8
 CHECKPOINT_STEP = 7
 # Measured on the host, so they differ between any two runs; everything else must be identical.
-HOST_TIMED = {"train/step_time", "train/tokens_per_second", "train/samples_per_second", "train/peak_memory"}
+HOST_TIMED = {
+    "train/step_time",
+    "train/step_time/min_rank",
+    "train/step_time/max_rank",
+    "train/tokens_per_second",
+    "train/samples_per_second",
+    "train/peak_memory",
+}
 REPO = Path(__file__).resolve().parents[2]
 
 
