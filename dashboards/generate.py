@@ -29,7 +29,7 @@ HIDDEN_PARTS = ("total", "bucket", "sum", "count")
 def builtin_names() -> list[str]:
     """Every Prometheus sample name of the built-in signals (both per-rank shapes, model FLOPs,
     CUDA allocator detail), the exporters' step and timestamp, and the export hub's health."""
-    from torchtelemetry.export._hub import HEALTH_DESCRIPTORS
+    from torchtelemetry.export import HEALTH_DESCRIPTORS
     from torchtelemetry.metric import MetricKind
     from torchtelemetry.report import LAST_UPDATE_METRIC, STEP_METRIC, prometheus_name, signal_descriptors
 
