@@ -49,8 +49,8 @@ class TelemetryConfig:
     run_config: Mapping[str, Any] = field(default_factory=dict)
     """Hyperparameters handed to exporters with the run (the W&B run config, OTel resource)."""
     signals: bool = True
-    """Add the built-in signals (step time per rank, tokens, samples, throughput, learning rate,
-    peak memory)."""
+    """Add the built-in signals (step time and data wait per rank, tokens, samples, throughput,
+    model FLOPs, learning rate, peak memory and the CUDA allocator's detail)."""
     max_rank_series: int = 64
     """Above this many ranks, step time and data wait are exported as min/median/max over ranks
     instead of one series per rank (0: always); the ranks holding the min and max step time are

@@ -194,6 +194,7 @@ def test_cuda_allocator_memory_detail_once_per_window() -> None:
     telemetry.close()
     stats = torch.cuda.memory_stats(device)
     assert telemetry.latest["train/memory/max_active"] >= block.numel()
-    assert telemetry.latest["train/memory/max_reserved"] == stats["reserved_bytes.all.peak"]
+    # read before the window's own small host-to-device copy, which may reserve one more segment
+    assert block.numel() <= telemetry.latest["train/memory/max_reserved"] <= stats["reserved_bytes.all.peak"]
     assert telemetry.latest["train/memory/alloc_retries"] == stats["num_alloc_retries"]
     assert telemetry.latest["train/memory/ooms"] == stats["num_ooms"]
