@@ -83,9 +83,11 @@ def model_flops(
         mfu = 100 * num_flops_per_token * tps / gpu_peak_flops                 # PaLM's MFU, in %
         tflops = num_flops_per_token * tps / 1e12
 
-    with the per-device rate taken as `work / (duration_s * world_size)`, which is torchtitan's `tps`
-    when every token is counted once across the group (with tensor or context parallelism count
-    it on one rank of each model-parallel group, or divide by the degree).
+    with the per-device rate taken as `work / (duration_s * world_size)`, `world_size` being the
+    ranks `Telemetry` reduces over. That is torchtitan's `tps` when the group holds every device
+    of the job and every token is counted once across it: with tensor or context parallelism,
+    count it on one rank of each model-parallel group (or divide by the degree). With a group
+    of the data-parallel ranks only, the rate is per model replica, not per device.
     """
     per_device = work / (duration_s * world_size)
     out = {"tflops_per_second": flops_per_unit * per_device / 1e12}
