@@ -11,9 +11,11 @@ from torchtelemetry.collect import AsyncMetricCollector, CollectionError
 from torchtelemetry.export import (
     ConsoleExporter,
     JsonlExporter,
+    MLflowExporter,
     OTelExporter,
     PrometheusExporter,
     PushgatewayExporter,
+    TensorBoardExporter,
     WandbExporter,
 )
 from torchtelemetry.metric import (
@@ -43,6 +45,7 @@ __all__ = [
     "ConsoleExporter",
     "HistogramMetric",
     "JsonlExporter",
+    "MLflowExporter",
     "MaxMetric",
     "Metric",
     "MetricAccumulator",
@@ -54,6 +57,7 @@ __all__ = [
     "SumMetric",
     "Telemetry",
     "TelemetryConfig",
+    "TensorBoardExporter",
     "WandbExporter",
     "WeightedMeanMetric",
     "__version__",

@@ -89,3 +89,32 @@ def test_import_needs_no_exporter_dependency_and_missing_ones_name_the_extra() -
     )
     assert missing.returncode == 0, missing.stderr
     assert missing.stdout.count("pip install 'torchtelemetry[prometheus]'") == 2
+
+
+def test_the_entry_points_pyproject_declares_build_every_exporter(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """pyproject's entry points as an install would publish them (a dist-info earlier on the path)."""
+    tomllib = pytest.importorskip("tomllib")
+    pytest.importorskip("tensorboard")
+    pytest.importorskip("mlflow")
+    project = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]
+    declared = project["entry-points"]["torchtelemetry.exporters"]
+    dist = tmp_path / f"torchtelemetry-{project['version']}.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: torchtelemetry\nVersion: {project['version']}\n"
+    )
+    lines = "".join(f"{name} = {target}\n" for name, target in declared.items())
+    (dist / "entry_points.txt").write_text(f"[torchtelemetry.exporters]\n{lines}")
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    assert set(available_exporters()) >= set(declared) >= {"tensorboard", "mlflow", "wandb", "prometheus"}
+    for name in declared:
+        assert exporter_class(name).__name__ in torchtelemetry.export.__all__
+    tensorboard, mlflow = exporters_from_spec(
+        "tensorboard,mlflow", tensorboard={"log_dir": tmp_path / "tb"}, mlflow={"experiment_name": "spec"}
+    )
+    assert (type(tensorboard), tensorboard.log_dir) == (torchtelemetry.TensorBoardExporter, tmp_path / "tb")
+    assert (type(mlflow), mlflow.experiment_name) == (torchtelemetry.MLflowExporter, "spec")
+    assert not (tmp_path / "tb").exists()  # built, nothing opened

@@ -20,7 +20,7 @@ from torchtelemetry.export import (
     RunInfo,
     WandbExporter,
 )
-from torchtelemetry.export._wandb import histogram_edges
+from torchtelemetry.export._histograms import histogram_edges
 from torchtelemetry.metric import MetricKind
 from torchtelemetry.report import describe_metrics
 

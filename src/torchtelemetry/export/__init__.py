@@ -9,12 +9,14 @@ from torchtelemetry.export._console import ConsoleExporter
 from torchtelemetry.export._health import HEALTH_DESCRIPTORS, ExporterHealth
 from torchtelemetry.export._hub import ExportHub, NullHub
 from torchtelemetry.export._jsonl import JsonlExporter
+from torchtelemetry.export._mlflow import MLflowExporter
 from torchtelemetry.export._otel import OTelExporter
 from torchtelemetry.export._prometheus import PrometheusExporter
 from torchtelemetry.export._protocol import RUN_ID_ENV, Exporter, ExportResult, RunInfo
 from torchtelemetry.export._pushgateway import PushgatewayExporter
 from torchtelemetry.export._registry import available_exporters, exporter_class, exporters_from_spec
 from torchtelemetry.export._temporality import Temporality
+from torchtelemetry.export._tensorboard import TensorBoardExporter
 from torchtelemetry.export._wandb import WandbExporter
 from torchtelemetry.report import HistogramValue, MetricDescriptor, Scalars, ScalarValue
 
@@ -30,6 +32,7 @@ __all__ = [
     "ExporterHealth",
     "HistogramValue",
     "JsonlExporter",
+    "MLflowExporter",
     "MetricDescriptor",
     "NullHub",
     "OTelExporter",
@@ -38,6 +41,7 @@ __all__ = [
     "RunInfo",
     "ScalarValue",
     "Scalars",
+    "TensorBoardExporter",
     "Temporality",
     "WandbExporter",
     "available_exporters",

@@ -9,6 +9,7 @@ from typing import Any, ClassVar
 
 from torchtelemetry._optional import import_optional
 from torchtelemetry.export._base import BaseExporter, ExportFailed
+from torchtelemetry.export._histograms import histogram_edges
 from torchtelemetry.export._protocol import RunInfo
 from torchtelemetry.export._temporality import Temporality
 from torchtelemetry.metric import MetricKind
@@ -17,33 +18,17 @@ from torchtelemetry.report import (
     MetricDescriptor,
     Scalars,
     merge_descriptors,
-    wandb_label_name,
-    wandb_name,
+    tracker_label_name,
+    tracker_name,
 )
 
-__all__ = ["WandbExporter", "histogram_edges"]
+__all__ = ["WandbExporter"]
 
 logger = logging.getLogger(__name__)
 
 _MODES = ("online", "offline", "disabled", "shared")
 _RESUME = ("allow", "must", "never")
 _SUMMARIES = ("min", "max", "mean", "last", "first", "none")
-
-
-def histogram_edges(bounds: Sequence[float]) -> list[float]:
-    """Bin edges for `wandb.Histogram` from upper bounds; the two open outer buckets get finite edges.
-
-    W&B draws bins between finite edges, but the first bucket is (-inf, b0] and
-    the last (b_last, +inf). Each outer bucket is drawn as wide as its
-    neighbour: `b0 - (b1 - b0)` and `b_last + (b_last - b_before_last)`; with a
-    single bound `b`, both are `max(|b|, 1)` wide. Counts are never moved, only
-    the outer edges are chosen.
-    """
-    if len(bounds) >= 2:
-        first, last = bounds[1] - bounds[0], bounds[-1] - bounds[-2]
-    else:
-        first = last = max(abs(bounds[0]), 1.0)
-    return [bounds[0] - first, *bounds, bounds[-1] + last]
 
 
 class WandbExporter(BaseExporter):
@@ -127,7 +112,7 @@ class WandbExporter(BaseExporter):
         return self._run
 
     def _describe(self, descriptors: Sequence[MetricDescriptor], run: RunInfo) -> None:
-        self._descriptors = merge_descriptors(self._descriptors, descriptors, wandb_name, "W&B")
+        self._descriptors = merge_descriptors(self._descriptors, descriptors, tracker_name, "W&B")
 
     def _export(self, step: int, scalars: Scalars, timestamp: float) -> None:
         """`run.log(row, step=step)`; a step below the last logged one is dropped."""
@@ -203,11 +188,13 @@ class WandbExporter(BaseExporter):
             descriptor = self._descriptors.get(path) or MetricDescriptor(path)
             if isinstance(value, HistogramValue):
                 counts = [int(count) if float(count).is_integer() else count for count in value.counts]
-                row[wandb_name(descriptor)] = self._wandb.Histogram(
+                row[tracker_name(descriptor)] = self._wandb.Histogram(
                     np_histogram=(counts, histogram_edges(value.bounds))
                 )
             elif isinstance(value, Mapping):
-                row.update((wandb_label_name(descriptor, key), float(entry)) for key, entry in value.items())
+                row.update(
+                    (tracker_label_name(descriptor, key), float(entry)) for key, entry in value.items()
+                )
             else:
-                row[wandb_name(descriptor)] = float(value)
+                row[tracker_name(descriptor)] = float(value)
         return row

@@ -23,9 +23,9 @@ from torchtelemetry.report._naming import (
     prometheus_label_name,
     prometheus_name,
     sanitize_path,
+    tracker_label_name,
+    tracker_name,
     validate_path,
-    wandb_label_name,
-    wandb_name,
 )
 from torchtelemetry.report._signals import TrainingSignals, WindowTiming, signal_descriptors
 from torchtelemetry.report._totals import RunningTotals, difference
@@ -62,6 +62,6 @@ __all__ = [
     "sanitize_path",
     "signal_descriptors",
     "validate_path",
-    "wandb_label_name",
-    "wandb_name",
+    "tracker_label_name",
+    "tracker_name",
 ]

@@ -2,8 +2,9 @@
 
 A metric path is slash-separated (`train/loss`). Prometheus gets
 `torchtelemetry_train_loss` (unit suffix, `_total` on counters), OpenTelemetry
-`train.loss` with a UCUM unit, W&B the path itself. Checks run as soon as the
-metric tree is known, and duplicates raise one `NameCollisionError` listing all.
+`train.loss` with a UCUM unit, the experiment trackers (W&B, TensorBoard, MLflow)
+the path itself. Checks run as soon as the metric tree is known, and duplicates
+raise one `NameCollisionError` listing all.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ __all__ = [
     "prometheus_name",
     "sanitize_path",
     "validate_path",
-    "wandb_label_name",
-    "wandb_name",
+    "tracker_label_name",
+    "tracker_name",
 ]
 
 NAMESPACE = "torchtelemetry"
@@ -131,14 +132,19 @@ def otel_unit(unit: str) -> str:
     return _UCUM.get(unit, unit)
 
 
-def wandb_name(descriptor: MetricDescriptor) -> str:
-    """W&B keeps the slash path: it groups panels by the first segment."""
+def tracker_name(descriptor: MetricDescriptor) -> str:
+    """W&B, TensorBoard and MLflow keep the slash path: they group panels by the first segment."""
     return descriptor.name
 
 
-def wandb_label_name(descriptor: MetricDescriptor, label_value: str) -> str:
-    """One W&B key per label value: `train/step_time` at rank "0" -> `train/step_time/rank_0`."""
-    return f"{wandb_name(descriptor)}/{descriptor.label_name or 'label'}_{label_value}"
+def tracker_label_name(descriptor: MetricDescriptor, label_value: str) -> str:
+    """One tracker key per label value: `train/step_time` at rank "0" -> `train/step_time/rank_0`.
+
+    Characters outside letters, digits, '_', '.' and '-' in the label value become '_'
+    (MLflow refuses a whole batch over one bad key; a '/' would add a path segment).
+    """
+    label = _PATH_ILLEGAL.sub("_", label_value)
+    return f"{tracker_name(descriptor)}/{descriptor.label_name or 'label'}_{label}"
 
 
 def merge_descriptors(

@@ -1,0 +1,154 @@
+"""`TensorBoardExporter`: each report becomes TensorBoard scalars and histograms at its step."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, ClassVar
+
+from torchtelemetry._optional import import_optional
+from torchtelemetry.export._base import BaseExporter, ExportFailed
+from torchtelemetry.export._histograms import histogram_edges
+from torchtelemetry.export._protocol import RunInfo
+from torchtelemetry.export._temporality import Temporality
+from torchtelemetry.metric import MetricKind
+from torchtelemetry.report import (
+    HistogramValue,
+    MetricDescriptor,
+    Scalars,
+    merge_descriptors,
+    tracker_label_name,
+    tracker_name,
+)
+
+__all__ = ["CONFIG_TAG", "TensorBoardExporter"]
+
+logger = logging.getLogger(__name__)
+
+CONFIG_TAG = "run/config"
+"""Tag of the text summary holding the run id, world size and config (TensorBoard's Text tab)."""
+
+
+class TensorBoardExporter(BaseExporter):
+    """Writes every report to TensorBoard event files through `torch.utils.tensorboard.SummaryWriter`.
+
+    `log_dir` is the directory the event files go in, as `SummaryWriter` names it; by default
+    `runs/<run id>`, so each training run is one TensorBoard run and a restarted job with the
+    same run id appends to it. The run id, world size and config are written once as text
+    (tag `run/config`). Each value becomes a scalar at the report's step and collection time;
+    a value per label becomes one scalar per label (`train/step_time/rank_0`). The exporter
+    prefers deltas for histograms (`preferred_temporality`), so each histogram is the interval's
+    distribution, written with its exact buckets (`add_histogram_raw`); its `min` and `max`
+    are the drawn outer edges of the open first and last buckets (see `histogram_edges`), and
+    its `sum_squares` is NaN: the library tracks neither extremes nor squares. Counters stay
+    running totals. Events are written by the writer's own thread; `force_flush` and `close`
+    wait for them to reach the file.
+    """
+
+    preferred_temporality: ClassVar[Mapping[MetricKind, Temporality]] = {
+        MetricKind.HISTOGRAM: Temporality.DELTA
+    }
+
+    def __init__(
+        self,
+        log_dir: str | Path | None = None,
+        *,
+        flush_secs: float = 120.0,
+        max_queue: int = 10,
+        name: str = "tensorboard",
+    ) -> None:
+        import_optional("tensorboard", "tensorboard", "TensorBoardExporter")
+        from torch.utils.tensorboard import SummaryWriter
+
+        if flush_secs <= 0:
+            raise ValueError(f"TensorBoardExporter: flush_secs must be positive, got {flush_secs}")
+        if max_queue < 1:
+            raise ValueError(f"TensorBoardExporter: max_queue must be at least 1, got {max_queue}")
+        super().__init__(name)
+        self._summary_writer = SummaryWriter
+        self.log_dir = Path(log_dir) if log_dir is not None else None
+        """Directory of the event files (`runs/<run id>` once started when None was given)."""
+        self._flush_secs = flush_secs
+        self._max_queue = max_queue
+        self._descriptors: dict[str, MetricDescriptor] = {}
+        self._writer: Any = None
+
+    def _describe(self, descriptors: Sequence[MetricDescriptor], run: RunInfo) -> None:
+        self._descriptors = merge_descriptors(self._descriptors, descriptors, tracker_name, "TensorBoard")
+
+    def _start(self, run: RunInfo) -> None:
+        """Open the event file and write the run's config; a failure is logged and every export then fails."""
+        if self.log_dir is None:
+            self.log_dir = Path("runs") / run.run_id
+        try:
+            self._writer = self._summary_writer(
+                str(self.log_dir), max_queue=self._max_queue, flush_secs=self._flush_secs
+            )
+            self._writer.add_text(CONFIG_TAG, _config_text(run), global_step=0)
+        except Exception as error:
+            logger.error(
+                "TensorBoardExporter %r: cannot write event files in %s (%s: %s); nothing will be logged",
+                self.name,
+                self.log_dir,
+                type(error).__name__,
+                error,
+            )
+            self._writer = None
+            return
+        logger.info("TensorBoardExporter %r: event files in %s", self.name, self.log_dir)
+
+    def _export(self, step: int, scalars: Scalars, timestamp: float) -> None:
+        writer = self._writer
+        if writer is None:
+            raise ExportFailed(f"no event file (could not write in {self.log_dir}); nothing logged")
+        try:
+            for path, value in scalars.items():
+                descriptor = self._descriptors.get(path) or MetricDescriptor(path)
+                if isinstance(value, HistogramValue):
+                    _add_histogram(writer, tracker_name(descriptor), value, step, timestamp)
+                elif isinstance(value, Mapping):
+                    for label, entry in value.items():
+                        tag = tracker_label_name(descriptor, label)
+                        writer.add_scalar(tag, float(entry), step, walltime=timestamp)
+                else:
+                    writer.add_scalar(tracker_name(descriptor), float(value), step, walltime=timestamp)
+        except Exception as error:
+            raise ExportFailed(f"writing events in {self.log_dir} failed") from error
+
+    def _flush(self, timeout_s: float) -> bool:
+        """Wait until the writer's thread has written every event to the file."""
+        if self._writer is None:
+            return False
+        self._writer.flush()
+        return True
+
+    def _close(self, timeout_s: float) -> None:
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.close()
+
+
+def _add_histogram(writer: Any, tag: str, value: HistogramValue, step: int, timestamp: float) -> None:
+    """One histogram with its exact buckets: upper limits are the bounds, then the drawn last edge."""
+    edges = histogram_edges(value.bounds)
+    writer.add_histogram_raw(
+        tag,
+        min=edges[0],
+        max=edges[-1],
+        num=value.count,
+        sum=value.sum,
+        sum_squares=math.nan,
+        bucket_limits=[*value.bounds, edges[-1]],
+        bucket_counts=list(value.counts),
+        global_step=step,
+        walltime=timestamp,
+    )
+
+
+def _config_text(run: RunInfo) -> str:
+    """Markdown for TensorBoard's Text tab: the run id, world size and config as JSON."""
+    config = json.dumps(dict(run.config), indent=2, sort_keys=True, default=str)
+    return f"run id: `{run.run_id}`, world size: {run.world_size}\n\n```json\n{config}\n```"
