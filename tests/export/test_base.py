@@ -122,7 +122,7 @@ def test_the_documented_tensorboard_exporter_runs(tmp_path: Path) -> None:
     code_lines = [line for line in _docs_snippet("## Writing an exporter").splitlines() if line.strip()]
     assert len(code_lines) <= 55, "the documented exporter should stay about 50 lines"
 
-    exporter = namespace["TensorBoardExporter"](str(tmp_path))
+    exporter = namespace["MinimalTensorBoardExporter"](str(tmp_path))
     metrics = {"train": {"loss": tt.WeightedMeanMetric()}, "grad_norm": tt.HistogramMetric(bins=[1.0, 2.0])}
     telemetry = tt.Telemetry(metrics, [exporter], every=2, run_id="tb-run")
     for step in range(4):
