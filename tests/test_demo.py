@@ -1,4 +1,5 @@
-"""`torchtelemetry demo` end to end: real ranks, a real Prometheus, an OTLP receiver, W&B offline."""
+"""`torchtelemetry demo` end to end: real ranks, a real Prometheus, an OTLP receiver, W&B offline,
+TensorBoard event files and an MLflow SQLite store."""
 
 from __future__ import annotations
 
@@ -54,13 +55,14 @@ def test_demo_exports_exact_values_to_every_backend(tmp_path: Path) -> None:
     steps, every = 40, 5
     port = free_port()
     jsonl = tmp_path / "metrics.jsonl"
+    mlflow_uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     with PrometheusServer(tmp_path / "prometheus") as prometheus, OtlpHttpReceiver() as otlp:
         prometheus.scrape("trainer", [f"127.0.0.1:{port}"])
         demo = subprocess.Popen(
             [sys.executable, "-m", "torchtelemetry.demo", "--nproc", str(RANKS), "--steps", str(steps),
              "--every", str(every), "--prometheus-port", str(port), "--otlp", otlp.endpoint,
              "--wandb", "offline", "--jsonl", str(jsonl), "--no-console", "--step-delay", "0.1",
-             "--run-id", "demo-e2e"],
+             "--tensorboard", str(tmp_path / "tb"), "--mlflow", mlflow_uri, "--run-id", "demo-e2e"],
             env=_demo_env(tmp_path),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -106,6 +108,21 @@ def test_demo_exports_exact_values_to_every_backend(tmp_path: Path) -> None:
     assert sorted(logged) == sorted(by_step)
     for step, values in by_step.items():
         assert logged[step]["train/loss"] == pytest.approx(values["train/loss"], rel=1e-12)
+
+    import mlflow
+
+    from tests.export.test_tensorboard import read_events
+
+    events = read_events(tmp_path / "tb")
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [
+        (step, pytest.approx(loss, rel=1e-6)) for step, loss in zip(by_step, losses, strict=True)
+    ]  # float32 in event files
+    client = mlflow.MlflowClient(tracking_uri=mlflow_uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("torchtelemetry-demo").experiment_id])
+    history = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "train/loss")}
+    # the first export creates the SQLite store (seconds): reports queued meanwhile may be dropped
+    assert steps - 1 in history
+    assert history == {step: by_step[step]["train/loss"] for step in history}
 
 
 def _tagged_processes(tag: str) -> list[int]:

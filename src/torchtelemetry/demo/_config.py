@@ -37,6 +37,11 @@ class DemoConfig:
     $OTEL_EXPORTER_OTLP_PROTOCOL."""
     wandb: str | None = field(default=None, metadata={"env": "TORCHTELEMETRY_WANDB"})
     """W&B mode: "offline", "online" or "disabled"."""
+    tensorboard: str | None = field(default=None, metadata={"env": "TORCHTELEMETRY_TENSORBOARD"})
+    """TensorBoard log directory ("": runs/<run_id>/tensorboard; none disables it)."""
+    mlflow: str | None = field(default=None, metadata={"env": "TORCHTELEMETRY_MLFLOW"})
+    """MLflow tracking URI, e.g. sqlite:///mlflow.db ("": $MLFLOW_TRACKING_URI, else MLflow's
+    default; none disables it)."""
     jsonl: str | None = field(default=None, metadata={"env": "TORCHTELEMETRY_JSONL"})
     """JSONL output path (default runs/<run_id>/metrics.jsonl; "" disables it)."""
     console: bool = True

@@ -63,7 +63,8 @@ def advance(progress: Any, telemetry: Any) -> None:
 def print_banner(config: DemoConfig, telemetry: Any, world_size: int, device: torch.device) -> None:
     print(f"torchtelemetry demo: run {telemetry.run.run_id}, {world_size} ranks on {device.type}", flush=True)
     for exporter in telemetry.hub.exporters:
-        where = getattr(exporter, "url", None) or getattr(exporter, "path", None)
+        keys = ("url", "path", "log_dir", "tracking_uri")  # where each exporter sends its reports
+        where = next(filter(None, (getattr(exporter, key, None) for key in keys)), None)
         if where:
             print(f"  {exporter.name}: {where}", flush=True)
     print("  full stack (Prometheus, Grafana, Collector, Pushgateway): docker compose up -d", flush=True)

@@ -13,7 +13,7 @@ __all__ = ["build_exporters"]
 
 
 def build_exporters(config: DemoConfig, run_id: str) -> list[Any]:
-    """Console, Prometheus, Pushgateway, OTLP, W&B and JSONL, as `config` asks."""
+    """Console, Prometheus, Pushgateway, OTLP, W&B, TensorBoard, MLflow and JSONL, as `config` asks."""
     from torchtelemetry import export
 
     exporters: list[Any] = []
@@ -34,6 +34,12 @@ def build_exporters(config: DemoConfig, run_id: str) -> list[Any]:
                 project="torchtelemetry-demo", mode=config.wandb, summaries={"train/loss": "min"}
             )
         )
+    if config.tensorboard is not None:
+        exporters.append(
+            export.TensorBoardExporter(config.tensorboard or Path("runs") / run_id / "tensorboard")
+        )
+    if config.mlflow is not None:
+        exporters.append(export.MLflowExporter(config.mlflow or None, experiment_name="torchtelemetry-demo"))
     if config.jsonl != "":
         exporters.append(export.JsonlExporter(config.jsonl or Path("runs") / run_id / "metrics.jsonl"))
     return exporters
