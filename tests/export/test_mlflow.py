@@ -141,11 +141,12 @@ def test_tracking_uri_argument_beats_environment_which_beats_the_default(store: 
     assert only_run(store, "from-env").info.run_name == "env"
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{free_port()}")  # dead
-    argument = MLflowExporter(store, experiment_name="from-argument", run_name="named")
+    monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME")
+    argument = MLflowExporter(store, run_name="named")
     argument.describe([LOSS], RunInfo(run_id="arg"))
     assert argument.export(1, {"train/loss": 1.0}, 1.0) is ExportResult.SUCCESS
     argument.close()
-    assert only_run(store, "from-argument").info.run_name == "named"
+    assert only_run(store, "Default").info.run_name == "named"  # MLflow's default experiment
 
 
 def test_reports_over_mlflow_s_batch_limit_are_logged_whole(store: str) -> None:

@@ -38,9 +38,9 @@ class TensorBoardExporter(BaseExporter):
     `log_dir` is the directory the event files go in, as `SummaryWriter` names it; by default
     `runs/<run id>`, so each training run is one TensorBoard run and a restarted job with the
     same run id appends to it. The run id, world size and config are written once as text
-    (tag `run/config`). Each value becomes a scalar at the report's step and collection time;
-    a value per label becomes one scalar per label (`train/step_time/rank_0`). The exporter
-    prefers deltas for histograms (`preferred_temporality`), so each histogram is the interval's
+    (tag `run/config`). Each value becomes a scalar (TensorBoard stores float32) at the report's
+    step and collection time; a value per label one scalar per label (`train/step_time/rank_0`).
+    The exporter prefers deltas for histograms (`preferred_temporality`), so each histogram is the interval's
     distribution, written with its exact buckets (`add_histogram_raw`); its `min` and `max`
     are the drawn outer edges of the open first and last buckets (see `histogram_edges`), and
     its `sum_squares` is NaN: the library tracks neither extremes nor squares. Counters stay
