@@ -33,6 +33,7 @@ PUBLIC = [
     "WandbExporter",
     "WeightedMeanMetric",
     "__version__",
+    "sync_and_compute",
     "sync_metrics",
 ]
 

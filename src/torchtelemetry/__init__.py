@@ -31,7 +31,7 @@ from torchtelemetry.metric import (
     SumMetric,
     WeightedMeanMetric,
 )
-from torchtelemetry.sync import sync_metrics
+from torchtelemetry.sync import sync_and_compute, sync_metrics
 from torchtelemetry.telemetry import Telemetry, TelemetryConfig
 
 __version__ = "0.1.0"
@@ -61,5 +61,6 @@ __all__ = [
     "WandbExporter",
     "WeightedMeanMetric",
     "__version__",
+    "sync_and_compute",
     "sync_metrics",
 ]

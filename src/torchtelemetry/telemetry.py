@@ -299,7 +299,7 @@ class Telemetry:
 
     def _schedule(self) -> None:
         now = self._flush_signals()
-        self._collector.schedule_collection()
+        self._collector.schedule_collection(step=self._last_step)
         self._windows.append(
             WindowTiming(
                 step=self._last_step or 0, timestamp=time.time(), duration_s=now - self._window_start

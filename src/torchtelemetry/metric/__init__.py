@@ -1,6 +1,12 @@
 """Metrics: GPU-resident, linearly reducible state updated in place."""
 
-from torchtelemetry.metric._accumulator import DEFAULT_STATE_DTYPE, MetricAccumulator, ReduceOp
+from torchtelemetry.metric._accumulator import (
+    DEFAULT_STATE_DTYPE,
+    MetricAccumulator,
+    ReduceOp,
+    layout_generation,
+    window_state,
+)
 from torchtelemetry.metric._aggregation import (
     MaxMetric,
     MinMetric,
@@ -9,12 +15,14 @@ from torchtelemetry.metric._aggregation import (
     WeightedMeanMetric,
 )
 from torchtelemetry.metric._base import Metric, MetricKind, NanPolicy
+from torchtelemetry.metric._batched import BatchedRule, batched_rule
 from torchtelemetry.metric._classification import AccuracyMetric, BinaryAUROCMetric, ConfusionMatrixMetric
 from torchtelemetry.metric._histogram import HistogramMetric
 
 __all__ = [
     "DEFAULT_STATE_DTYPE",
     "AccuracyMetric",
+    "BatchedRule",
     "BinaryAUROCMetric",
     "ConfusionMatrixMetric",
     "HistogramMetric",
@@ -28,4 +36,7 @@ __all__ = [
     "ReduceOp",
     "SumMetric",
     "WeightedMeanMetric",
+    "batched_rule",
+    "layout_generation",
+    "window_state",
 ]

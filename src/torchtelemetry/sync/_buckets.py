@@ -58,7 +58,7 @@ class _Bucket:
 class BucketLayout:
     """Where each named tensor lives in the packed buffers; identical on every rank."""
 
-    __slots__ = ("_buckets", "_hash", "_shapes", "names", "signature")
+    __slots__ = ("_buckets", "_hash", "_offsets", "_shapes", "names", "signature")
 
     def __init__(self, entries: Sequence[tuple[str, torch.Tensor, ReduceOp]]) -> None:
         grouped: dict[BucketKey, tuple[list[int], list[int]]] = {}
@@ -85,6 +85,12 @@ class BucketLayout:
             self._buckets[key] = _Bucket(
                 entries=(*kept, *negated), sizes=sizes, negate_from=sum(sizes[: len(kept)])
             )
+        self._offsets: dict[int, tuple[BucketKey, int]] = {}
+        for key, bucket in self._buckets.items():
+            offset = 0
+            for index, size in zip(bucket.entries, bucket.sizes, strict=True):
+                self._offsets[index] = (key, offset)
+                offset += size
         self.signature = ";".join(signature)
         self._hash = int(hashlib.sha256(self.signature.encode()).hexdigest()[:15], 16)
 
@@ -95,6 +101,13 @@ class BucketLayout:
 
     def size(self, key: BucketKey) -> int:
         return sum(self._buckets[key].sizes)
+
+    def offset(self, index: int) -> tuple[BucketKey, int]:
+        """Entry `index`'s bucket and its offset in that bucket's buffer (in elements)."""
+        return self._offsets[index]
+
+    def shape(self, index: int) -> tuple[int, ...]:
+        return self._shapes[index]
 
     def signature_hash(self) -> int:
         """A stable 60-bit hash of names, ops, dtypes and shapes (devices excluded)."""
@@ -123,14 +136,14 @@ class BucketLayout:
 
     def pack(self, tensors: Sequence[torch.Tensor]) -> dict[BucketKey, torch.Tensor]:
         """New flat buffers holding `tensors` (in entry order); MIN entries negated."""
-        return self._negate_min_(self.storage(tensors))
+        return self.negate_min_(self.storage(tensors))
 
     def pack_storage(self, storage: dict[BucketKey, torch.Tensor]) -> dict[BucketKey, torch.Tensor]:
         """`pack` of the entries kept in `storage` (see `storage`): one copy per bucket."""
-        return self._negate_min_({key: buffer.clone() for key, buffer in storage.items()})
+        return self.negate_min_({key: buffer.clone() for key, buffer in storage.items()})
 
-    def _negate_min_(self, buffers: dict[BucketKey, torch.Tensor]) -> dict[BucketKey, torch.Tensor]:
-        """Negate, in place, the MIN part at the end of each bucket; returns `buffers`."""
+    def negate_min_(self, buffers: dict[BucketKey, torch.Tensor]) -> dict[BucketKey, torch.Tensor]:
+        """Negate (or negate back), in place, the MIN part at the end of each bucket; returns `buffers`."""
         for key, bucket in self._buckets.items():
             if bucket.negate_from < buffers[key].numel():
                 _negate_(buffers[key][bucket.negate_from :])
@@ -146,7 +159,7 @@ class BucketLayout:
             key: buffers[key].clone() if bucket.negate_from < buffers[key].numel() else buffers[key]
             for key, bucket in self._buckets.items()
         }
-        return self.views(self._negate_min_(restored))
+        return self.views(self.negate_min_(restored))
 
     def unpack_into(self, buffers: dict[BucketKey, torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
         """Copy each entry into `outputs[i]` (flat 1-D tensors of the entries' sizes, entry order).

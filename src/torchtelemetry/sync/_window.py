@@ -1,0 +1,291 @@
+"""A window of a PyTree of metrics: packed by class, computed in batches, read back in one go.
+
+`WindowPlan` lays the states out so that the K instances of a built-in class with the same state
+shapes sit side by side in their bucket: each state of the class is then a `(K, *shape)` view of
+the reduced buffer, and the class computes all K at once (`torchtelemetry.metric.batched_rule`).
+Custom metrics compute through their own `compute()`. Every result lands in one flat int64
+tensor (floats stored as their float64 bits), which becomes Python values with one `tolist()` per
+part and is unflattened into each metric's results. A window's tensor ops do not grow with the
+number of built-in metrics. Each rank's step rides along in a world-sized slot vector, so ranks
+that reduce different windows raise instead of mixing them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from torchtelemetry.metric import (
+    BatchedRule,
+    Metric,
+    MetricAccumulator,
+    ReduceOp,
+    batched_rule,
+    layout_generation,
+    window_state,
+)
+from torchtelemetry.sync._buckets import BucketKey, BucketLayout
+from torchtelemetry.sync._exchange import Slot, WindowExchange
+from torchtelemetry.sync._group import GroupLike, group_world_size, resolve_group
+from torchtelemetry.sync._sync import metric_leaves
+
+__all__ = ["STEPS_ENTRY", "WindowMismatchError", "WindowPlan", "sync_and_compute"]
+
+STEPS_ENTRY = "<window>.steps"
+"""The layout entry in which each rank writes its step (its own slot of a world-sized vector)."""
+
+
+class WindowMismatchError(RuntimeError):
+    """Ranks reduced windows that end at different steps."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Block:
+    """One state of a batched group: the K instances' states, contiguous in one bucket."""
+
+    attr: str
+    key: BucketKey
+    start: int
+    shape: tuple[int, ...]
+    numel: int
+
+
+@dataclass(slots=True)
+class _Group:
+    rule: BatchedRule
+    positions: list[int]
+    metrics: list[Metric]
+    blocks: list[_Block] = field(default_factory=list)
+    constants: dict[torch.device, Any] = field(default_factory=dict)
+
+    def constants_on(self, device: torch.device) -> Any:
+        if device not in self.constants:
+            self.constants[device] = self.rule.constants(self.metrics, device)
+        return self.constants[device]
+
+
+@dataclass(frozen=True, slots=True)
+class ResultLayout:
+    """Where each metric's result leaves sit in a window's flat result tensor."""
+
+    pieces: tuple[tuple[list[int], Any, list[tuple]], ...]
+    """(metric positions, results TreeSpec, leaf descriptors) per batched group or custom metric."""
+    floats: int
+    """Number of float64 words at the start of the flat tensor (int64 values follow)."""
+
+
+def _nested(values: list, shape: tuple[int, ...]) -> Any:
+    if not shape:
+        return values[0]
+    if len(shape) == 1:
+        return values
+    step = len(values) // shape[0]
+    return [_nested(values[i * step : (i + 1) * step], shape[1:]) for i in range(shape[0])]
+
+
+class WindowPlan:
+    """The packed layout and the batched compute of one PyTree's metrics, for a world of `world_size`."""
+
+    def __init__(self, named: list[tuple[str, Metric]], world_size: int) -> None:
+        self.named = named
+        devices = {acc.device for _, metric in named for acc in metric.accumulators.values()}
+        if len(devices) > 1:
+            raise RuntimeError(
+                f"metrics live on several devices {sorted(map(str, devices))}; "
+                "move them to one device with metric.to(device) first"
+            )
+        self.device = devices.pop() if devices else torch.device("cpu")
+        groups: dict[Any, _Group] = {}
+        self._custom: list[tuple[int, Metric]] = []
+        for position, (_, metric) in enumerate(named):
+            rule = batched_rule(metric)
+            if rule is None:
+                self._custom.append((position, metric))
+                continue
+            key = (
+                type(metric),
+                tuple((a, acc.reduce_op, acc.dtype, acc.shape) for a, acc in metric.accumulators.items()),
+            )
+            group = groups.setdefault(key, _Group(rule, [], []))
+            group.positions.append(position)
+            group.metrics.append(metric)
+        self._groups = list(groups.values())
+        entries: list[tuple[str, MetricAccumulator]] = []
+        starts: list[tuple[_Group, str, int]] = []
+        for group in self._groups:
+            for attr in group.metrics[0].accumulators:
+                starts.append((group, attr, len(entries)))
+                entries.extend(
+                    (f"{named[p][0]}.{attr}", m.accumulators[attr])
+                    for p, m in zip(group.positions, group.metrics, strict=True)
+                )
+        for position, metric in self._custom:
+            entries.extend((f"{named[position][0]}.{a}", acc) for a, acc in metric.accumulators.items())
+        self.accumulators: tuple[MetricAccumulator, ...] = tuple(acc for _, acc in entries)
+        sum_dtypes = {acc.dtype for acc in self.accumulators if acc.reduce_op is ReduceOp.SUM}
+        steps_dtype = (
+            torch.int64 if torch.int64 in sum_dtypes and torch.float64 not in sum_dtypes else torch.float64
+        )
+        self._steps = torch.zeros(world_size, dtype=steps_dtype, device=self.device)
+        self.layout = BucketLayout(
+            [(name, acc.local, acc.reduce_op) for name, acc in entries]
+            + [(STEPS_ENTRY, self._steps, ReduceOp.SUM)]
+        )
+        for group, attr, first in starts:
+            key, start = self.layout.offset(first)
+            shape = self.layout.shape(first)
+            group.blocks.append(_Block(attr, key, start, shape, math.prod(shape)))
+        self._steps_at = self.layout.offset(len(entries))
+        self.world_size = world_size
+        self.generation = layout_generation()
+
+    def local_tensors(self) -> list[torch.Tensor]:
+        """Each entry's local state, in layout entry order (the steps entry: zeros)."""
+        return [acc.local for acc in self.accumulators] + [self._steps]
+
+    def initial_tensors(self) -> list[torch.Tensor]:
+        """Each entry's initial state, in layout entry order."""
+        return [acc.initial for acc in self.accumulators] + [self._steps]
+
+    def write_step(self, buffers: dict[BucketKey, torch.Tensor], rank: int, step: int) -> None:
+        """Put this rank's `step` in its slot of the packed steps vector."""
+        key, start = self._steps_at
+        buffers[key][start + rank].fill_(step)
+
+    def compute(self, buffers: dict[BucketKey, torch.Tensor]) -> tuple[torch.Tensor, ResultLayout]:
+        """Every metric's results from the reduced `buffers`, as one flat int64 tensor on their device."""
+        floats: list[torch.Tensor] = []
+        ints: list[torch.Tensor] = []
+        counts = [0, 0]
+
+        def place(leaf: Any, k: int) -> tuple:
+            if not isinstance(leaf, torch.Tensor):
+                return ("value", leaf)
+            per_instance = leaf.numel() // k
+            part = 0 if leaf.is_floating_point() else 1
+            (floats if part == 0 else ints).append(leaf.reshape(-1))
+            kind = "bool" if leaf.dtype == torch.bool else ("float", "int")[part]
+            described = (kind, counts[part], per_instance, tuple(leaf.shape[1:]))
+            counts[part] += leaf.numel()
+            return described
+
+        pieces = []
+        device = next(iter(buffers.values())).device
+        for group in self._groups:
+            k = len(group.metrics)
+            states = {
+                block.attr: buffers[block.key][block.start : block.start + k * block.numel].view(
+                    k, *block.shape
+                )
+                for block in group.blocks
+            }
+            results = group.rule.compute(states, group.constants_on(device))
+            leaves, spec = pytree.tree_flatten(results)
+            pieces.append((group.positions, spec, [place(leaf, k) for leaf in leaves]))
+        if self._custom:
+            views = self.layout.views(buffers)
+            with window_state({id(acc): view for acc, view in zip(self.accumulators, views, strict=False)}):
+                for position, metric in self._custom:
+                    leaves, spec = pytree.tree_flatten(metric.compute())
+                    pieces.append(([position], spec, [place(_batch_of_one(leaf), 1) for leaf in leaves]))
+        key, start = self._steps_at
+        pieces.append(
+            (
+                [-1],
+                pytree.tree_structure(0),
+                [place(buffers[key][start : start + self.world_size].unsqueeze(0), 1)],
+            )
+        )
+        parts = []
+        if floats:
+            parts.append(torch.cat(floats).to(torch.float64).view(torch.int64))
+        if ints:
+            parts.append(torch.cat(ints).to(torch.int64))
+        return torch.cat(parts), ResultLayout(tuple(pieces), counts[0])
+
+    def results(self, flat: torch.Tensor, layout: ResultLayout) -> list[Any]:
+        """Each metric's results as Python values (host `flat` from `compute`), in `named` order.
+
+        Raises `WindowMismatchError` if the ranks' steps differ."""
+        values = (flat[: layout.floats].view(torch.float64).tolist(), flat[layout.floats :].tolist())
+        out: list[Any] = [None] * len(self.named)
+        for positions, spec, described in layout.pieces:
+            per_metric: list[list[Any]] = [[] for _ in positions]
+            for leaf in described:
+                if leaf[0] == "value":
+                    for instance in per_metric:
+                        instance.append(leaf[1])
+                    continue
+                kind, start, size, shape = leaf
+                source = values[0 if kind == "float" else 1]
+                for i, instance in enumerate(per_metric):
+                    chunk = source[start + i * size : start + (i + 1) * size]
+                    instance.append(_nested([bool(v) for v in chunk] if kind == "bool" else chunk, shape))
+            if positions == [-1]:
+                self._check_steps(per_metric[0][0])
+                continue
+            for position, instance in zip(positions, per_metric, strict=True):
+                out[position] = pytree.tree_unflatten(instance, spec)
+        return out
+
+    @staticmethod
+    def _check_steps(steps: list[float | int]) -> None:
+        if len(set(steps)) > 1:
+            per_rank = ", ".join(f"rank {rank} at step {int(step)}" for rank, step in enumerate(steps))
+            raise WindowMismatchError(
+                f"ranks collected different windows ({per_rank}); every rank must schedule a collection "
+                "at the same steps (call Telemetry.step() / schedule_collection() the same way on every rank)"
+            )
+
+
+def _batch_of_one(leaf: Any) -> Any:
+    return leaf.unsqueeze(0) if isinstance(leaf, torch.Tensor) else leaf
+
+
+@dataclass(frozen=True, slots=True)
+class _Prepared:
+    plan: WindowPlan
+    exchange: WindowExchange
+    slot: Slot
+    targets: list[torch.Tensor]
+    spec: Any
+    leaves: tuple[Any, ...]
+    """The PyTree's leaves, kept alive so that the ids in the cache key stay theirs."""
+
+
+_PREPARED: OrderedDict[tuple, _Prepared] = OrderedDict()
+_MAX_PREPARED = 16
+
+
+def sync_and_compute(metrics: Any, group: GroupLike = None) -> Any:
+    """Reduce `metrics` (a Metric or a PyTree of them) across `group` and return their results now.
+
+    The blocking one-call path, e.g. for evaluation loops: every state in one packed slot, one
+    collective while the payload is small (see `WindowExchange`), built-in metrics computed in
+    batches, one host copy, results as Python scalars and lists in the structure of the tree.
+    Reads the local states without changing them.
+    """
+    resolved = resolve_group(group, op="sync_and_compute")
+    leaves, spec = pytree.tree_flatten(metrics)
+    key = (None if resolved is None else resolved.group_name, *map(id, leaves))
+    prepared = _PREPARED.get(key)
+    if prepared is None or prepared.plan.generation != layout_generation() or prepared.spec != spec:
+        plan = WindowPlan(metric_leaves(metrics, op="sync_and_compute"), group_world_size(resolved))
+        exchange = WindowExchange(plan.layout, resolved)
+        slot = exchange.new_slot(plan.device)
+        prepared = _Prepared(plan, exchange, slot, plan.layout.views(slot.buffers), spec, tuple(leaves))
+        _PREPARED[key] = prepared
+        while len(_PREPARED) > _MAX_PREPARED:
+            _PREPARED.popitem(last=False)
+    _PREPARED.move_to_end(key)
+    plan, exchange, slot = prepared.plan, prepared.exchange, prepared.slot
+    torch._foreach_copy_(prepared.targets, plan.local_tensors())
+    plan.layout.negate_min_(slot.buffers)
+    exchange.reduce(slot)
+    flat, layout = plan.compute(exchange.reduced(slot))
+    return pytree.tree_unflatten(plan.results(flat.cpu(), layout), spec)

@@ -1,0 +1,167 @@
+"""Batched compute and `sync_and_compute`: the values of each metric's own `compute()`, in a number
+of tensor ops that does not grow with the number of built-in metrics."""
+
+from __future__ import annotations
+
+import collections
+import math
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import torchtelemetry as tt
+from tests.collect.test_collector import assert_same, expected_window, feed_window, make_metrics
+from tests.distributed import run_ranks
+from tests.sync.collectives import CollectiveCounter
+from torchtelemetry.collect import AsyncMetricCollector, to_python
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the aten ops dispatched in this thread."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def every_builtin(copies: int) -> dict[str, tt.Metric]:
+    """`copies` instances of each built-in, some with their own shapes, dtypes and kinds."""
+    metrics: dict[str, tt.Metric] = {}
+    for i in range(copies):
+        metrics |= {
+            f"sum{i}": tt.SumMetric(kind="counter"),
+            f"events{i}": tt.SumMetric(dtype=torch.int64),
+            f"mean{i}": tt.WeightedMeanMetric(),
+            f"mean32_{i}": tt.WeightedMeanMetric(dtype=torch.float32),
+            f"max{i}": tt.MaxMetric(),
+            f"min{i}": tt.MinMetric(),
+            f"acc{i}": tt.AccuracyMetric(top_k=2),
+            f"rank{i}": tt.PerRankMetric(3, i % 3),
+            f"cm{i}": tt.ConfusionMatrixMetric(3 + i % 2),
+            f"auroc{i}": tt.BinaryAUROCMetric(num_bins=8 + i % 2),
+            f"hist{i}": tt.HistogramMetric(bins=[0.5, 1.0 + i % 2]),
+        }
+    return metrics
+
+
+def feed(metrics: dict[str, tt.Metric], seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for name, metric in metrics.items():
+        if name.startswith("mean") and name.endswith("1"):
+            continue  # a mean that saw nothing: NaN
+        if isinstance(
+            metric, (tt.SumMetric, tt.MaxMetric, tt.MinMetric, tt.PerRankMetric, tt.HistogramMetric)
+        ):
+            values = torch.randint(-8, 16, (5,), generator=gen) / 4
+            if name.startswith(("sum", "events")):  # counters: non-negative
+                values = values.abs()
+            metric.update(values.long() if name.startswith("events") else values)
+        elif isinstance(metric, tt.WeightedMeanMetric):
+            metric.update(torch.rand(4, generator=gen), torch.randint(0, 4, (4,), generator=gen).float())
+        elif isinstance(metric, tt.AccuracyMetric):
+            metric.update(torch.randn(6, 4, generator=gen), torch.randint(0, 4, (6,), generator=gen))
+        elif isinstance(metric, tt.ConfusionMatrixMetric):
+            c = metric.num_classes
+            metric.update(torch.randint(0, c, (9,), generator=gen), torch.randint(0, c, (9,), generator=gen))
+        else:
+            metric.update(torch.rand(12, generator=gen), torch.randint(0, 2, (12,), generator=gen))
+
+
+def blocking_results(metrics: Any) -> Any:
+    tt.sync_metrics(metrics)
+    return to_python(pytree.tree_map(lambda metric: metric.compute(), metrics))
+
+
+def test_batched_results_equal_each_metrics_own_compute() -> None:
+    metrics = every_builtin(3)
+    feed(metrics, 0)
+    expected = blocking_results(metrics)
+    assert math.isnan(expected["mean1"])
+    assert_same(tt.sync_and_compute(metrics), expected)
+    with AsyncMetricCollector(metrics) as collector:
+        collector.schedule_collection()
+        assert_same(collector.collect_results(), expected)
+
+
+def test_ops_per_window_do_not_grow_with_the_number_of_builtin_metrics() -> None:
+    counts = {}
+    for copies in (2, 24):
+        metrics = every_builtin(copies)
+        feed(metrics, 1)
+        expected = blocking_results(metrics)
+        tt.sync_and_compute(metrics)  # builds and caches the plan
+        with OpCounter() as counter:
+            results = tt.sync_and_compute(metrics)
+        assert_same(results, expected)
+        counts[copies] = counter.ops
+    assert counts[2] == counts[24]
+    assert sum(counts[24].values()) < 200  # for 264 metrics of 11 kinds
+
+
+class RangeMetric(tt.Metric):
+    """A custom metric: its own compute(), with a non-tensor leaf."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.high = tt.MetricAccumulator(-math.inf, "max", dtype=torch.float64)
+        self.low = tt.MetricAccumulator(math.inf, "min", dtype=torch.float64)
+
+    def update(self, value: torch.Tensor) -> None:
+        self.high.update(value.amax())
+        self.low.update(value.amin())
+
+    def compute(self) -> dict[str, Any]:
+        return {
+            "range": self.high.value - self.low.value,
+            "version": 2,
+            "seen": self.high.value > self.low.value,
+        }
+
+
+class DoubledSum(tt.SumMetric):
+    """A subclass of a built-in that overrides compute(): its own compute() must be used."""
+
+    def compute(self) -> torch.Tensor:
+        return self.total.value * 2
+
+
+def test_custom_metrics_and_overriding_subclasses_use_their_own_compute() -> None:
+    metrics = {"range": RangeMetric(), "doubled": DoubledSum(), "sum": tt.SumMetric()}
+    for metric in metrics.values():
+        metric.update(torch.tensor([1.0, 4.5]))
+    expected = {"range": {"range": 3.5, "version": 2, "seen": True}, "doubled": 11.0, "sum": 5.5}
+    assert_same(tt.sync_and_compute(metrics), expected)
+    with AsyncMetricCollector(metrics) as collector:
+        collector.schedule_collection()
+        assert_same(collector.collect_results(), expected)
+
+
+def test_sync_and_compute_reads_without_resetting() -> None:
+    metric = tt.WeightedMeanMetric()
+    metric.update(torch.tensor(3.0), 2.0)
+    assert tt.sync_and_compute(metric) == 3.0
+    metric.update(torch.tensor(0.0), 1.0)
+    assert tt.sync_and_compute(metric) == 2.0
+
+
+def _sync_and_compute_rank(rank: int, world_size: int) -> dict[str, Any]:
+    counter = CollectiveCounter()
+    metrics = make_metrics(rank, world_size)
+    feed_window(metrics, rank, 1)
+    first = tt.sync_and_compute(metrics)
+    with counter.counting() as counted:
+        again = tt.sync_and_compute(metrics)
+    return {"first": first, "again": again, "calls": dict(counted)}
+
+
+def test_sync_and_compute_is_exact_with_one_collective_on_4_ranks() -> None:
+    for outcome in run_ranks(_sync_and_compute_rank, 4, timeout_s=240):
+        assert_same(outcome["first"], expected_window(1, 4))
+        assert_same(outcome["again"], expected_window(1, 4))
+        assert outcome["calls"] == {"all_reduce": 1}
