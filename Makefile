@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint system-deps venv bench clean
+.PHONY: demo test lint system-deps venv bench gpu-check clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,9 +29,14 @@ lint: $(STAMP)
 test: system-deps $(STAMP) lint
 	$(PY) -m pytest -q -p no:cacheprovider
 
-bench: $(STAMP)  # the three comparisons of bench/README.md (bench.soak is a separate, long run)
+# On a machine with a CUDA device: the cuda-marked tests and the GPU collection benchmark, one table.
+gpu-check: $(STAMP)
+	$(PY) -m bench.gpu_check
+
+bench: $(STAMP)  # the comparisons of bench/README.md (bench.soak is a separate, long run)
 	$(PY) -m bench.bench_sync
 	$(PY) -m bench.bench_collect
+	$(PY) -m bench.bench_window
 	$(PY) -m bench.bench_demo
 
 clean:

@@ -1,8 +1,9 @@
 """What asynchronous collection costs the training loop (AsyncMetricCollector, 2 gloo ranks).
 
-Run from the repository root (2 gloo ranks on this machine's CPUs):
+Run from the repository root (2 gloo ranks on this machine's CPUs by default):
 
     .venv/bin/python -m bench.bench_collect [--metrics 128] [--windows 200] [--reps 30] [--steps 100]
+        [--world-size 2]
 
 1. **schedule vs blocking**: 128 metrics (weighted mean / sum / max / min, cycling). Per
    window every metric gets one update, then rank 0 times, alternately, the main thread's
@@ -221,9 +222,13 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--idle", type=int, default=124, help="extra idle metrics collected (0: skip)")
+    parser.add_argument("--world-size", type=int, default=2, help="gloo ranks (1: one free core)")
     args = parser.parse_args()
-    per_rank = run_ranks(_bench_rank, 2, args, timeout_s=3600)
-    print(f"torch {torch.__version__}, {platform.processor() or platform.machine()}, world size 2 (gloo)")
+    per_rank = run_ranks(_bench_rank, args.world_size, args, timeout_s=3600)
+    print(
+        f"torch {torch.__version__}, {platform.processor() or platform.machine()}, "
+        f"world size {args.world_size} (gloo)"
+    )
     print(_report(per_rank[0], args))
 
 

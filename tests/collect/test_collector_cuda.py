@@ -1,11 +1,15 @@
-"""AsyncMetricCollector on a CUDA device: no host sync on the training thread, a side stream that overlaps.
+"""AsyncMetricCollector on a CUDA device (`make gpu-check`): no host sync on the training thread, both
+transports exact, a side stream that overlaps the training's work.
 
-Single process, no process group: the collection is the snapshot, compute and pinned copy on the side
-stream (the collectives are covered by the gloo tests, which share every other line of code).
+Every line shared with the CPU path (packing, the exchange, batched compute, results) is covered by the
+gloo tests; these cover what only a GPU has: events, pinned copies, the side stream and NCCL.
 """
 
 from __future__ import annotations
 
+import datetime
+import os
+import tempfile
 from typing import Any
 
 import pytest
@@ -13,6 +17,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 import torchtelemetry as tt
+from tests.distributed import run_ranks
 from torchtelemetry.collect import AsyncMetricCollector, to_python
 
 pytestmark = [
@@ -21,6 +26,7 @@ pytestmark = [
 ]
 
 DEVICE = "cuda"
+TRANSPORTS = ["host", "device"]
 
 
 def _metrics() -> dict[str, tt.Metric]:
@@ -77,10 +83,12 @@ def _expected(steps: range) -> Any:
     return to_python({name: metric.compute() for name, metric in metrics.items()})
 
 
-def test_update_and_schedule_issue_no_host_sync() -> None:
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_update_and_schedule_issue_no_host_sync(transport: str) -> None:
     metrics = {name: metric.to(DEVICE) for name, metric in _metrics().items()}
     batches = [_to(_batch(step), DEVICE) for step in range(8)]
-    with AsyncMetricCollector(metrics) as collector:
+    with AsyncMetricCollector(metrics, transport=transport) as collector:  # type: ignore[arg-type]
+        assert collector.transport_in_use() == transport
         # Warm up: the first window allocates the side stream's buffers and pinned host memory.
         for batch in batches[:4]:
             _update(metrics, batch)
@@ -105,10 +113,36 @@ def test_update_and_schedule_issue_no_host_sync() -> None:
     _assert_close(following, _expected(range(2)))
 
 
-def test_side_stream_overlaps_main_stream_work() -> None:
+def test_telemetry_step_issues_no_host_sync() -> None:
+    metrics = {name: metric.to(DEVICE) for name, metric in _metrics().items()}
+    batches = [_to(_batch(step), DEVICE) for step in range(8)]
+    telemetry = tt.Telemetry(metrics, every=4)
+    try:
+        for step, batch in enumerate(batches[:4]):  # warm-up window
+            _update(metrics, batch)
+            telemetry.step(step, tokens=batch["tokens"])
+        telemetry.flush()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for step, batch in enumerate(batches[4:], start=4):
+                _update(metrics, batch)
+                telemetry.step(step, tokens=batch["tokens"])  # schedules at step 7
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        telemetry.flush()
+        assert telemetry.latest_step == 7
+        assert telemetry.latest["loss"] == pytest.approx(_expected(range(4, 8))["loss"], rel=1e-9)
+    finally:
+        telemetry.close()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_side_stream_overlaps_a_long_matmul_on_the_main_stream(transport: str) -> None:
     metrics = {name: metric.to(DEVICE) for name, metric in _metrics().items()}
     batches = [_to(_batch(step), DEVICE) for step in range(4)]
-    with AsyncMetricCollector(metrics) as collector:
+    weights = torch.randn(4096, 4096, device=DEVICE)
+    with AsyncMetricCollector(metrics, transport=transport) as collector:  # type: ignore[arg-type]
         for batch in batches:  # warm-up window: allocations happen here, not under the check
             _update(metrics, batch)
         collector.schedule_collection()
@@ -118,14 +152,17 @@ def test_side_stream_overlaps_main_stream_work() -> None:
         for batch in batches:
             _update(metrics, batch)
         collector.schedule_collection()
-        # Long work on the training stream right after scheduling (a spin kernel of about a second).
+        # Long work on the training stream right after scheduling: a chain of matmuls (~30 TFLOP).
         main_busy_from, main_busy_until = torch.cuda.Event(), torch.cuda.Event()
         main_busy_from.record()
-        torch.cuda._sleep(2_000_000_000)
+        activations = weights
+        for _ in range(250):
+            activations = torch.tanh(activations @ weights)
         main_busy_until.record()
         results = collector.collect_results()
-        # The window was reduced, computed and copied to the host while the training stream was
-        # still busy: the side stream waited only for the snapshot, not for later training work.
+        # The window was copied (host transport) or reduced, computed and copied on the side stream
+        # (device transport) while the training stream was still busy: it waited only for the
+        # snapshot, not for later training work.
         assert main_busy_from.query()
         assert not main_busy_until.query()
         torch.cuda.synchronize()
@@ -141,6 +178,68 @@ def test_results_are_python_scalars_from_pinned_memory() -> None:
     leaves = pytree.tree_leaves(results)
     assert leaves and all(type(leaf) in (float, int, bool) for leaf in leaves)
     _assert_close(results, _expected(range(1)))
+
+
+# -- with process groups --------------------------------------------------------------------
+
+
+def _shared_gpu_rank(rank: int, world_size: int) -> dict[str, Any]:
+    """Both ranks keep their metrics on the one GPU; the host transport reduces over gloo."""
+    metrics = {"loss": tt.WeightedMeanMetric(), "worst": tt.MaxMetric(), "best": tt.MinMetric()}
+    for metric in metrics.values():
+        metric.to(DEVICE)
+    results = []
+    with AsyncMetricCollector(metrics, timeout_s=60) as collector:
+        in_use = collector.transport_in_use()
+        for window in range(4):
+            for step in range(2):
+                value = torch.tensor(float(rank + window + step) / 4, device=DEVICE)
+                metrics["loss"].update(value, torch.tensor(1.0 + rank, device=DEVICE))
+                metrics["worst"].update(value)
+                metrics["best"].update(value)
+            collector.schedule_collection()
+        results = [collector.collect_results() for _ in range(4)]
+    return {"in_use": in_use, "results": results}
+
+
+def test_host_transport_with_two_ranks_sharing_one_gpu_over_gloo() -> None:
+    for outcome in run_ranks(_shared_gpu_rank, 2, timeout_s=240):
+        assert outcome["in_use"] == "host"
+        for window, result in enumerate(outcome["results"]):
+            values = {r: [(r + window + s) / 4 for s in range(2)] for r in range(2)}
+            weighted = sum(v * (1 + r) for r, vs in values.items() for v in vs)
+            every = [v for vs in values.values() for v in vs]
+            assert result == {"loss": weighted / 6, "worst": max(every), "best": min(every)}
+
+
+def test_device_transport_at_world_size_one_with_nccl() -> None:
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _world
+
+    with tempfile.TemporaryDirectory() as rendezvous:
+        dist.init_process_group(
+            "nccl",
+            init_method=f"file://{os.path.join(rendezvous, 'store')}",
+            rank=0,
+            world_size=1,
+            timeout=datetime.timedelta(seconds=60),
+            device_id=torch.device(DEVICE, torch.cuda.current_device()),
+        )
+        try:
+            metrics = {name: metric.to(DEVICE) for name, metric in _metrics().items()}
+            groups_before = len(_world.pg_map)
+            with AsyncMetricCollector(metrics, transport="device") as collector:
+                assert len(_world.pg_map) == groups_before  # the training's own group, no second one
+                windows = [range(0, 3), range(3, 5), range(5, 9)]
+                for steps in windows:
+                    for step in steps:
+                        _update(metrics, _to(_batch(step), DEVICE))
+                    collector.schedule_collection(step=steps[-1])
+                results = [collector.collect_results() for _ in windows]
+        finally:
+            dist.destroy_process_group()
+    for steps, result in zip(windows, results, strict=True):
+        _assert_close(result, _expected(steps))
 
 
 def _assert_close(actual: Any, expected: Any) -> None:

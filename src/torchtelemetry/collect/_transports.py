@@ -135,7 +135,8 @@ class Transport:
     def _snapshot(self, window: int, reset: Callable[[], None]) -> Slot:
         """Copy the local storage into the window's slot (one copy per bucket), then reset it."""
         slot = self._slots[window % len(self._slots)]
-        torch._foreach_copy_(list(slot.buffers.values()), self._sources, non_blocking=True)
+        for target, source in zip(slot.buffers.values(), self._sources, strict=True):
+            target.copy_(source, non_blocking=True)
         reset()
         return slot
 
@@ -203,7 +204,8 @@ class DeviceTransport(Transport):
         slots = [exchange.new_slot(plan.device, private_rows=True) for _ in range(ring)]
         super().__init__(plan, storage, exchange, slots, timeout_s)
         self._stream = torch.cuda.Stream(plan.device) if plan.device.type == "cuda" else None
-        self._results: list[torch.Tensor | None] = [None] * ring
+        self._results: list[torch.Tensor] = []
+        """Pinned host buffers for each ring slot's packed results, allocated at the first window."""
 
     def schedule(self, window: int, step: int, reset: Callable[[], None]) -> Finish:
         """Training thread: snapshot, then issue the collective here, in program order on every rank."""
@@ -234,10 +236,11 @@ class DeviceTransport(Transport):
             for work in works:
                 work.wait()  # the side stream waits for the collective; the host does not
             flat, layout = plan.compute(exchange.reduced(slot))
-            index = window % len(self._results)
-            host = self._results[index]
-            if host is None or host.shape != flat.shape:
-                host = self._results[index] = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+            if not self._results or self._results[0].shape != flat.shape:
+                self._results = [
+                    torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True) for _ in self._slots
+                ]
+            host = self._results[window % len(self._slots)]
             host.copy_(flat, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self._stream)
