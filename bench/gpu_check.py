@@ -16,18 +16,15 @@ Run from the repository root on a machine with a CUDA device:
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
+from tests.distributed import nccl_world_of_one
 
 import torchtelemetry as tt
 from torchtelemetry.collect import AsyncMetricCollector
@@ -79,23 +76,12 @@ def _window_figures(k: int, transport: str, windows: int) -> dict[str, float]:
 
 
 def _benchmark(windows: int) -> list[tuple[str, int, dict[str, float]]]:
-    with tempfile.TemporaryDirectory() as rendezvous:
-        dist.init_process_group(
-            "nccl",
-            init_method=f"file://{os.path.join(rendezvous, 'store')}",
-            rank=0,
-            world_size=1,
-            timeout=datetime.timedelta(seconds=60),
-            device_id=torch.device("cuda", torch.cuda.current_device()),
-        )
-        try:
-            return [
-                (transport, k, _window_figures(k, transport, windows))
-                for transport in ("host", "device")
-                for k in _SIZES
-            ]
-        finally:
-            dist.destroy_process_group()
+    with nccl_world_of_one():
+        return [
+            (transport, k, _window_figures(k, transport, windows))
+            for transport in ("host", "device")
+            for k in _SIZES
+        ]
 
 
 def main() -> None:

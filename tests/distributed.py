@@ -10,7 +10,8 @@ import signal
 import socket
 import tempfile
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch.distributed as dist
@@ -49,6 +50,26 @@ def _entry(
         results.put((rank, False, f"{type(error).__name__}: {error}\n{traceback.format_exc()}"))
     finally:
         if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@contextmanager
+def nccl_world_of_one() -> Iterator[None]:
+    """This process as the only rank of a default NCCL process group on its current CUDA device."""
+    import torch
+
+    with tempfile.TemporaryDirectory(prefix="torchtelemetry-rdzv-") as rendezvous:
+        dist.init_process_group(
+            "nccl",
+            init_method=f"file://{os.path.join(rendezvous, 'store')}",
+            rank=0,
+            world_size=1,
+            timeout=datetime.timedelta(seconds=60),
+            device_id=torch.device("cuda", torch.cuda.current_device()),
+        )
+        try:
+            yield
+        finally:
             dist.destroy_process_group()
 
 

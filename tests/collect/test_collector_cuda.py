@@ -7,9 +7,6 @@ gloo tests; these cover what only a GPU has: events, pinned copies, the side str
 
 from __future__ import annotations
 
-import datetime
-import os
-import tempfile
 from typing import Any
 
 import pytest
@@ -17,7 +14,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 import torchtelemetry as tt
-from tests.distributed import run_ranks
+from tests.distributed import nccl_world_of_one, run_ranks
 from torchtelemetry.collect import AsyncMetricCollector, to_python
 
 pytestmark = [
@@ -213,31 +210,19 @@ def test_host_transport_with_two_ranks_sharing_one_gpu_over_gloo() -> None:
 
 
 def test_device_transport_at_world_size_one_with_nccl() -> None:
-    import torch.distributed as dist
     from torch.distributed.distributed_c10d import _world
 
-    with tempfile.TemporaryDirectory() as rendezvous:
-        dist.init_process_group(
-            "nccl",
-            init_method=f"file://{os.path.join(rendezvous, 'store')}",
-            rank=0,
-            world_size=1,
-            timeout=datetime.timedelta(seconds=60),
-            device_id=torch.device(DEVICE, torch.cuda.current_device()),
-        )
-        try:
-            metrics = {name: metric.to(DEVICE) for name, metric in _metrics().items()}
-            groups_before = len(_world.pg_map)
-            with AsyncMetricCollector(metrics, transport="device") as collector:
-                assert len(_world.pg_map) == groups_before  # the training's own group, no second one
-                windows = [range(0, 3), range(3, 5), range(5, 9)]
-                for steps in windows:
-                    for step in steps:
-                        _update(metrics, _to(_batch(step), DEVICE))
-                    collector.schedule_collection(step=steps[-1])
-                results = [collector.collect_results() for _ in windows]
-        finally:
-            dist.destroy_process_group()
+    with nccl_world_of_one():
+        metrics = {name: metric.to(DEVICE) for name, metric in _metrics().items()}
+        groups_before = len(_world.pg_map)
+        with AsyncMetricCollector(metrics, transport="device") as collector:
+            assert len(_world.pg_map) == groups_before  # the training's own group, no second one
+            windows = [range(0, 3), range(3, 5), range(5, 9)]
+            for steps in windows:
+                for step in steps:
+                    _update(metrics, _to(_batch(step), DEVICE))
+                collector.schedule_collection(step=steps[-1])
+            results = [collector.collect_results() for _ in windows]
     for steps, result in zip(windows, results, strict=True):
         _assert_close(result, _expected(steps))
 

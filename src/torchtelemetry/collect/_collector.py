@@ -58,7 +58,7 @@ class AsyncMetricCollector:
     `collect_results()` returns the oldest window's results as Python scalars, in
     the structure of the metrics' `compute()` outputs.
 
-    Transports (see docs/reliability.md, "Collection on GPUs"):
+    Transports (docs/collection.md):
 
     - `"host"`: the slot is host memory (pinned, filled by a non-blocking copy on CUDA); a
       worker thread reduces it on a gloo group of the same ranks and computes on the host.

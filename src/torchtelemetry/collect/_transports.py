@@ -118,19 +118,32 @@ class Plan:
 class Transport:
     """The ring of slots and the snapshot into them, shared by both transports."""
 
+    issued_by_worker: bool
+    """Whether the worker thread issues the collectives (then only on a gloo group)."""
+
     def __init__(
         self,
         plan: WindowPlan,
         storage: dict[Any, torch.Tensor],
-        exchange: WindowExchange,
-        slots: list[Slot],
+        group: dist.ProcessGroup | None,
+        ring: int,
         timeout_s: float,
     ) -> None:
+        if self.issued_by_worker and group is not None and dist.get_backend(group) != "gloo":
+            # NCCL's thread-safety rule: a worker thread never drives an accelerator communicator.
+            raise ValueError(f"{type(self).__name__}: needs a gloo group, got {dist.get_backend(group)}")
         self.plan = plan
-        self.exchange = exchange
+        self.exchange = WindowExchange(plan.layout, group)
         self.timeout_s = timeout_s
         self._sources = [storage[key] for key in plan.layout.buckets]
-        self._slots = slots
+        self._slots = [self._new_slot() for _ in range(ring)]
+        self._prepare()
+
+    def _new_slot(self) -> Slot:
+        raise NotImplementedError
+
+    def _prepare(self) -> None:
+        """Per-transport set-up once the ring exists."""
 
     def _snapshot(self, window: int, reset: Callable[[], None]) -> Slot:
         """Copy the local storage into the window's slot (one copy per bucket), then reset it."""
@@ -148,27 +161,15 @@ class Transport:
 class HostTransport(Transport):
     """Host slots (pinned on CUDA) reduced by the worker on a gloo group, computed on the host."""
 
-    def __init__(
-        self,
-        plan: WindowPlan,
-        storage: dict[Any, torch.Tensor],
-        group: dist.ProcessGroup | None,
-        ring: int,
-        timeout_s: float,
-    ) -> None:
-        # The worker thread issues this transport's collectives: never on an accelerator communicator.
-        if group is not None and dist.get_backend(group) != "gloo":
-            raise ValueError(f"HostTransport: needs a gloo group, got {dist.get_backend(group)}")
-        exchange = WindowExchange(plan.layout, group)
-        pin = plan.device.type == "cuda"
-        slots = [exchange.new_slot(torch.device("cpu"), pin_memory=pin) for _ in range(ring)]
-        super().__init__(plan, storage, exchange, slots, timeout_s)
-        self._cuda = plan.device.type == "cuda"
+    issued_by_worker = True
+
+    def _new_slot(self) -> Slot:
+        return self.exchange.new_slot(torch.device("cpu"), pin_memory=self.plan.device.type == "cuda")
 
     def schedule(self, window: int, step: int, reset: Callable[[], None]) -> Finish:
         slot = self._snapshot(window, reset)
         copied = None
-        if self._cuda:
+        if self.plan.device.type == "cuda":
             copied = torch.cuda.Event()
             copied.record(torch.cuda.current_stream(self.plan.device))
         return functools.partial(self._finish, slot, step, copied)
@@ -192,20 +193,16 @@ class HostTransport(Transport):
 class DeviceTransport(Transport):
     """Device slots reduced by the training thread on the training's own group, asynchronously."""
 
-    def __init__(
-        self,
-        plan: WindowPlan,
-        storage: dict[Any, torch.Tensor],
-        group: dist.ProcessGroup | None,
-        ring: int,
-        timeout_s: float,
-    ) -> None:
-        exchange = WindowExchange(plan.layout, group)
-        slots = [exchange.new_slot(plan.device, private_rows=True) for _ in range(ring)]
-        super().__init__(plan, storage, exchange, slots, timeout_s)
+    issued_by_worker = False
+
+    def _prepare(self) -> None:
+        plan = self.plan
         self._stream = torch.cuda.Stream(plan.device) if plan.device.type == "cuda" else None
         self._results: list[torch.Tensor] = []
         """Pinned host buffers for each ring slot's packed results, allocated at the first window."""
+
+    def _new_slot(self) -> Slot:
+        return self.exchange.new_slot(self.plan.device, private_rows=True)
 
     def schedule(self, window: int, step: int, reset: Callable[[], None]) -> Finish:
         """Training thread: snapshot, then issue the collective here, in program order on every rank."""

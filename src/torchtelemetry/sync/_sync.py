@@ -11,8 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
-from torchtelemetry.metric import Metric, MetricAccumulator, ReduceOp
-from torchtelemetry.metric._accumulator import layout_generation
+from torchtelemetry.metric import Metric, MetricAccumulator, ReduceOp, layout_generation
 from torchtelemetry.sync._buckets import BucketKey, BucketLayout
 from torchtelemetry.sync._group import GroupLike, comm_device, resolve_group
 
