@@ -7,6 +7,7 @@ import collections
 import math
 from typing import Any
 
+import pytest
 import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -165,3 +166,21 @@ def test_sync_and_compute_is_exact_with_one_collective_on_4_ranks() -> None:
         assert_same(outcome["first"], expected_window(1, 4))
         assert_same(outcome["again"], expected_window(1, 4))
         assert outcome["calls"] == {"all_reduce": 1}
+
+
+class OffsetCounts(tt.Metric):
+    """A custom compute() using a tensor constant kept on another device than the window's state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts = tt.MetricAccumulator(torch.zeros(2), "sum")
+        self.offset = torch.ones(2, device="meta")
+
+    def compute(self) -> torch.Tensor:
+        return self.counts.value + self.offset
+
+
+def test_a_custom_compute_that_fails_on_the_window_device_names_the_metric() -> None:
+    expected = r"shifted: OffsetCounts.compute\(\) failed on the window's state on cpu"
+    with pytest.raises(RuntimeError, match=expected):
+        tt.sync_and_compute({"shifted": OffsetCounts()})

@@ -12,8 +12,11 @@ that reduce different windows raise instead of mixing them.
 
 from __future__ import annotations
 
+import functools
 import math
+import operator
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +41,10 @@ __all__ = ["STEPS_ENTRY", "WindowMismatchError", "WindowPlan", "sync_and_compute
 
 STEPS_ENTRY = "<window>.steps"
 """The layout entry in which each rank writes its step (its own slot of a world-sized vector)."""
+
+
+_LEAF = pytree.tree_structure(0)
+_ONE_LEAF = operator.itemgetter(0)
 
 
 class WindowMismatchError(RuntimeError):
@@ -74,9 +81,20 @@ class ResultLayout:
     """Where each metric's result leaves sit in a window's flat result tensor."""
 
     pieces: tuple[tuple[list[int], Any, list[tuple]], ...]
-    """(metric positions, results TreeSpec, leaf descriptors) per batched group or custom metric."""
+    """(metric positions, results builder from leaves, leaf descriptors) per batched group or custom
+    metric."""
     floats: int
     """Number of float64 words at the start of the flat tensor (int64 values follow)."""
+
+
+def _builder(spec: pytree.TreeSpec) -> Callable[[list[Any]], Any]:
+    """A fast `tree_unflatten` for the specs results have most: a leaf, or a dict of leaves."""
+    if spec.is_leaf():
+        return _ONE_LEAF
+    if spec.type is dict and all(child.is_leaf() for child in spec.children()):
+        keys = tuple(spec.context)
+        return lambda leaves: dict(zip(keys, leaves, strict=True))
+    return functools.partial(pytree.tree_unflatten, treespec=spec)
 
 
 def _nested(values: list, shape: tuple[int, ...]) -> Any:
@@ -186,13 +204,15 @@ class WindowPlan:
             }
             results = group.rule.compute(states, group.constants_on(device))
             leaves, spec = pytree.tree_flatten(results)
-            pieces.append((group.positions, spec, [place(leaf, k) for leaf in leaves]))
+            pieces.append((group.positions, _builder(spec), [place(leaf, k) for leaf in leaves]))
         if self._custom:
             views = self.layout.views(buffers)
             with window_state({id(acc): view for acc, view in zip(self.accumulators, views, strict=False)}):
                 for position, metric in self._custom:
-                    leaves, spec = pytree.tree_flatten(metric.compute())
-                    pieces.append(([position], spec, [place(_batch_of_one(leaf), 1) for leaf in leaves]))
+                    leaves, spec = pytree.tree_flatten(self._custom_compute(position, metric, device))
+                    pieces.append(
+                        ([position], _builder(spec), [place(_batch_of_one(leaf), 1) for leaf in leaves])
+                    )
         key, start = self._steps_at
         pieces.append(
             (
@@ -208,13 +228,29 @@ class WindowPlan:
             parts.append(torch.cat(ints).to(torch.int64))
         return torch.cat(parts), ResultLayout(tuple(pieces), counts[0])
 
+    def _custom_compute(self, position: int, metric: Metric, device: torch.device) -> Any:
+        try:
+            return metric.compute()
+        except RuntimeError as error:
+            raise RuntimeError(
+                f"{self.named[position][0]}: {type(metric).__name__}.compute() failed on the window's "
+                f"state on {device} ({error}); compute() must read its state through each "
+                "accumulator's `value` and work on that device (keep tensor constants there too)"
+            ) from error
+
     def results(self, flat: torch.Tensor, layout: ResultLayout) -> list[Any]:
         """Each metric's results as Python values (host `flat` from `compute`), in `named` order.
 
         Raises `WindowMismatchError` if the ranks' steps differ."""
         values = (flat[: layout.floats].view(torch.float64).tolist(), flat[layout.floats :].tolist())
         out: list[Any] = [None] * len(self.named)
-        for positions, spec, described in layout.pieces:
+        for positions, build, described in layout.pieces:
+            if build is _ONE_LEAF and described[0][0] in ("float", "int") and not described[0][3]:
+                start = described[0][1]  # the common case: one scalar per metric
+                scalars = values[described[0][0] == "int"][start : start + len(positions)]
+                for position, scalar in zip(positions, scalars, strict=True):
+                    out[position] = scalar
+                continue
             per_metric: list[list[Any]] = [[] for _ in positions]
             for leaf in described:
                 if leaf[0] == "value":
@@ -230,7 +266,7 @@ class WindowPlan:
                 self._check_steps(per_metric[0][0])
                 continue
             for position, instance in zip(positions, per_metric, strict=True):
-                out[position] = pytree.tree_unflatten(instance, spec)
+                out[position] = build(instance)
         return out
 
     @staticmethod
