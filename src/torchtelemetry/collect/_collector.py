@@ -154,6 +154,12 @@ class AsyncMetricCollector:
             small = packed <= HOST_TRANSPORT_LIMIT_BYTES
             choice = "host" if plan.device.type != "cuda" or small else "device"
         if choice == "device":
+            if plan.device.type == "cpu" and resolved is not None and dist.get_backend(resolved) != "gloo":
+                raise ValueError(
+                    f"AsyncMetricCollector: transport='device' reduces CPU metrics on the training's "
+                    f"{dist.get_backend(resolved)} group, which cannot take CPU tensors; use "
+                    "transport='host' (or 'auto') for CPU metrics"
+                )
             self._bound_group = resolved  # the training's own group: no second communicator
             return DeviceTransport(plan.window, plan.storage, resolved, self.max_pending, self.timeout_s)
         self._bound_group = self._dedicated_group(resolved)
