@@ -47,13 +47,7 @@ def _aligned(nbytes: int) -> int:
 class WindowExchange:
     """Reduces slots laid out by `layout` across `group` (None: locally, nothing to do)."""
 
-    def __init__(
-        self,
-        layout: BucketLayout,
-        group: dist.ProcessGroup | None,
-        *,
-        gather_limit_bytes: int = GATHER_LIMIT_BYTES,
-    ) -> None:
+    def __init__(self, layout: BucketLayout, group: dist.ProcessGroup | None) -> None:
         self.layout = layout
         self.group = group
         self.world_size = group_world_size(group)
@@ -69,16 +63,9 @@ class WindowExchange:
         self.gathered = (
             group is not None
             and len(self._regions) > 1
-            and self.world_size * self.slot_bytes <= gather_limit_bytes
+            and self.world_size * self.slot_bytes <= GATHER_LIMIT_BYTES
         )
         self._shared_rows: dict[torch.device, torch.Tensor] = {}
-
-    @property
-    def collectives(self) -> int:
-        """Collectives one window issues in the steady state."""
-        if self.group is None:
-            return 0
-        return 1 if self.gathered else len(self._regions)
 
     def new_slot(self, device: torch.device, *, pin_memory: bool = False, private_rows: bool = False) -> Slot:
         """A zeroed slot on `device` (pinned host memory with `pin_memory`). Slots reduced
