@@ -14,10 +14,11 @@ by `WindowPlan` (batched per class, one flat result tensor, Python values at onc
   enqueued on a side stream, and the worker only waits for the final event.
 
 NCCL forbids issuing operations on independent communicators in parallel from several threads,
-so a collective on an accelerator group is only ever issued from `schedule()`, which runs on the
-thread that called `schedule_collection()`. What a transport hands the worker (`_Window.finish`)
-holds no process group for the device transport, and a gloo group for the host transport
-(checked in `HostTransport.__init__`).
+so a collective on an accelerator group is only ever issued from `DeviceTransport.schedule()`,
+which runs on the thread that called `schedule_collection()`; what it hands the worker
+(`_finish_on_host`, `_read`) only waits on a Work handle or an event. The one transport whose
+worker issues collectives (`issued_by_worker = True`: `HostTransport`) is refused any group but
+a gloo one in `Transport.__init__`.
 """
 
 from __future__ import annotations
