@@ -202,23 +202,107 @@ ROWS: dict[str, Row] = {
     "float into an integer state: sum": Row(
         lambda: tt.SumMetric(dtype=torch.int64),
         (0.5,),
-        RuntimeError,
-        "result type Float can't be cast to the desired output type Long",
+        TypeError,
+        r"SumMetric: value has dtype torch.float32, but the metric's state is torch.int64",
         good=(torch.tensor([4]),),
     ),
     "float into an integer state: histogram": Row(
         lambda: tt.HistogramMetric(BINS, dtype=torch.int64),
         (torch.tensor([0.5]),),
-        RuntimeError,
-        "can't be cast",
+        TypeError,
+        r"HistogramMetric: value has dtype torch.float32, but the metric's state is torch.int64",
         good=(torch.tensor([4]),),
     ),
     "float into an integer state: per-rank": Row(
         lambda: tt.PerRankMetric(2, 0, dtype=torch.int64),
         (torch.tensor([0.5]),),
-        RuntimeError,
-        "can't be cast",
+        TypeError,
+        r"PerRankMetric: value has dtype torch.float32, but the metric's state is torch.int64",
         good=(torch.tensor([4]),),
+    ),
+    "float into an integer state: weighted mean": Row(
+        lambda: tt.WeightedMeanMetric(dtype=torch.int64),
+        (0.5, 2),
+        TypeError,
+        r"WeightedMeanMetric: value has dtype torch.float32, but the metric's state is torch.int64",
+        good=(torch.tensor([4]), torch.tensor([1])),
+    ),
+    # -- limits: batches reduce in the state dtype, integer states never wrap --------------------------
+    "float16 batch beyond float16 range: sum": Row(
+        tt.SumMetric, (torch.full((3,), 30000.0, dtype=torch.float16),), check=_equals(90004.0)
+    ),
+    "float32 batch beyond float32 range: sum": Row(
+        tt.SumMetric, (torch.full((4,), 1e38),), check=_equals(4.0 + 4 * float(torch.tensor(1e38)))
+    ),
+    "bfloat16 batch beyond bfloat16 range: sum": Row(
+        tt.SumMetric,
+        (torch.full((2,), 3e38, dtype=torch.bfloat16),),
+        check=_equals(4.0 + 2 * float(torch.tensor(3e38, dtype=torch.bfloat16))),
+    ),
+    "float32 products beyond float32 range: weighted mean": Row(
+        lambda: tt.WeightedMeanMetric(nan_policy="error"),
+        (torch.tensor([1e38, 1e38]), torch.tensor([10.0, 10.0])),
+        check=_total("weighted_sum", 7.0 + 20 * float(torch.tensor(1e38))),
+    ),
+    "float32 product beyond float32 range: 0-d weighted mean": Row(
+        tt.WeightedMeanMetric,
+        (torch.tensor(1e38), torch.tensor(10.0)),
+        check=_total("weighted_sum", 7.0 + 10 * float(torch.tensor(1e38))),
+    ),
+    "float16 batch beyond float16 range: histogram sum": Row(
+        lambda: tt.HistogramMetric(BINS, nan_policy="error"),
+        (torch.full((3,), 30000.0, dtype=torch.float16),),
+        check=_equals({"bounds": BINS, "counts": [0, 0, 4], "sum": 90004.0, "count": 4}),
+    ),
+    "float16 batch beyond float16 range: per-rank": Row(
+        lambda: tt.PerRankMetric(1, 0),
+        (torch.full((3,), 30000.0, dtype=torch.float16),),
+        check=_total("sums", 90004.0),
+    ),
+    "int64 batch beyond int64: default counter": Row(
+        lambda: tt.SumMetric(kind="counter"),
+        (torch.tensor([2**62, 2**62]),),
+        check=_equals(4.0 + 2.0**63),
+    ),
+    "int64 batch wrapping an int64 counter": Row(
+        lambda: tt.SumMetric(kind="counter", dtype=torch.int64),
+        (torch.tensor([2**62, 2**62]),),
+        ValueError,
+        r"SumMetric: the total would leave the range of its state dtype torch.int64",
+        good=(torch.tensor([4]),),
+    ),
+    "int64 counter at its maximum": Row(
+        lambda: tt.SumMetric(kind="counter", dtype=torch.int64),
+        (1,),
+        ValueError,
+        r"SumMetric: the total would leave the range of its state dtype torch.int64",
+        good=(2**63 - 1,),
+    ),
+    "int32 state wrapping": Row(
+        lambda: tt.SumMetric(dtype=torch.int32),
+        (torch.tensor([2**31 - 4], dtype=torch.int32),),
+        ValueError,
+        r"range of its state dtype torch.int32",
+        good=(torch.tensor([4], dtype=torch.int32),),
+    ),
+    "int64 histogram sum wrapping": Row(
+        lambda: tt.HistogramMetric(BINS, dtype=torch.int64),
+        (torch.tensor([2**63 - 1]),),
+        ValueError,
+        r"HistogramMetric: the total would leave the range of its state dtype torch.int64",
+        good=(torch.tensor([4]),),
+    ),
+    "int64 products wrapping an int64 weighted mean": Row(
+        lambda: tt.WeightedMeanMetric(dtype=torch.int64),
+        (torch.tensor([2**62]), torch.tensor([4])),
+        ValueError,
+        r"WeightedMeanMetric: the total would leave the range",
+        good=(torch.tensor([4]), torch.tensor([1])),
+    ),
+    "integers beyond 2**53 on a histogram edge: exact": Row(
+        lambda: tt.HistogramMetric([2.0**53, 2.0**60]),
+        (torch.tensor([2**53, 2**53 + 1, 2**60, 2**60 + 1]),),
+        check=lambda result, metric: np.testing.assert_equal(result["counts"].tolist(), [2, 2, 1]),
     ),
     # -- devices (`meta` stands in for another device) ------------------------------------------------
     "weight on another device": Row(

@@ -28,7 +28,9 @@ class SumMetric(Metric):
         self.total = MetricAccumulator(0, ReduceOp.SUM, dtype=dtype)
 
     def update(self, value: Any) -> None:
-        """Add the sum of `value` (a tensor of any shape or a number)."""
+        """Add the sum of `value` (a tensor of any shape or a number), summed in the state dtype."""
+        if not torch.compiler.is_compiling():
+            self._check_thread()
         value = self._as_tensor(value, "value")
         self._check_finite(value, "value")
         mask = self._finite_mask(value)
@@ -36,7 +38,7 @@ class SumMetric(Metric):
             value = torch.where(mask, value, 0)
         if self.kind is MetricKind.COUNTER and self._inspects_values(value) and _any_negative(value):
             raise ValueError(f"{self.display_name()}: a counter cannot decrease, got a negative value")
-        self.total.update(value.sum())
+        self.total.update(self._batch_sum(self.total, value))
 
     def compute(self) -> torch.Tensor:
         return self.total.value.clone()
@@ -53,10 +55,15 @@ class WeightedMeanMetric(Metric):
         super().__init__(**options)
         self.weighted_sum = MetricAccumulator(0, ReduceOp.SUM, dtype=dtype)
         self.total_weight = MetricAccumulator(0, ReduceOp.SUM, dtype=dtype)
+        self._float_state = dtype.is_floating_point
 
     def update(self, value: Any, weight: Any = 1.0) -> None:
         """Add `value` with `weight` (a scalar, or a tensor of the same shape as `value`)."""
-        device = self.device
+        compiling = torch.compiler.is_compiling()
+        if not compiling:
+            self._check_thread()
+        weighted_sum, total_weight = self.weighted_sum, self.total_weight
+        device = weighted_sum.device
         value = self._as_tensor(value, "value", device)
         weight = self._as_tensor(weight, "weight", device)
         if weight.dim() > 0 and weight.shape != value.shape:
@@ -64,14 +71,21 @@ class WeightedMeanMetric(Metric):
                 f"{self.display_name()}: weight has shape {tuple(weight.shape)}, expected the shape of "
                 f"value {tuple(value.shape)} or a scalar"
             )
-        self._check_finite(value, "value")
-        self._check_finite(weight, "weight")
-        if self._inspects_values(weight) and _any_negative(weight):
+        nan_policy = self.nan_policy
+        if nan_policy == "error":
+            self._check_finite(value, "value")
+            self._check_finite(weight, "weight")
+        if not compiling and (nan_policy == "error" or device.type == "cpu") and _any_negative(weight):
             raise ValueError(f"{self.display_name()}: weight must be non-negative, got a negative weight")
-        if self.nan_policy != "ignore" and value.dim() == 0:
-            # The common case (a loss and its token count): two fused ops, no reductions.
-            self.weighted_sum.add_product(value, weight)
-            self.total_weight.update(weight)
+        if nan_policy != "ignore" and value.dim() == 0 and self._float_state:
+            # The common case (a loss and its token count): two fused ops in the state dtype
+            # (0-d operands promote to it), no reductions.
+            if compiling:
+                weighted_sum.add_product(value, weight)
+                total_weight.update(weight)
+            else:
+                weighted_sum.local.addcmul_(value, weight)
+                total_weight.local.add_(weight)
             return
         weight = weight.expand(value.shape)
         mask = self._finite_mask(value)
@@ -81,8 +95,11 @@ class WeightedMeanMetric(Metric):
                 mask = mask & weight_mask
             value = torch.where(mask, value, 0)
             weight = torch.where(mask, weight, 0)
-        self.weighted_sum.update((value * weight).sum())
-        self.total_weight.update(weight.sum())
+        # Both sums before any state changes: either can raise (an integer state overflowing).
+        weighted = self._batch_sum(weighted_sum, value, weight)
+        weights = self._batch_sum(total_weight, weight)
+        weighted_sum.update(weighted)
+        total_weight.update(weights)
 
     def compute(self) -> torch.Tensor:
         """The weighted mean; NaN when no weight was seen."""
@@ -105,6 +122,8 @@ class _ExtremumMetric(Metric):
 
     def update(self, value: Any) -> None:
         """Fold the extremum of `value`; an empty tensor changes nothing."""
+        if not torch.compiler.is_compiling():
+            self._check_thread()
         value = self._as_tensor(value, "value")
         if value.numel() == 0:
             return
@@ -162,14 +181,16 @@ class PerRankMetric(Metric):
 
     def update(self, value: Any) -> None:
         """Add every entry of `value` to this rank's slot."""
+        if not torch.compiler.is_compiling():
+            self._check_thread()
         value = self._as_tensor(value, "value")
         self._check_finite(value, "value")
         mask = self._finite_mask(value)
         if mask is not None:
             value = torch.where(mask, value, 0)
-        # The sums first: the only update that can fail (a float value into an integer state dtype),
-        # and it fails before any state has changed.
-        self.sums.update(self.slot * value.sum())
+        # The sums first: the only update that can fail (a float value into an integer state dtype,
+        # an integer state overflowing), and it fails before any state has changed.
+        self.sums.update(self.slot * self._batch_sum(self.sums, value))
         self.counts.update(self.slot * (value.numel() if mask is None else mask.sum()))
 
     def update_total(self, total: torch.Tensor, count: torch.Tensor) -> None:

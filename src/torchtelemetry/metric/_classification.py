@@ -94,6 +94,8 @@ class AccuracyMetric(_LabelledMetric):
 
     def update(self, preds: Any, target: Any) -> None:
         """Count correct predictions; `preds` are logits/probabilities or integer labels."""
+        if not torch.compiler.is_compiling():
+            self._check_thread()
         preds = self._as_tensor(preds, "preds")
         target = self._labels(target)
         self._check_preds(preds, target)
@@ -113,8 +115,8 @@ class AccuracyMetric(_LabelledMetric):
         valid = self._valid(target, num_classes)
         if finite is not None:
             valid = valid & finite
-        self.correct.update((hit & valid).sum())
-        self.total.update(valid.sum())
+        self.correct.update((hit & valid).sum(dtype=self.correct.dtype))
+        self.total.update(valid.sum(dtype=self.total.dtype))
 
     def compute(self) -> torch.Tensor:
         """Fraction correct; NaN when nothing was counted."""
@@ -143,6 +145,8 @@ class ConfusionMatrixMetric(_LabelledMetric):
 
     def update(self, preds: Any, target: Any) -> None:
         """Count (target, prediction) pairs; `preds` are logits or integer labels."""
+        if not torch.compiler.is_compiling():
+            self._check_thread()
         preds = self._as_tensor(preds, "preds")
         target = self._labels(target)
         self._check_preds(preds, target)
@@ -209,6 +213,8 @@ class BinaryAUROCMetric(Metric):
 
     def update(self, preds: Any, target: Any) -> None:
         """Add scores `preds` with binary labels `target` (0/1 integers or booleans)."""
+        if not torch.compiler.is_compiling():
+            self._check_thread()
         preds = self._as_tensor(preds, "preds")
         target = self._as_tensor(target, "target")
         if not preds.is_floating_point():

@@ -20,7 +20,8 @@ class HistogramMetric(Metric):
 
     Bucket `i` counts values `v` with `bins[i-1] < v <= bins[i]` (Prometheus `le`
     semantics: a value on an edge falls in the bucket that edge closes); the last
-    bucket counts values above `bins[-1]` (`le="+Inf"`).
+    bucket counts values above `bins[-1]` (`le="+Inf"`). Floating point values are compared
+    in their own precision; integer values compare exactly against the bounds, at any size.
     """
 
     kind = MetricKind.HISTOGRAM
@@ -38,13 +39,17 @@ class HistogramMetric(Metric):
             raise ValueError(f"{self.display_name()}: bins must be a non-empty list of finite numbers")
         if any(a >= b for a, b in itertools.pairwise(bounds)):
             raise ValueError(f"{self.display_name()}: bins must be strictly increasing, got {bounds}")
-        self.bounds = torch.tensor(bounds, dtype=dtype)
+        self.bounds = torch.tensor(bounds, dtype=torch.float64)
+        # v <= b exactly when v <= floor(b), for an integer v: integers compare in int64, exactly.
+        self.integer_bounds = torch.tensor([_floor_int64(b) for b in bounds], dtype=torch.int64)
         self.counts = MetricAccumulator(torch.zeros(len(bounds) + 1), ReduceOp.SUM, dtype=dtype)
         self.sum = MetricAccumulator(0, ReduceOp.SUM, dtype=dtype)
         self.count = MetricAccumulator(0, ReduceOp.SUM, dtype=dtype)
 
     def update(self, value: Any) -> None:
         """Add every entry of `value` to its bucket."""
+        if not torch.compiler.is_compiling():
+            self._check_thread()
         value = self._as_tensor(value, "value").reshape(-1)
         self._check_finite(value, "value")
         mask = self._finite_mask(value)
@@ -56,12 +61,12 @@ class HistogramMetric(Metric):
         if value.is_floating_point():
             buckets = torch.bucketize(value, self.bounds.to(value.dtype))
         else:
-            buckets = torch.bucketize(value.to(self.bounds.dtype), self.bounds)
+            buckets = torch.bucketize(value.to(torch.int64), self.integer_bounds)
         counts = torch.zeros(self.bounds.numel() + 1, dtype=self.counts.dtype, device=value.device)
         counts.index_add_(0, buckets, weights)
-        # The sum first: the only update that can fail (a float value into an integer state dtype),
-        # and it fails before any state has changed.
-        self.sum.update((value * weights).sum())
+        # The sum first: the only update that can fail (a float value into an integer state dtype,
+        # an integer state overflowing), and it fails before any state has changed.
+        self.sum.update(self._batch_sum(self.sum, value, None if mask is None else weights))
         self.counts.update(counts)
         self.count.update(weights.sum())
 
@@ -73,3 +78,12 @@ class HistogramMetric(Metric):
             "sum": self.sum.value.clone(),
             "count": self.count.value.clone(),
         }
+
+
+def _floor_int64(bound: float) -> int:
+    """`floor(bound)` clamped to int64 (every int64 lies below a larger bound, above a smaller one)."""
+    if bound >= 2.0**63:
+        return 2**63 - 1
+    if bound < -(2.0**63):
+        return -(2**63)
+    return math.floor(bound)
