@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from torchtelemetry._process import check_same_process, current_pid
 from torchtelemetry.collect import AsyncMetricCollector, CollectionError
 from torchtelemetry.export import Exporter, ExportHub, NullHub, RunInfo, exporters_from_spec
 from torchtelemetry.metric import MetricKind
@@ -136,6 +137,7 @@ class Telemetry:
         **fields: Any,
     ) -> None:
         self.config = config = (config or TelemetryConfig()).replace(**fields)
+        self._pid = current_pid()
         self.metrics = metrics
         self.every = config.every
         self.max_pending = config.max_pending
@@ -351,6 +353,7 @@ class Telemetry:
         After a failed collection (a rank died or diverged) nothing more is collected: close
         only releases the collector and flushes what was already exported.
         """
+        check_same_process(self._pid, "Telemetry.close")
         if self._closed:
             return
         try:
@@ -364,6 +367,7 @@ class Telemetry:
             self.hub.close(timeout_s)
 
     def _require_open(self, op: str) -> None:
+        check_same_process(self._pid, f"Telemetry.{op}")
         if self._closed:
             raise RuntimeError(f"Telemetry.{op}: telemetry is closed; create a new Telemetry")
         if self._failure is not None:

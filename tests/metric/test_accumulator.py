@@ -20,12 +20,13 @@ def test_update_reset_sync_value() -> None:
     acc.update(torch.tensor([1.0, 2.0, 3.0]))
     acc.update(1.0)  # broadcast over the state
     assert acc.local.tolist() == [2.0, 3.0, 4.0]
-    assert acc.value.tolist() == [0.0, 0.0, 0.0]  # `value` is the synchronized copy, filled by sync
+    # One process: the local state is the global one, `value` reads it with or without sync().
+    assert acc.value.tolist() == [2.0, 3.0, 4.0]
     acc.sync()  # no process group: a local copy
     assert acc.value.tolist() == [2.0, 3.0, 4.0]
     acc.reset()
     assert acc.local.tolist() == [0.0, 0.0, 0.0]
-    assert acc.value.tolist() == [2.0, 3.0, 4.0]  # the last synchronized state stays readable
+    assert acc.value.tolist() == [0.0, 0.0, 0.0]
 
 
 @pytest.mark.parametrize(("op", "start", "expected"), [("max", -np.inf, 5.0), ("min", np.inf, -2.0)])

@@ -84,6 +84,19 @@ def test_weighted_mean_is_nan_without_weight() -> None:
     assert torch.isnan(computed(tt.WeightedMeanMetric()))
 
 
+def test_compute_in_one_process_gives_the_local_value_without_sync() -> None:
+    """Without a process group there is nothing to synchronize: compute() reads the local state."""
+    mean, total, histogram = tt.WeightedMeanMetric(), tt.SumMetric(), tt.HistogramMetric([1.0])
+    mean.update(torch.tensor([1.0, 3.0]), torch.tensor([1.0, 3.0]))
+    total.update(torch.tensor([1.0, 3.0]))
+    histogram.update(torch.tensor([0.5, 2.0, 3.0]))
+    assert mean.compute().item() == 2.5
+    assert total.compute().item() == 4.0
+    assert histogram.compute()["counts"].tolist() == [1.0, 2.0]
+    total.update(1.0)  # a later update shows at once, sync() or not
+    assert total.compute().item() == 5.0
+
+
 def test_weighted_mean_detaches_inputs_that_require_grad() -> None:
     metric = tt.WeightedMeanMetric()
     loss = torch.tensor(2.0, requires_grad=True) * 3

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
+from torchtelemetry._process import check_same_process, current_pid
 from torchtelemetry.collect._executors import ThreadExecutor
 from torchtelemetry.collect._transports import (
     HOST_TRANSPORT_LIMIT_BYTES,
@@ -119,6 +120,7 @@ class AsyncMetricCollector:
         self._pending: collections.deque[_Window] = collections.deque()
         self._windows = itertools.count()
         self._state = "new"
+        self._pid = current_pid()
 
     # -- life cycle -------------------------------------------------------------------
 
@@ -245,6 +247,7 @@ class AsyncMetricCollector:
     # -- the loop ---------------------------------------------------------------------
 
     def _require_bound(self, op: str) -> ThreadExecutor:
+        check_same_process(self._pid, f"AsyncMetricCollector.{op}")
         if self._state == "new":
             raise RuntimeError(f"AsyncMetricCollector.{op}: not bound; call bind() first")
         if self._state == "unbound":

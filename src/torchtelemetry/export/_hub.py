@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 
+from torchtelemetry._process import check_same_process, current_pid
 from torchtelemetry.export._base import warn_closed_again
 from torchtelemetry.export._health import HEALTH_DESCRIPTORS, ExporterHealth, health_values
 from torchtelemetry.export._protocol import Exporter, RunInfo
@@ -64,6 +65,7 @@ class ExportHub:
         self._started = False
         self._closed = False
         self._warned_closed_submit = False
+        self._pid = current_pid()
 
     @property
     def exporters(self) -> list[Exporter]:
@@ -112,6 +114,7 @@ class ExportHub:
         for exporters that prefer deltas). Names not described before are described (as gauges,
         or histograms for histogram values) on each exporter's thread first.
         """
+        check_same_process(self._pid, "ExportHub.submit")
         if self._closed:
             if not self._warned_closed_submit:
                 self._warned_closed_submit = True
@@ -160,6 +163,7 @@ class ExportHub:
 
         True when every exporter flushed in time.
         """
+        check_same_process(self._pid, "ExportHub.force_flush")
         if self._closed or not self._started:
             return not self._closed
         return self._finish(timeout_s, close=False)
@@ -170,6 +174,7 @@ class ExportHub:
         An exporter still busy at the deadline is abandoned (its daemon thread
         is left behind and a warning logged). A second call only warns.
         """
+        check_same_process(self._pid, "ExportHub.close")
         with self._lock:
             if self._closed:
                 warn_closed_again("ExportHub.close")

@@ -122,8 +122,9 @@ class MetricAccumulator:
     The local tensor keeps its storage for the life of the accumulator (only
     `to()` and `adopt()` move it, both set-up steps: `AsyncMetricCollector.bind()`
     adopts every state into one flat buffer per bucket), so a CUDA graph that
-    captured `update()` after set-up stays attached. `value` is the synchronized
-    state filled by `sync()`.
+    captured `update()` after set-up stays attached. `value` is what `compute()`
+    reads: the synchronized state filled by `sync()` when several ranks run, the
+    local state in a single process.
     """
 
     __slots__ = ("_initial", "_local", "_synced", "reduce_op")
@@ -155,11 +156,15 @@ class MetricAccumulator:
 
     @property
     def value(self) -> torch.Tensor:
-        """The synchronized state (or the window being collected, on a collector thread)."""
+        """The state `compute()` reads: the window being collected, on a collector thread; else,
+        under a process group of more than one rank, the state of the last `sync()`; else (one
+        process) the local state, which is then the global one."""
         override = _WINDOW_STATE.get()
         if override is not None:
             return override[id(self)]
-        return self._synced
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            return self._synced
+        return self._local
 
     @property
     def shape(self) -> torch.Size:
@@ -198,10 +203,6 @@ class MetricAccumulator:
     def reset(self) -> None:
         """Restore the initial state in place."""
         self._local.copy_(self._initial)
-
-    def set_synced(self, value: torch.Tensor) -> None:
-        """Store a synchronized state (used by `sync_metrics`)."""
-        self._synced.copy_(value)
 
     def sync(self, group: GroupLike = None) -> None:
         """Reduce the local state across `group` into `value` (one collective)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from threading import get_ident
 from typing import Any
 
 import torch
@@ -60,10 +61,11 @@ class WeightedMeanMetric(Metric):
     def update(self, value: Any, weight: Any = 1.0) -> None:
         """Add `value` with `weight` (a scalar, or a tensor of the same shape as `value`)."""
         compiling = torch.compiler.is_compiling()
-        if not compiling:
+        if not compiling and get_ident() != self._thread:
             self._check_thread()
         weighted_sum, total_weight = self.weighted_sum, self.total_weight
-        device = weighted_sum.device
+        local_sum = weighted_sum._local
+        device = local_sum.device
         value = self._as_tensor(value, "value", device)
         weight = self._as_tensor(weight, "weight", device)
         if weight.dim() > 0 and weight.shape != value.shape:
@@ -83,9 +85,9 @@ class WeightedMeanMetric(Metric):
             if compiling:
                 weighted_sum.add_product(value, weight)
                 total_weight.update(weight)
-            else:
-                weighted_sum.local.addcmul_(value, weight)
-                total_weight.local.add_(weight)
+            else:  # the same ops on the local tensors, without the compile workaround's view
+                local_sum.addcmul_(value, weight)
+                total_weight._local.add_(weight)
             return
         weight = weight.expand(value.shape)
         mask = self._finite_mask(value)

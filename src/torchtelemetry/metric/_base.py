@@ -235,7 +235,9 @@ class Metric:
                         f"{device}; move the input or call metric.to({str(value.device)!r})"
                     )
                 value = value.to(device, non_blocking=True)
-            return self._real(value.detach() if value.requires_grad else value, what)
+            if value.requires_grad:
+                value = value.detach()
+            return self._real(value, what) if value.is_complex() else value
         if type(value) in (float, bool) or (type(value) is int and _INT64_MIN <= value <= _INT64_MAX):
             return torch.full((), value, device=device)
         if type(value) is int:
