@@ -29,7 +29,15 @@ from torchtelemetry.report import (
     describe_metrics,
     flatten_results,
 )
-from torchtelemetry.sync import GroupLike, group_rank, group_world_size, metric_leaves, resolve_group
+from torchtelemetry.sync import (
+    GroupLike,
+    gather_local_states,
+    group_rank,
+    group_world_size,
+    metric_leaves,
+    resolve_group,
+    restore_local_states,
+)
 
 __all__ = ["Telemetry", "TelemetryConfig"]
 
@@ -384,20 +392,24 @@ class Telemetry:
     # -- checkpointing (torch.distributed.checkpoint Stateful) ---------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """Local metric state (built-in signals included), counter totals, the last step and how
-        many steps of the current window have passed.
+        """Every rank's local metric state (built-in signals included), counter totals, the last
+        step and how many steps of the current window have passed. Collective: call it on every
+        rank (as `torch.distributed.checkpoint.save` does).
 
         Waits for collections in flight (and exports them) first, so a restart
         from this state neither loses nor repeats a window, and the windows after it
-        end at the same steps. Counter totals are one JSON string: `torch.distributed.checkpoint`
+        end at the same steps. The partial window is every rank's local state, gathered into one
+        opaque entry (the same on every rank), so the checkpoint loads at any world size (see
+        `load_state_dict`). Counter totals are one JSON string: `torch.distributed.checkpoint`
         loads only the keys of the state dict it loads into, and a fresh `Telemetry` cannot know
         which counters (or label values) the saved run had.
         """
+        check_same_process(self._pid, "Telemetry.state_dict")
         if not self._closed:
             self._drain(block=True)
             self._flush_signals()
         return {
-            "metrics": {name: metric.state_dict() for name, metric in self._leaves},
+            "window": gather_local_states(self._leaves, self.config.group),
             "counters": self._totals.state_dict(),
             "signals": self._signals.state_dict() if self._signals else {},
             "step": -1 if self._last_step is None else self._last_step,
@@ -405,13 +417,18 @@ class Telemetry:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        saved = state["metrics"]
-        missing = sorted({name for name, _ in self._user_leaves} - set(saved))
-        if missing:
-            raise ValueError(f"Telemetry.load_state_dict: no saved state for metrics {missing}")
-        for name, metric in self._leaves:
-            if name in saved:  # a checkpoint taken with signals=False has no signal states
-                metric.load_state_dict(saved[name])
+        """Restore a `state_dict()`, also one saved at another world size.
+
+        Counter and histogram totals carry over whole. The partial window is dealt out to the
+        new ranks (rank r of n takes saved ranks r, r + n, ...), which is exact for sums, maxima
+        and minima: 4 -> 2 ranks merges pairs, 2 -> 4 leaves the new ranks empty. The per-rank
+        step times of the partial window cannot move to another world size and are dropped with
+        a logged warning; a user metric shaped by the world size (`PerRankMetric`) with a partial
+        window raises a `ValueError` instead.
+        """
+        check_same_process(self._pid, "Telemetry.load_state_dict")
+        signal_names = {name for name, _ in self._leaves} - {name for name, _ in self._user_leaves}
+        restore_local_states(self._leaves, state["window"], self.config.group, droppable=signal_names)
         self._totals.load_state_dict(state.get("counters", "{}"))
         if self._signals is not None:
             self._signals.load_state_dict(state.get("signals", {}))
