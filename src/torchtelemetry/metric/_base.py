@@ -205,20 +205,36 @@ class Metric:
         self._check_into_state(value, state, "value")
         if weight is not None:
             self._check_into_state(weight, state, "weight")
-        batch = value.sum(dtype=dtype) if weight is None else (value.to(dtype) * weight.to(dtype)).sum()
+        if weight is not None:
+            batch = (value.to(dtype) * weight.to(dtype)).sum()
+        elif value.dim() == 0:
+            batch = value  # added into the state in its dtype: a 0-d operand takes the state's
+        else:
+            batch = value.sum(dtype=dtype)
         if not dtype.is_floating_point and self._inspects_values(value):
-            # The float64 shadow of the new total is off by far less than the 2**bits a wrap shifts it.
-            exact = (value.double() if weight is None else value.double() * weight.double()).sum()
-            shadow = state.local.double() + exact
-            wrapped = (shadow - (state.local + batch).double()).abs() >= float(torch.iinfo(dtype).max)
-            if bool(wrapped.any()):
-                info = torch.iinfo(dtype)
-                raise ValueError(
-                    f"{self.display_name()}: the total would leave the range of its state dtype {dtype} "
-                    f"[{info.min}, {info.max}] (about {shadow.abs().max().item():.4g}); nothing was added. "
-                    "Use a floating point dtype= (integers exact up to 2**53) for totals this large"
-                )
+            self._check_no_wrap(state, value, weight, batch)
         return batch
+
+    def _check_no_wrap(
+        self, state: MetricAccumulator, value: torch.Tensor, weight: torch.Tensor | None, batch: torch.Tensor
+    ) -> None:
+        """Raise if adding `batch` (the sum of `value` times `weight`) wraps the integer `state`.
+        Python integers are exact; a wrapped batch sum is off from its float64 shadow by a
+        multiple of 2**bits, far more than the shadow's rounding."""
+        info = torch.iinfo(state.dtype)
+        added = int(batch.item())
+        if weight is not None or value.numel() > 1:
+            shadow = (value.double() if weight is None else value.double() * weight.double()).sum().item()
+            wrapped = abs(shadow - added) > info.max
+        else:
+            wrapped = False
+        totals = [total + added for total in state.local.reshape(-1).tolist()]
+        if wrapped or not all(info.min <= total <= info.max for total in totals):
+            raise ValueError(
+                f"{self.display_name()}: the total would leave the range of its state dtype {state.dtype} "
+                f"[{info.min}, {info.max}]; nothing was added. Use a floating point dtype= (integers "
+                "exact up to 2**53) for totals this large"
+            )
 
     def _as_tensor(self, value: Any, what: str, device: torch.device | None = None) -> torch.Tensor:
         """Accept tensors, Python numbers and numpy scalars/arrays; put them on the metric's device.
