@@ -392,17 +392,13 @@ class Telemetry:
     # -- checkpointing (torch.distributed.checkpoint Stateful) ---------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """Every rank's local metric state (built-in signals included), counter totals, the last
-        step and how many steps of the current window have passed. Collective: call it on every
-        rank (as `torch.distributed.checkpoint.save` does).
+        """Every rank's partial window (local metric states, signals included, gathered into one
+        entry that loads at any world size), counter totals, the last step and the steps of the
+        current window. Collective: call it on every rank, as `torch.distributed.checkpoint` does.
 
-        Waits for collections in flight (and exports them) first, so a restart
-        from this state neither loses nor repeats a window, and the windows after it
-        end at the same steps. The partial window is every rank's local state, gathered into one
-        opaque entry (the same on every rank), so the checkpoint loads at any world size (see
-        `load_state_dict`). Counter totals are one JSON string: `torch.distributed.checkpoint`
-        loads only the keys of the state dict it loads into, and a fresh `Telemetry` cannot know
-        which counters (or label values) the saved run had.
+        Waits for collections in flight (and exports them) first, so a restart from this state
+        neither loses nor repeats a window, and later windows end at the same steps. Counter totals
+        are one JSON string: a fresh `Telemetry` cannot know which counters the saved run had.
         """
         check_same_process(self._pid, "Telemetry.state_dict")
         if not self._closed:
@@ -417,14 +413,10 @@ class Telemetry:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore a `state_dict()`, also one saved at another world size.
-
-        Counter and histogram totals carry over whole. The partial window is dealt out to the
-        new ranks (rank r of n takes saved ranks r, r + n, ...), which is exact for sums, maxima
-        and minima: 4 -> 2 ranks merges pairs, 2 -> 4 leaves the new ranks empty. The per-rank
-        step times of the partial window cannot move to another world size and are dropped with
-        a logged warning; a user metric shaped by the world size (`PerRankMetric`) with a partial
-        window raises a `ValueError` instead.
+        """Restore a `state_dict()`, also one saved at another world size: totals carry over
+        whole, the partial window is dealt out to the new ranks (exact for sums, maxima, minima),
+        per-rank step times of the partial window are dropped with a warning, and a user's
+        `PerRankMetric` holding a partial window raises (see `restore_local_states`).
         """
         check_same_process(self._pid, "Telemetry.load_state_dict")
         signal_names = {name for name, _ in self._leaves} - {name for name, _ in self._user_leaves}

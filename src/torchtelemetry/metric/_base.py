@@ -144,7 +144,8 @@ class Metric:
         """The local state of every accumulator, by attribute name.
 
         Under a process group each entry is this rank's shard of a per-rank DTensor, so
-        `torch.distributed.checkpoint` keeps every rank's state (see `rank_sharded`).
+        `torch.distributed.checkpoint` keeps every rank's state (see `rank_sharded`); it loads
+        at the same world size only (`Telemetry.state_dict()` loads at any).
         """
         return {attr: rank_sharded(acc.local.detach().clone()) for attr, acc in self._accumulators.items()}
 
