@@ -4,8 +4,10 @@ a clear error instead of lost updates or a stalled collection. docs/reliability.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
+import pickle
 import threading
 from pathlib import Path
 from typing import Any
@@ -68,6 +70,19 @@ def test_a_metric_built_on_a_thread_is_updated_there() -> None:
         assert metric.compute().item() == 3.0
 
     assert _on_thread(build_and_update) is None
+
+
+def test_a_metric_copied_or_unpickled_on_a_thread_belongs_to_that_thread() -> None:
+    metric = tt.WeightedMeanMetric()
+    metric.update(1.0)
+
+    def copy_and_update() -> None:
+        for copied in (pickle.loads(pickle.dumps(metric)), copy.deepcopy(metric)):
+            copied.update(3.0)
+            assert copied.compute().item() == 2.0
+
+    assert _on_thread(copy_and_update) is None
+    assert isinstance(_on_thread(lambda: metric.update(1.0)), RuntimeError)
 
 
 def test_an_updater_thread_racing_step_is_refused_not_lost(tmp_path: Path) -> None:

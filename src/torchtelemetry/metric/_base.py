@@ -47,8 +47,8 @@ class Metric:
     `sync`, `reset`, `to`, `state_dict` and `load_state_dict` come for free;
     the state dict makes a metric a `torch.distributed.checkpoint` `Stateful`.
 
-    Threads: a metric is updated on the thread that built it (the training thread, which
-    also snapshots it at collection time). The built-ins raise a `RuntimeError` naming
+    Threads: a metric is updated on the thread that built it (or unpickled or copied it: the
+    training thread, which also snapshots it at collection time). The built-ins raise a `RuntimeError` naming
     this rule when `update()` is called from another thread, instead of losing or tearing
     updates; a lock would cost every update more than the check does.
     """
@@ -92,6 +92,12 @@ class Metric:
         elif accumulators.pop(attr, None) is not None:
             bump_layout_generation()
         object.__setattr__(self, attr, value)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Unpickled or copied: the metric belongs to the thread (and process) doing it."""
+        self.__dict__.update(state)
+        self.__dict__["_thread"] = threading.get_ident()
+        self.__dict__["_thread_name"] = threading.current_thread().name
 
     # -- what subclasses implement ------------------------------------------------
 
