@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import logging
 import math
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -146,6 +147,7 @@ class Telemetry:
     ) -> None:
         self.config = config = (config or TelemetryConfig()).replace(**fields)
         self._pid = current_pid()
+        self._thread = threading.get_ident()
         self.metrics = metrics
         self.every = config.every
         self.max_pending = config.max_pending
@@ -376,6 +378,12 @@ class Telemetry:
 
     def _require_open(self, op: str) -> None:
         check_same_process(self._pid, f"Telemetry.{op}")
+        if threading.get_ident() != self._thread:
+            raise RuntimeError(
+                f"Telemetry.{op}: called from thread {threading.current_thread().name!r}, not from the "
+                "thread that built this Telemetry; collections snapshot the metrics, so they run on "
+                "the thread that updates them (the training thread)"
+            )
         if self._closed:
             raise RuntimeError(f"Telemetry.{op}: telemetry is closed; create a new Telemetry")
         if self._failure is not None:

@@ -115,6 +115,19 @@ def test_an_updater_thread_racing_step_is_refused_not_lost(tmp_path: Path) -> No
     assert last["values"]["seen"] == 100.0
 
 
+def test_step_schedule_and_flush_from_another_thread_raise() -> None:
+    metrics = {"seen": tt.SumMetric(kind="counter")}
+    telemetry = tt.Telemetry(metrics, every=1, signals=False)
+    metrics["seen"].update(1.0)
+    for call in (lambda: telemetry.step(0), telemetry.schedule_collection, telemetry.flush):
+        error = _on_thread(call)
+        assert isinstance(error, RuntimeError)
+        assert "called from thread 'updater', not from the thread that built this Telemetry" in str(error)
+    telemetry.step(0)
+    telemetry.close()
+    assert telemetry.latest["seen"] == 1.0
+
+
 # -- forks -------------------------------------------------------------------------------------
 
 
