@@ -19,7 +19,7 @@ import torchtelemetry as tt
 from tests.distributed import run_ranks
 from tests.metric.test_metrics import _good_input, assert_same_state, states
 from torchtelemetry.collect import AsyncMetricCollector
-from torchtelemetry.export import ExportHub, RunInfo
+from torchtelemetry.export import ExportHub, ExportResult, RunInfo
 
 METRICS = {
     "sum": lambda: tt.SumMetric(kind="counter"),
@@ -179,19 +179,27 @@ def test_telemetry_used_in_a_forked_child_raises_at_once_naming_the_fork(
         assert result["seen"] == 12.0  # 2 ranks x 6 updates
 
 
-def test_collector_and_hub_refuse_a_forked_child(tmp_path: Path) -> None:
+def test_collector_hub_and_exporter_refuse_a_forked_child(tmp_path: Path) -> None:
     metric = tt.SumMetric()
     collector = AsyncMetricCollector({"m": metric}).bind()
+    exporter = tt.JsonlExporter(tmp_path / "direct.jsonl")
+    exporter.describe([], RunInfo.create("fork"))
     hub = ExportHub([tt.JsonlExporter(tmp_path / "m.jsonl")], run=RunInfo.create("fork"))
     hub.describe([])
     messages = [
         _in_fork(call)
-        for call in (collector.schedule_collection, lambda: hub.submit(0, {"m": 1.0}), hub.close)
+        for call in (
+            collector.schedule_collection,
+            lambda: hub.submit(0, {"m": 1.0}),
+            hub.close,
+            lambda: exporter.export(0, {"m": 1.0}, 0.0),
+        )
     ]
     assert [m.split(":")[1].strip() for m in messages] == [
         "AsyncMetricCollector.schedule_collection",
         "ExportHub.submit",
         "ExportHub.close",
+        "JsonlExporter.export",
     ]
     assert all("a fork of process" in m for m in messages)
     # The parent is undisturbed.
@@ -200,3 +208,5 @@ def test_collector_and_hub_refuse_a_forked_child(tmp_path: Path) -> None:
     assert collector.collect_results()["m"] == 2.0
     collector.unbind()
     hub.close()
+    assert exporter.export(1, {"m": 2.0}, 0.0) is ExportResult.SUCCESS
+    exporter.close()

@@ -24,6 +24,7 @@ import warnings
 from collections.abc import Mapping, Sequence
 from typing import ClassVar
 
+from torchtelemetry._process import check_same_process, current_pid
 from torchtelemetry.export._protocol import ExportResult, RunInfo
 from torchtelemetry.export._temporality import Temporality
 from torchtelemetry.metric import MetricKind
@@ -82,7 +83,8 @@ class BaseExporter:
 
     After construction nothing raises but `describe` (with `ValueError` for names the
     backend cannot take): failures are logged once per burst and reported as
-    `ExportResult.FAILURE` or a False flush.
+    `ExportResult.FAILURE` or a False flush. Used in a forked child (its lock, threads and
+    sockets stay with the parent), every method raises a `RuntimeError` naming the fork.
     """
 
     preferred_temporality: ClassVar[Mapping[MetricKind, Temporality]] = {}
@@ -97,6 +99,7 @@ class BaseExporter:
         self.errors = 0
         """Failed exports and flushes (after close, before start, or the backend failed)."""
         self._lock = threading.RLock()
+        self._pid = current_pid()
         self._started = False
         self._closed = False
         self._failures = FailureLog(
@@ -112,6 +115,7 @@ class BaseExporter:
 
     def describe(self, descriptors: Sequence[MetricDescriptor], run: RunInfo) -> None:
         """Learn the run and the names; the first call also starts the backend."""
+        check_same_process(self._pid, f"{type(self).__name__}.describe")
         with self._lock:
             if self._closed:
                 self._failures.failed("describe() after close() ignored")
@@ -123,6 +127,7 @@ class BaseExporter:
 
     def export(self, step: int, scalars: Scalars, timestamp: float) -> ExportResult:
         """Publish one report; FAILURE (logged once per burst, counted) instead of raising."""
+        check_same_process(self._pid, f"{type(self).__name__}.export")
         with self._lock:
             if self._closed:
                 return self._failed("export() after close()")
@@ -140,6 +145,7 @@ class BaseExporter:
 
     def force_flush(self, timeout_s: float = 10.0) -> bool:
         """Deliver anything buffered; True when everything was delivered in time (False once closed)."""
+        check_same_process(self._pid, f"{type(self).__name__}.force_flush")
         with self._lock:
             if self._closed:
                 return False
@@ -147,6 +153,7 @@ class BaseExporter:
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Flush, then release the backend, within one deadline; a second call only warns."""
+        check_same_process(self._pid, f"{type(self).__name__}.close")
         with self._lock:
             if self._closed:
                 warn_closed_again(self._failures.subject)
