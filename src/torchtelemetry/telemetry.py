@@ -423,7 +423,7 @@ class Telemetry:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore a `state_dict()`, also one saved at another world size: totals carry over
         whole, the partial window is dealt out to the new ranks (exact for sums, maxima, minima),
-        per-rank step times of the partial window are dropped with a warning, and a user's
+        built-in per-rank signals of the partial window are dropped with a warning, and a user's
         `PerRankMetric` holding a partial window raises (see `restore_local_states`).
         """
         check_same_process(self._pid, "Telemetry.load_state_dict")
