@@ -162,11 +162,12 @@ def _step_rank(rank: int, world_size: int) -> dict[str, Any]:
 def _skipping_telemetry_rank(rank: int, world_size: int) -> dict[str, Any]:
     metrics = {"loss": tt.WeightedMeanMetric()}
     telemetry = tt.Telemetry(metrics, every=2, timeout_s=30)
-    # Rank 1 skips step 1: its windows end at steps 2 and 4, rank 0's at 1 and 3.
-    for step in (0, 1, 2, 3) if rank == 0 else (0, 2, 3, 4):
-        metrics["loss"].update(torch.tensor(1.0))
-        telemetry.step(step)
+    # Rank 1 skips step 1: its windows end at steps 2 and 4, rank 0's at 1 and 3. The failed window
+    # surfaces from whichever call collects it first: a later step() or the flush.
     try:
+        for step in (0, 1, 2, 3) if rank == 0 else (0, 2, 3, 4):
+            metrics["loss"].update(torch.tensor(1.0))
+            telemetry.step(step)
         telemetry.flush()
         error = None
     except CollectionError as raised:
