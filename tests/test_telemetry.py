@@ -198,3 +198,10 @@ def test_a_failed_set_up_leaves_no_exporter_running() -> None:
         tt.Telemetry({"a": tt.SumMetric(), "b": _ElsewhereMetric()}, [exporter], signals=False)
     assert exporter.url is None, "the scrape endpoint was closed again"
     assert {t.name for t in threading.enumerate()} <= threads_before, "no exporter thread left"
+
+
+def test_a_state_without_its_window_is_refused_naming_what_it_holds() -> None:
+    telemetry = tt.Telemetry({"loss": tt.WeightedMeanMetric()}, every=2)
+    with pytest.raises(ValueError, match=r"no 'window' entry \(keys: \['counters', 'metrics'\]\)"):
+        telemetry.load_state_dict({"metrics": {}, "counters": "{}"})
+    telemetry.close()

@@ -427,6 +427,12 @@ class Telemetry:
         `PerRankMetric` holding a partial window raises (see `restore_local_states`).
         """
         check_same_process(self._pid, "Telemetry.load_state_dict")
+        if "window" not in state:
+            raise ValueError(
+                f"Telemetry.load_state_dict: the state has no 'window' entry (keys: {sorted(state)}); "
+                "it was not written by Telemetry.state_dict() of this version, which gathers every "
+                "rank's partial window so that it loads at any world size"
+            )
         signal_names = {name for name, _ in self._leaves} - {name for name, _ in self._user_leaves}
         restore_local_states(self._leaves, state["window"], self.config.group, droppable=signal_names)
         self._totals.load_state_dict(state.get("counters", "{}"))
