@@ -14,7 +14,7 @@ import torch
 import torchtelemetry as tt
 from tests.distributed import free_port, run_ranks
 from tests.export.test_otel import STEPS, expected_values
-from tests.export.trackers import CONFIG, NO_HISTOGRAM, TIMESTAMPS, tracker_rank
+from tests.export.trackers import CONFIG, NO_HISTOGRAM, TIMESTAMPS, export_label_clashes, tracker_rank
 from torchtelemetry.export import ExportResult, MetricDescriptor, MLflowExporter, RunInfo
 from torchtelemetry.export._mlflow import RUN_ID_TAG
 
@@ -158,6 +158,32 @@ def test_reports_over_mlflow_s_batch_limit_are_logged_whole(store: str) -> None:
     exporter.close()
     logged = mlflow.MlflowClient(tracking_uri=store).get_run(exporter.run_id).data.metrics
     assert len(logged) == 1500 and logged["wide/unit_1499"] == 1499.0
+
+
+def test_a_histogram_s_keys_clashing_with_metrics_fail_when_telemetry_is_built(store: str) -> None:
+    metrics = {
+        "grad": tt.HistogramMetric(bins=[1.0]),
+        "grad/count": tt.SumMetric(),
+        "grad/sum": tt.SumMetric(),
+    }
+    exporter = MLflowExporter(store, experiment_name="histogram-clash")
+    with pytest.raises(tt.report.NameCollisionError) as raised:
+        tt.Telemetry(metrics, [exporter], signals=False)
+    message = str(raised.value)
+    assert "['grad', 'grad/count'] -> 'grad/count'" in message
+    assert "['grad', 'grad/sum'] -> 'grad/sum'" in message
+    assert mlflow.MlflowClient(tracking_uri=store).get_experiment_by_name("histogram-clash") is None
+    exporter.close()
+
+
+def test_label_values_sanitized_into_one_key_are_left_out_counted_and_logged(store: str, caplog) -> None:
+    exporter = MLflowExporter(store, experiment_name="label-clash")
+    export_label_clashes(exporter, caplog)
+    run_id = exporter.run_id
+    assert history(store, run_id, "queue/host_a_b") == [(1, 1.0, 1000), (3, 3.0, 3000)]  # only 'a/b'
+    assert history(store, run_id, "step_time/rank_0") == [(1, 0.75, 1000)]  # only the metric
+    assert history(store, run_id, "step_time/rank_1") == [(1, 0.25, 1000)]
+    assert history(store, run_id, "train/loss") == [(1, 0.5, 1000), (2, 0.25, 2000)]  # the rest is logged
 
 
 def test_close_twice_warns_and_export_after_close_fails(store: str) -> None:

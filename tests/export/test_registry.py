@@ -10,15 +10,27 @@ import pytest
 
 import torchtelemetry
 import torchtelemetry.export
-from torchtelemetry import ConsoleExporter, JsonlExporter, PrometheusExporter, PushgatewayExporter
+from torchtelemetry import (
+    ConsoleExporter,
+    JsonlExporter,
+    MLflowExporter,
+    PrometheusExporter,
+    PushgatewayExporter,
+    TensorBoardExporter,
+    WandbExporter,
+)
 from torchtelemetry.export import available_exporters, exporter_class, exporters_from_spec
 
 
 def test_built_in_exporters_are_registered() -> None:
     known = available_exporters()
-    assert {"console", "jsonl", "prometheus", "pushgateway", "otlp", "wandb"} <= set(known)
+    built_in = {"console", "jsonl", "prometheus", "pushgateway", "otlp", "wandb", "tensorboard", "mlflow"}
+    assert built_in <= set(known)
     assert exporter_class("prometheus") is PrometheusExporter
     assert exporter_class("pushgateway") is PushgatewayExporter
+    assert exporter_class("wandb") is WandbExporter
+    assert exporter_class("tensorboard") is TensorBoardExporter
+    assert exporter_class("mlflow") is MLflowExporter
 
 
 def test_exporters_from_spec_builds_in_order_with_options(tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ import torch
 import torchtelemetry as tt
 from tests.distributed import run_ranks
 from tests.export.test_otel import BINS, STEPS, expected_values
-from tests.export.trackers import CONFIG, NO_HISTOGRAM, TIMESTAMPS, tracker_rank
+from tests.export.trackers import CONFIG, NO_HISTOGRAM, TIMESTAMPS, export_label_clashes, tracker_rank
 from torchtelemetry.export import ExportResult, HistogramValue, MetricDescriptor, RunInfo, TensorBoardExporter
 from torchtelemetry.export._histograms import histogram_edges
 from torchtelemetry.export._tensorboard import CONFIG_TAG
@@ -108,6 +108,19 @@ def test_values_per_label_and_histograms_written_directly(tmp_path: Path) -> Non
         "queue/host_node-1_8080": 3.0,  # a label value cannot add path segments or odd characters
     }
     exporter.close()
+
+
+def test_label_values_sanitized_into_one_tag_are_left_out_counted_and_logged(tmp_path: Path, caplog) -> None:
+    export_label_clashes(TensorBoardExporter(tmp_path), caplog)
+    events = read_events(tmp_path)
+
+    def written(tag: str) -> list[tuple[int, float]]:
+        return [(event.step, event.value) for event in events.Scalars(tag)]
+
+    assert written("queue/host_a_b") == [(1, 1.0), (3, 3.0)]  # only 'a/b'
+    assert written("step_time/rank_0") == [(1, 0.75)]  # only the metric
+    assert written("step_time/rank_1") == [(1, 0.25)]
+    assert written("train/loss") == [(1, 0.5), (2, 0.25)]  # the rest is written
 
 
 def test_an_unwritable_log_dir_counts_failures_and_training_goes_on(tmp_path: Path, caplog) -> None:

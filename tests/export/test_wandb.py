@@ -10,6 +10,7 @@ import pytest
 
 from tests.distributed import run_ranks
 from tests.export.test_otel import BINS, STEPS, expected_values, global_report, make_metrics, update_window
+from tests.export.trackers import export_label_clashes
 from tests.receivers import WandbRunLog, find_wandb_logs, wait_for_wandb_logs
 from torchtelemetry.export import (
     ExportHub,
@@ -157,6 +158,14 @@ def test_histogram_and_label_values_are_logged_exactly(wandb_dir):
     assert row["grad"]["values"] == [2, 0, 5, 1]
     assert row["grad"]["bins"] == [-2.0, -1.0, 0.0, 4.0, 8.0]
     assert (row["train/step_time/rank_0"], row["train/step_time/rank_1"]) == (0.5, 0.75)
+
+
+def test_label_values_sanitized_into_one_key_are_left_out_counted_and_logged(wandb_dir, caplog):
+    export_label_clashes(WandbExporter("tt"), caplog)
+    rows = _only_log(wandb_dir).history
+    assert [row.get("queue/host_a_b") for row in rows] == [1.0, None, 3.0]  # only 'a/b'
+    assert (rows[0]["step_time/rank_0"], rows[0]["step_time/rank_1"]) == (0.75, 0.25)  # rank 0: the metric
+    assert [row.get("train/loss") for row in rows] == [0.5, 0.25, None]  # the rest is logged
 
 
 # -- run lifecycle ----------------------------------------------------------------------

@@ -19,6 +19,7 @@ from torchtelemetry.metric import MetricKind
 from torchtelemetry.report import (
     InvalidMetricNameError,
     NameCollisionError,
+    TrackerKeys,
     check_unique,
     describe_metrics,
     flatten_results,
@@ -94,6 +95,39 @@ def test_collisions_list_every_clash() -> None:
         "c/d": "torchtelemetry_c_d",
         "ok": "torchtelemetry_ok",
     }
+
+
+def test_tracker_keys_of_histogram_fields_clash_with_metrics_when_described() -> None:
+    descriptors = [
+        MetricDescriptor("grad", HISTOGRAM),
+        MetricDescriptor("grad/count"),
+        MetricDescriptor("grad/mean", COUNTER),
+        MetricDescriptor("grad/other"),
+    ]
+    with pytest.raises(NameCollisionError) as raised:
+        TrackerKeys("MLflow", histogram_fields=("count", "sum", "mean")).describe(descriptors)
+    message = str(raised.value)
+    assert "['grad', 'grad/count'] -> 'grad/count'" in message
+    assert "['grad', 'grad/mean'] -> 'grad/mean'" in message
+    assert "grad/other" not in message and "grad/sum" not in message
+    TrackerKeys("W&B").describe(descriptors)  # a native histogram takes only its own key
+
+
+def test_tracker_keys_keep_the_first_label_value_of_a_key_for_the_whole_run(caplog) -> None:
+    keys = TrackerKeys("T")
+    keys.describe([MetricDescriptor("queue", label_name="host"), MetricDescriptor("queue/host_c")])
+    keyed, left_out = keys.keyed({"queue": {"a/b": 1.0, "a_b": 2.0, "c": 3.0, "d e": 4}})
+    assert keyed == [("queue/host_a_b", 1.0), ("queue/host_d_e", 4.0)]
+    assert left_out == [
+        "queue host='a_b' takes the key 'queue/host_a_b' of queue host='a/b' and is left out",
+        "queue host='c' takes the key 'queue/host_c' of queue/host_c and is left out",
+    ]
+    assert caplog.text.count("takes the key") == 2
+    keyed, left_out = keys.keyed({"queue": {"a_b": 5.0}})  # the key still means 'a/b'
+    assert (keyed, len(left_out), caplog.text.count("takes the key")) == ([], 1, 2)  # logged once
+    with pytest.raises(NameCollisionError, match=r"\[\"queue host='d e'\", 'queue/host_d_e'\]"):
+        keys.describe([MetricDescriptor("queue/host_d_e")])  # a key a label value already has
+    assert keys.keyed({"queue": {"d e": 6.0}}) == ([("queue/host_d_e", 6.0)], [])  # nothing changed
 
 
 def build_metrics() -> dict:

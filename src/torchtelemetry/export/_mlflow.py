@@ -13,14 +13,7 @@ from torchtelemetry.export._base import BaseExporter, ExportFailed
 from torchtelemetry.export._protocol import RunInfo
 from torchtelemetry.export._temporality import Temporality
 from torchtelemetry.metric import MetricKind
-from torchtelemetry.report import (
-    HistogramValue,
-    MetricDescriptor,
-    Scalars,
-    merge_descriptors,
-    tracker_label_name,
-    tracker_name,
-)
+from torchtelemetry.report import HistogramValue, MetricDescriptor, Scalars, TrackerKeys
 
 __all__ = ["EXPERIMENT_NAME_ENV", "RUN_ID_TAG", "TRACKING_URI_ENV", "MLflowExporter"]
 
@@ -36,6 +29,7 @@ RUN_ID_TAG = "torchtelemetry.run_id"
 _MAX_METRICS_PER_BATCH = 1000  # MLflow's limits for one log_batch
 _MAX_PARAMS_PER_BATCH = 100
 _MAX_PARAM_LENGTH = 6000
+_HISTOGRAM_FIELDS = ("count", "sum", "mean")
 
 
 class MLflowExporter(BaseExporter):
@@ -58,6 +52,9 @@ class MLflowExporter(BaseExporter):
     no histograms: the exporter prefers deltas for them (`preferred_temporality`), and each
     histogram becomes the interval's `<path>/count`, `<path>/sum` and `<path>/mean` (no mean in
     an interval without values). Counters stay running totals. The run ends (`FINISHED`) on close.
+    Keys are checked (`TrackerKeys`): a histogram's `<path>/count` against a metric `<path>/count`
+    raises `NameCollisionError` in `describe`; a label value sanitized into a key another label value
+    already has is left out of every report, logged, and the report counted as failed.
     """
 
     preferred_temporality: ClassVar[Mapping[MetricKind, Temporality]] = {
@@ -84,14 +81,14 @@ class MLflowExporter(BaseExporter):
         self._run_name = run_name
         self._config = dict(config or {})
         self._tags = {str(key): str(value) for key, value in (tags or {}).items()}
-        self._descriptors: dict[str, MetricDescriptor] = {}
+        self._keys = TrackerKeys(f"MLflowExporter {name!r}", histogram_fields=_HISTOGRAM_FIELDS)
         self._info: RunInfo | None = None
         self._client: Any = None
         self.run_id: str | None = None
         """The MLflow run id (None until the first export reached the tracking store)."""
 
     def _describe(self, descriptors: Sequence[MetricDescriptor], run: RunInfo) -> None:
-        self._descriptors = merge_descriptors(self._descriptors, descriptors, tracker_name, "MLflow")
+        self._keys.describe(descriptors)
 
     def _start(self, run: RunInfo) -> None:
         """Only remember the run: the first export reaches the tracking store, off the training thread."""
@@ -102,12 +99,15 @@ class MLflowExporter(BaseExporter):
         run_id = self._ensure_run()
         metric = self._mlflow.entities.Metric
         milliseconds = int(timestamp * 1000)
-        metrics = [metric(key, value, milliseconds, step) for key, value in self._values(scalars)]
+        keyed, left_out = self._keys.keyed(scalars)
+        metrics = [metric(key, value, milliseconds, step) for key, value in self._values(keyed)]
         try:
             for start in range(0, len(metrics), _MAX_METRICS_PER_BATCH):
                 self._client.log_batch(run_id, metrics=metrics[start : start + _MAX_METRICS_PER_BATCH])
         except Exception as error:
             raise ExportFailed(f"log_batch to {self.tracking_uri} failed") from error
+        if left_out:
+            raise ExportFailed(f"values left out: {'; '.join(left_out)}")
 
     def _flush(self, timeout_s: float) -> bool:
         """Nothing is buffered here (each `log_batch` returns once stored); True once the run exists."""
@@ -193,20 +193,17 @@ class MLflowExporter(BaseExporter):
         for start in range(0, len(params), _MAX_PARAMS_PER_BATCH):
             self._client.log_batch(run_id, params=params[start : start + _MAX_PARAMS_PER_BATCH])
 
-    def _values(self, scalars: Scalars) -> Iterator[tuple[str, float]]:
-        for path, value in scalars.items():
-            descriptor = self._descriptors.get(path) or MetricDescriptor(path)
-            key = tracker_name(descriptor)
+    def _values(self, keyed: Sequence[tuple[str, float | HistogramValue]]) -> Iterator[tuple[str, float]]:
+        """Floats as they are; a histogram as its count, sum and (with values) mean."""
+        field_key = self._keys.field_key
+        for key, value in keyed:
             if isinstance(value, HistogramValue):
-                yield f"{key}/count", float(value.count)
-                yield f"{key}/sum", float(value.sum)
+                yield field_key(key, "count"), float(value.count)
+                yield field_key(key, "sum"), float(value.sum)
                 if value.count:
-                    yield f"{key}/mean", value.sum / value.count
-            elif isinstance(value, Mapping):
-                for label, entry in value.items():
-                    yield tracker_label_name(descriptor, label), float(entry)
+                    yield field_key(key, "mean"), value.sum / value.count
             else:
-                yield key, float(value)
+                yield key, value
 
 
 def _quoted(text: str) -> str:

@@ -15,14 +15,7 @@ from torchtelemetry.export._histograms import histogram_edges
 from torchtelemetry.export._protocol import RunInfo
 from torchtelemetry.export._temporality import Temporality
 from torchtelemetry.metric import MetricKind
-from torchtelemetry.report import (
-    HistogramValue,
-    MetricDescriptor,
-    Scalars,
-    merge_descriptors,
-    tracker_label_name,
-    tracker_name,
-)
+from torchtelemetry.report import HistogramValue, MetricDescriptor, Scalars, TrackerKeys
 
 __all__ = ["CONFIG_TAG", "TensorBoardExporter"]
 
@@ -45,7 +38,8 @@ class TensorBoardExporter(BaseExporter):
     are the drawn outer edges of the open first and last buckets (see `histogram_edges`), and
     its `sum_squares` is NaN: the library tracks neither extremes nor squares. Counters stay
     running totals. Events are written by the writer's own thread; `force_flush` and `close`
-    wait for them to reach the file.
+    wait for them to reach the file. A label value sanitized into the tag of another label value
+    (`a/b` and `a_b`) is left out, logged, and the report counted as failed (`TrackerKeys`).
     """
 
     preferred_temporality: ClassVar[Mapping[MetricKind, Temporality]] = {
@@ -73,11 +67,11 @@ class TensorBoardExporter(BaseExporter):
         """Directory of the event files (`runs/<run id>` once started when None was given)."""
         self._flush_secs = flush_secs
         self._max_queue = max_queue
-        self._descriptors: dict[str, MetricDescriptor] = {}
+        self._keys = TrackerKeys(f"TensorBoardExporter {name!r}")
         self._writer: Any = None
 
     def _describe(self, descriptors: Sequence[MetricDescriptor], run: RunInfo) -> None:
-        self._descriptors = merge_descriptors(self._descriptors, descriptors, tracker_name, "TensorBoard")
+        self._keys.describe(descriptors)
 
     def _start(self, run: RunInfo) -> None:
         """Open the event file and write the run's config; a failure is logged and every export then fails."""
@@ -104,19 +98,17 @@ class TensorBoardExporter(BaseExporter):
         writer = self._writer
         if writer is None:
             raise ExportFailed(f"no event file (could not write in {self.log_dir}); nothing logged")
+        keyed, left_out = self._keys.keyed(scalars)
         try:
-            for path, value in scalars.items():
-                descriptor = self._descriptors.get(path) or MetricDescriptor(path)
+            for tag, value in keyed:
                 if isinstance(value, HistogramValue):
-                    _add_histogram(writer, tracker_name(descriptor), value, step, timestamp)
-                elif isinstance(value, Mapping):
-                    for label, entry in value.items():
-                        tag = tracker_label_name(descriptor, label)
-                        writer.add_scalar(tag, float(entry), step, walltime=timestamp)
+                    _add_histogram(writer, tag, value, step, timestamp)
                 else:
-                    writer.add_scalar(tracker_name(descriptor), float(value), step, walltime=timestamp)
+                    writer.add_scalar(tag, value, step, walltime=timestamp)
         except Exception as error:
             raise ExportFailed(f"writing events in {self.log_dir} failed") from error
+        if left_out:
+            raise ExportFailed(f"values left out: {'; '.join(left_out)}")
 
     def _flush(self, timeout_s: float) -> bool:
         """Wait until the writer's thread has written every event to the file."""

@@ -13,14 +13,7 @@ from torchtelemetry.export._histograms import histogram_edges
 from torchtelemetry.export._protocol import RunInfo
 from torchtelemetry.export._temporality import Temporality
 from torchtelemetry.metric import MetricKind
-from torchtelemetry.report import (
-    HistogramValue,
-    MetricDescriptor,
-    Scalars,
-    merge_descriptors,
-    tracker_label_name,
-    tracker_name,
-)
+from torchtelemetry.report import HistogramValue, MetricDescriptor, Scalars, TrackerKeys
 
 __all__ = ["WandbExporter"]
 
@@ -50,7 +43,9 @@ class WandbExporter(BaseExporter):
     (`preferred_temporality`), so each becomes a `wandb.Histogram` of the exact
     bucket counts since the previous report (see `histogram_edges`) and W&B's
     histogram panels show each interval's distribution; counters stay running
-    totals. Per-label values become one key per label (`train/step_time/rank_0`).
+    totals. Per-label values become one key per label (`train/step_time/rank_0`); a label value
+    sanitized into the key of another label value (`a/b` and `a_b`) is left out, logged, and the
+    report counted as failed (`TrackerKeys`).
     Credentials stay with W&B: nothing from the settings or environment is logged.
     """
 
@@ -99,7 +94,7 @@ class WandbExporter(BaseExporter):
         }
         self._config = dict(config or {})
         self._summaries = dict(summaries or {})
-        self._descriptors: dict[str, MetricDescriptor] = {}
+        self._keys = TrackerKeys(f"WandbExporter {name!r}")
         self._run: Any = None
         self._owns_run = False
         self._last_step: int | None = None
@@ -112,7 +107,7 @@ class WandbExporter(BaseExporter):
         return self._run
 
     def _describe(self, descriptors: Sequence[MetricDescriptor], run: RunInfo) -> None:
-        self._descriptors = merge_descriptors(self._descriptors, descriptors, tracker_name, "W&B")
+        self._keys.describe(descriptors)
 
     def _export(self, step: int, scalars: Scalars, timestamp: float) -> None:
         """`run.log(row, step=step)`; a step below the last logged one is dropped."""
@@ -127,11 +122,14 @@ class WandbExporter(BaseExporter):
                 self._last_step,
             )
             raise ExportFailed(f"below the last logged step {self._last_step}")
+        keyed, left_out = self._keys.keyed(scalars)
         try:
-            self._run.log(self._row(scalars), step=step)
+            self._run.log(self._row(keyed), step=step)
         except Exception as error:
             raise ExportFailed("run.log failed") from error
         self._last_step = step
+        if left_out:
+            raise ExportFailed(f"values left out: {'; '.join(left_out)}")
 
     def _flush(self, timeout_s: float) -> bool:
         """Nothing is buffered here (W&B's own process persists each `log`); True while the run is open."""
@@ -182,19 +180,12 @@ class WandbExporter(BaseExporter):
         except Exception:
             logger.exception("WandbExporter %r: define_metric failed", self.name)
 
-    def _row(self, scalars: Scalars) -> dict[str, Any]:
+    def _row(self, keyed: Sequence[tuple[str, float | HistogramValue]]) -> dict[str, Any]:
         row: dict[str, Any] = {}
-        for path, value in scalars.items():
-            descriptor = self._descriptors.get(path) or MetricDescriptor(path)
+        for key, value in keyed:
             if isinstance(value, HistogramValue):
                 counts = [int(count) if float(count).is_integer() else count for count in value.counts]
-                row[tracker_name(descriptor)] = self._wandb.Histogram(
-                    np_histogram=(counts, histogram_edges(value.bounds))
-                )
-            elif isinstance(value, Mapping):
-                row.update(
-                    (tracker_label_name(descriptor, key), float(entry)) for key, entry in value.items()
-                )
+                row[key] = self._wandb.Histogram(np_histogram=(counts, histogram_edges(value.bounds)))
             else:
-                row[tracker_name(descriptor)] = float(value)
+                row[key] = value
         return row

@@ -9,11 +9,12 @@ raise one `NameCollisionError` listing all.
 
 from __future__ import annotations
 
+import logging
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from torchtelemetry.metric import MetricKind
-from torchtelemetry.report._values import MetricDescriptor
+from torchtelemetry.report._values import HistogramValue, MetricDescriptor, Scalars
 
 __all__ = [
     "MAX_NAME_LENGTH",
@@ -22,6 +23,7 @@ __all__ = [
     "STEP_METRIC",
     "InvalidMetricNameError",
     "NameCollisionError",
+    "TrackerKeys",
     "check_unique",
     "merge_descriptors",
     "otel_name",
@@ -33,6 +35,8 @@ __all__ = [
     "tracker_label_name",
     "tracker_name",
 ]
+
+logger = logging.getLogger(__name__)
 
 NAMESPACE = "torchtelemetry"
 """Prefix of every Prometheus name the library emits."""
@@ -147,6 +151,79 @@ def tracker_label_name(descriptor: MetricDescriptor, label_value: str) -> str:
     return f"{tracker_name(descriptor)}/{descriptor.label_name or 'label'}_{label}"
 
 
+class TrackerKeys:
+    """The keys of one tracker run (W&B, TensorBoard, MLflow), each meaning one value for the whole run.
+
+    A path is its key, a value per label one key per label (`tracker_label_name`), and with
+    `histogram_fields` (MLflow: "count", "sum", "mean") a histogram one key per field
+    (`train/h/count`). `describe` raises `NameCollisionError` listing every key two metrics
+    would share (a histogram's `x/count` and a metric `x/count`). Label values are only known
+    per report: the first label value (or metric) to take a key keeps it for the run; a later
+    label value that sanitizes to the same key (`a/b` after `a_b`) is left out of every report,
+    logged once naming both, and listed by `keyed()` so that the exporter counts the report as failed.
+    """
+
+    def __init__(self, backend: str, histogram_fields: Sequence[str] = ()) -> None:
+        self.backend = backend
+        self._histogram_fields = tuple(histogram_fields)
+        self._descriptors: dict[str, MetricDescriptor] = {}
+        self._owners: dict[str, str] = {}  # key -> what it means: a path, or a path and label value
+        self._refused: set[str] = set()
+
+    @staticmethod
+    def field_key(key: str, field: str) -> str:
+        """A histogram field's key: `train/h` and "count" -> `train/h/count`."""
+        return f"{key}/{field}"
+
+    def describe(self, descriptors: Iterable[MetricDescriptor]) -> None:
+        """Add (or replace) `descriptors`; raise `NameCollisionError` before anything changes."""
+        merged = {**self._descriptors, **{descriptor.name: descriptor for descriptor in descriptors}}
+        fixed = {key: owner for key, owner in self._owners.items() if owner not in merged}
+        claims = [(owner, key) for key, owner in fixed.items()]
+        for descriptor in merged.values():
+            if descriptor.label_name is None:
+                claims.extend((descriptor.name, key) for key in self._keys_of(descriptor))
+        _raise_clashes(_by_key(claims), self.backend)
+        self._descriptors = merged
+        self._owners = {**fixed, **{key: owner for owner, key in claims}}
+
+    def keyed(self, scalars: Scalars) -> tuple[list[tuple[str, float | HistogramValue]], list[str]]:
+        """Each value of a report with its key, and what was left out because its key means another value."""
+        keyed: list[tuple[str, float | HistogramValue]] = []
+        left_out: list[str] = []
+        for path, value in scalars.items():
+            descriptor = self._descriptors.get(path) or MetricDescriptor(path)
+            if isinstance(value, Mapping):
+                for label, entry in value.items():
+                    owner = f"{path} {descriptor.label_name or 'label'}={label!r}"
+                    key = tracker_label_name(descriptor, label)
+                    if self._claim(key, owner, left_out):
+                        keyed.append((key, float(entry)))
+            elif all([self._claim(key, path, left_out) for key in self._keys_of(descriptor, value)]):
+                number = value if isinstance(value, HistogramValue) else float(value)
+                keyed.append((tracker_name(descriptor), number))
+        return keyed, left_out
+
+    def _keys_of(self, descriptor: MetricDescriptor, value: object = None) -> list[str]:
+        key = tracker_name(descriptor)
+        histogram = isinstance(value, HistogramValue) or descriptor.kind is MetricKind.HISTOGRAM
+        if histogram and self._histogram_fields:
+            return [self.field_key(key, field) for field in self._histogram_fields]
+        return [key]
+
+    def _claim(self, key: str, owner: str, left_out: list[str]) -> bool:
+        """True if `key` means `owner` (claiming it when free); else note the clash, logged once."""
+        taken = self._owners.setdefault(key, owner)
+        if taken == owner:
+            return True
+        clash = f"{owner} takes the key {key!r} of {taken} and is left out"
+        left_out.append(clash)
+        if clash not in self._refused:
+            self._refused.add(clash)
+            logger.error("%s: %s (from now on, in every report)", self.backend, clash)
+        return False
+
+
 def merge_descriptors(
     known: Mapping[str, MetricDescriptor],
     descriptors: Iterable[MetricDescriptor],
@@ -166,13 +243,23 @@ def check_unique(
     descriptors: Iterable[MetricDescriptor], mapper: Callable[[MetricDescriptor], str], backend: str
 ) -> dict[str, str]:
     """Map every path with `mapper`; raise one `NameCollisionError` listing every clash."""
-    by_backend: dict[str, list[str]] = {}
-    for descriptor in descriptors:
-        by_backend.setdefault(mapper(descriptor), []).append(descriptor.name)
-    clashes = {name: paths for name, paths in by_backend.items() if len(paths) > 1}
+    by_backend = _by_key((descriptor.name, mapper(descriptor)) for descriptor in descriptors)
+    _raise_clashes(by_backend, backend)
+    return {paths[0]: name for name, paths in by_backend.items()}
+
+
+def _by_key(claims: Iterable[tuple[str, str]]) -> dict[str, list[str]]:
+    """Backend name -> the paths (or owners) that map to it, from (path, name) pairs."""
+    by_key: dict[str, list[str]] = {}
+    for path, key in claims:
+        by_key.setdefault(key, []).append(path)
+    return by_key
+
+
+def _raise_clashes(by_key: Mapping[str, list[str]], backend: str) -> None:
+    clashes = {name: paths for name, paths in by_key.items() if len(paths) > 1}
     if clashes:
         listed = "; ".join(f"{paths} -> {name!r}" for name, paths in sorted(clashes.items()))
         raise NameCollisionError(
             f"{backend}: metric names collide after mapping: {listed}; rename one of each"
         )
-    return {paths[0]: name for name, paths in by_backend.items()}
