@@ -29,6 +29,7 @@ PUBLIC = [
     "SumMetric",
     "Telemetry",
     "TelemetryConfig",
+    "TelemetryStartupError",
     "TensorBoardExporter",
     "WandbExporter",
     "WeightedMeanMetric",

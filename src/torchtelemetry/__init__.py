@@ -32,7 +32,7 @@ from torchtelemetry.metric import (
     WeightedMeanMetric,
 )
 from torchtelemetry.sync import sync_and_compute, sync_metrics
-from torchtelemetry.telemetry import Telemetry, TelemetryConfig
+from torchtelemetry.telemetry import Telemetry, TelemetryConfig, TelemetryStartupError
 
 __version__ = "0.1.0"
 
@@ -57,6 +57,7 @@ __all__ = [
     "SumMetric",
     "Telemetry",
     "TelemetryConfig",
+    "TelemetryStartupError",
     "TensorBoardExporter",
     "WandbExporter",
     "WeightedMeanMetric",

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from torchtelemetry._process import check_same_process, current_pid
+from torchtelemetry._startup import TelemetryStartupError, agree_on_start, require_process_group
 from torchtelemetry.collect import AsyncMetricCollector, CollectionError
 from torchtelemetry.export import Exporter, ExportHub, NullHub, RunInfo, exporters_from_spec
 from torchtelemetry.metric import MetricKind
@@ -40,7 +41,7 @@ from torchtelemetry.sync import (
     restore_local_states,
 )
 
-__all__ = ["Telemetry", "TelemetryConfig"]
+__all__ = ["Telemetry", "TelemetryConfig", "TelemetryStartupError"]
 
 logger = logging.getLogger(__name__)
 
@@ -130,6 +131,13 @@ class Telemetry:
     skipped on one rank alone). `close()` collects the last partial window and
     flushes every exporter.
 
+    Building a `Telemetry` is collective: build it on every rank, at the same point
+    (only global rank 0 exports). Every rank learns within `timeout_s` whether every
+    rank started; if one did not (a port in use, a missing extra, a rank that never
+    builds it), every rank raises, naming the rank and the cause
+    (`TelemetryStartupError` on the others). With `WORLD_SIZE` > 1 in the environment,
+    call `torch.distributed.init_process_group()` first.
+
     Args:
         metrics: a PyTree of Metrics; paths become names (`{"train": {"loss": m}}` -> `train/loss`).
         exporters: exporters (constructed on every rank; only global rank 0 starts them), or a
@@ -145,9 +153,41 @@ class Telemetry:
         config: TelemetryConfig | None = None,
         **fields: Any,
     ) -> None:
-        self.config = config = (config or TelemetryConfig()).replace(**fields)
+        require_process_group("Telemetry")
         self._pid = current_pid()
         self._thread = threading.get_ident()
+        self.hub: ExportHub | NullHub = NullHub()
+        failure: Exception | None = None
+        try:
+            self._set_up(metrics, exporters, (config or TelemetryConfig()).replace(**fields))
+        except Exception as error:
+            failure = error
+        timeout_s = self.config.timeout_s if failure is None else _timeout_s(config, fields)
+        try:
+            agree_on_start(failure, timeout_s=timeout_s)
+            # Keyed by metric path, so errors (a layout mismatch across ranks) name metrics as the user does.
+            collector = AsyncMetricCollector(dict(self._leaves), self.config.group, timeout_s=timeout_s)
+            self._collector = collector.bind()
+        except BaseException:
+            self.hub.close()  # started exporters (open ports, threads) must not outlive a failed set-up
+            raise
+        self._windows: collections.deque[WindowTiming] = collections.deque()
+        self._steps_in_window = 0
+        self._last_step: int | None = None
+        self._last_step_clock: float | None = None
+        self._window_start = self._signals_flushed = time.perf_counter()
+        self.backpressure_waits = 0
+        """Times `step()` waited because `max_pending` collections were in flight."""
+        self.latest: dict[str, ScalarValue] = {}
+        """The last exported values (running totals for counters), on every rank."""
+        self.latest_step: int | None = None
+        self._logged: dict[int, list[tuple[int, dict[str, ScalarValue], float]]] = {}
+        self._failure: CollectionError | None = None
+        self._closed = False
+
+    def _set_up(self, metrics: Any, exporters: Sequence[Exporter] | str, config: TelemetryConfig) -> None:
+        """Everything rank-local of construction; rank 0 starts its exporters here."""
+        self.config = config
         self.metrics = metrics
         self.every = config.every
         self.max_pending = config.max_pending
@@ -178,32 +218,9 @@ class Telemetry:
         if isinstance(exporters, str):
             exporters = exporters_from_spec(exporters)
         self.run = RunInfo.create(config.run_id, world_size=world_size, config=config.run_config)
-        self.hub: ExportHub | NullHub = (
-            ExportHub(exporters, run=self.run, queue_size=config.queue_size)
-            if self.is_exporting
-            else NullHub()
-        )
+        if self.is_exporting:
+            self.hub = ExportHub(exporters, run=self.run, queue_size=config.queue_size)
         self.hub.describe(self._descriptors)
-        # Keyed by metric path, so errors (a layout mismatch across ranks) name metrics as the user does.
-        collector = AsyncMetricCollector(dict(self._leaves), config.group, timeout_s=config.timeout_s)
-        try:
-            self._collector = collector.bind()
-        except BaseException:
-            self.hub.close()  # started exporters (open ports, threads) must not outlive a failed set-up
-            raise
-        self._windows: collections.deque[WindowTiming] = collections.deque()
-        self._steps_in_window = 0
-        self._last_step: int | None = None
-        self._last_step_clock: float | None = None
-        self._window_start = self._signals_flushed = time.perf_counter()
-        self.backpressure_waits = 0
-        """Times `step()` waited because `max_pending` collections were in flight."""
-        self.latest: dict[str, ScalarValue] = {}
-        """The last exported values (running totals for counters), on every rank."""
-        self.latest_step: int | None = None
-        self._logged: dict[int, list[tuple[int, dict[str, ScalarValue], float]]] = {}
-        self._failure: CollectionError | None = None
-        self._closed = False
 
     def _describe(self, metrics: Any, signal_metrics: Any) -> list[MetricDescriptor]:
         described = describe_metrics(metrics)
@@ -441,3 +458,9 @@ class Telemetry:
         step = int(state.get("step", -1))
         self._last_step = None if step < 0 else step
         self._steps_in_window = int(state.get("steps_in_window", 0))
+
+
+def _timeout_s(config: TelemetryConfig | None, fields: Mapping[str, Any]) -> float:
+    """The start-up bound when the configuration itself could not be built."""
+    timeout_s = fields.get("timeout_s", config.timeout_s if config is not None else None)
+    return float(timeout_s) if isinstance(timeout_s, (int, float)) and timeout_s > 0 else 300.0

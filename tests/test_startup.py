@@ -1,0 +1,68 @@
+"""Building `Telemetry` is collective: on real gloo ranks, a rank that fails or never builds it is
+reported on every rank within `timeout_s`, never a hang or a raw gloo error."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import torchtelemetry as tt
+from tests.distributed import RankFailed, run_ranks
+
+START_TIMEOUT_S = 3.0
+
+
+def _build_on_rank_zero_only(rank: int, world_size: int) -> str:
+    if rank != 0:
+        time.sleep(3 * START_TIMEOUT_S)  # "training" on, never building the Telemetry
+        return "not built"
+    try:
+        tt.Telemetry({"loss": tt.WeightedMeanMetric()}, [], timeout_s=START_TIMEOUT_S)
+    except tt.TelemetryStartupError as error:
+        return str(error)
+    return "built"
+
+
+@pytest.mark.timeout(120)
+def test_building_on_rank_zero_only_raises_a_clear_error_within_timeout_s() -> None:
+    # pg_timeout_s far above timeout_s: without the bounded start-up, rank 0 waits in the
+    # default group's collective for 60 s and ends with a raw gloo error.
+    message, _ = run_ranks(_build_on_rank_zero_only, 2, pg_timeout_s=60.0, timeout_s=90.0)
+    assert "rank 0 of 2): not every rank built it within timeout_s=3s" in message
+    assert "build it on every rank" in message
+
+
+def _build_with_one_rank_failing(rank: int, world_size: int, failing_rank: int) -> None:
+    if failing_rank == 0:
+        # Only rank 0 starts (describes) its exporters: a Prometheus-only name collision fails there alone.
+        metrics, exporters = {"a/b": tt.SumMetric(), "a_b": tt.SumMetric()}, [tt.PrometheusExporter(port=0)]
+    else:
+        # An exporter spec only rank 1 cannot resolve (a node without the extra, say).
+        metrics, exporters = {"loss": tt.WeightedMeanMetric()}, "nosuch" if rank == 1 else "console"
+    tt.Telemetry(metrics, exporters, timeout_s=30.0, signals=False).close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("failing_rank", "cause"),
+    [(0, "NameCollisionError: Prometheus: metric names collide"), (1, "unknown exporter(s) ['nosuch']")],
+)
+def test_a_rank_that_fails_to_start_makes_every_rank_raise_naming_it(failing_rank: int, cause: str) -> None:
+    with pytest.raises(RankFailed) as failed:
+        run_ranks(_build_with_one_rank_failing, 2, failing_rank, timeout_s=90.0)
+    errors = failed.value.errors
+    assert sorted(errors) == [0, 1], "every rank raised, none trained on or hung"
+    other = 1 - failing_rank
+    assert errors[other].startswith("TelemetryStartupError")
+    assert f"rank {failing_rank}: " in errors[other] and cause in errors[other]
+    assert cause in errors[failing_rank]
+    assert f"failed to start on rank {failing_rank} of 2" in errors[failing_rank]
+
+
+def test_world_size_without_a_process_group_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(RuntimeError, match=r"WORLD_SIZE=2 .*call torch.distributed.init_process_group\(\)"):
+        tt.Telemetry({"loss": tt.WeightedMeanMetric()}, [])
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    tt.Telemetry({"loss": tt.WeightedMeanMetric()}, []).close()
