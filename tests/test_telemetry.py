@@ -156,6 +156,8 @@ def test_single_process_without_distributed(tmp_path: Path) -> None:
     assert telemetry.is_exporting
     with pytest.raises(RuntimeError, match="closed"):
         telemetry.step(7)
+    with pytest.raises(RuntimeError, match=r"Telemetry\.log: telemetry is closed"):
+        telemetry.log({"acc": 1.0}, 7)
 
 
 def test_names_that_clash_with_the_built_in_signals_are_rejected() -> None:

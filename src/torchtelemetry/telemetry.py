@@ -22,6 +22,7 @@ from torchtelemetry.collect import AsyncMetricCollector, CollectionError
 from torchtelemetry.export import Exporter, ExportHub, NullHub, RunInfo, exporters_from_spec
 from torchtelemetry.metric import MetricKind
 from torchtelemetry.report import (
+    InvalidMetricNameError,
     MetricDescriptor,
     ModelFlops,
     RunningTotals,
@@ -30,6 +31,7 @@ from torchtelemetry.report import (
     WindowTiming,
     describe_metrics,
     flatten_results,
+    sanitize_path,
 )
 from torchtelemetry.sync import (
     GroupLike,
@@ -173,6 +175,7 @@ class Telemetry:
             raise
         self._windows: collections.deque[WindowTiming] = collections.deque()
         self._steps_in_window = 0
+        self._steps_since_grid = 0
         self._last_step: int | None = None
         self._last_step_clock: float | None = None
         self._window_start = self._signals_flushed = time.perf_counter()
@@ -183,6 +186,7 @@ class Telemetry:
         self.latest_step: int | None = None
         self._logged: dict[int, list[tuple[int, dict[str, ScalarValue], float]]] = {}
         self._failure: CollectionError | None = None
+        self._skipped_names: set[str] = set()
         self._closed = False
 
     def _set_up(self, metrics: Any, exporters: Sequence[Exporter] | str, config: TelemetryConfig) -> None:
@@ -274,8 +278,10 @@ class Telemetry:
         self._last_step_clock = now
         self._last_step = step
         self._steps_in_window += 1
+        self._steps_since_grid += 1
         self._drain(block=False)
-        if self._steps_in_window >= self.every:
+        if self._steps_since_grid >= self.every:
+            self._steps_since_grid = 0
             self.schedule_collection()
 
     @contextlib.contextmanager
@@ -297,6 +303,7 @@ class Telemetry:
 
         `step()` does this every `every` steps; call it where a training framework decides when
         to log (the Hugging Face Trainer's `should_log`). Nothing to do right after a collection.
+        Extra collections (this, `flush()`, a checkpoint) do not move the every-`every` grid.
         """
         self._require_open("schedule_collection")
         if not self._steps_in_window:
@@ -311,13 +318,27 @@ class Telemetry:
 
         While collections are in flight, reports keep step order: values logged at the step
         of the newest collection ride in its report, others follow it; otherwise they are
-        submitted at once.
+        submitted at once. Free-form names are made legal metric paths by `sanitize_path`
+        (`"my loss"` -> `my_loss`, `mfu(%)` -> `mfu_pct`), the one rule of every adapter; a name
+        with nothing legal left is skipped with a warning naming it.
         """
         self._require_open("log")
+        values = self._legal_names(values)
         if self._windows:
             self._logged.setdefault(self._windows[-1].step, []).append((step, dict(values), time.time()))
         else:
             self.hub.submit(step, dict(values), time.time())
+
+    def _legal_names(self, values: Mapping[str, ScalarValue]) -> dict[str, ScalarValue]:
+        legal: dict[str, ScalarValue] = {}
+        for name, value in values.items():
+            try:
+                legal[sanitize_path(name)] = value
+            except InvalidMetricNameError as error:
+                if name not in self._skipped_names:
+                    self._skipped_names.add(name)
+                    logger.warning("Telemetry.log: %r skipped: %s", name, error)
+        return legal
 
     def _flush_signals(self) -> float:
         now = time.perf_counter()
@@ -378,7 +399,9 @@ class Telemetry:
         """Collect and export the last partial window, then close every exporter. Idempotent.
 
         After a failed collection (a rank died or diverged) nothing more is collected: close
-        only releases the collector and flushes what was already exported.
+        only releases the collector and flushes what was already exported. Afterwards `step`,
+        `log`, `flush` and `schedule_collection` raise; the metrics themselves stay usable (a new
+        `Telemetry`, `compute()`), so what they are updated with after close is never exported.
         """
         check_same_process(self._pid, "Telemetry.close")
         if self._closed:
@@ -419,7 +442,8 @@ class Telemetry:
     def state_dict(self) -> dict[str, Any]:
         """Every rank's partial window (local metric states, signals included, gathered into one
         entry that loads at any world size), counter totals, the last step and the steps of the
-        current window. Collective: call it on every rank, as `torch.distributed.checkpoint` does.
+        current window (and since the last every-`every` collection). Collective: call it on every
+        rank, as `torch.distributed.checkpoint` does.
 
         Waits for collections in flight (and exports them) first, so a restart from this state
         neither loses nor repeats a window, and later windows end at the same steps. Counter totals
@@ -435,6 +459,7 @@ class Telemetry:
             "signals": self._signals.state_dict() if self._signals else {},
             "step": -1 if self._last_step is None else self._last_step,
             "steps_in_window": self._steps_in_window,
+            "steps_since_grid": self._steps_since_grid,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -458,6 +483,7 @@ class Telemetry:
         step = int(state.get("step", -1))
         self._last_step = None if step < 0 else step
         self._steps_in_window = int(state.get("steps_in_window", 0))
+        self._steps_since_grid = int(state.get("steps_since_grid", self._steps_in_window))
 
 
 def _timeout_s(config: TelemetryConfig | None, fields: Mapping[str, Any]) -> float:

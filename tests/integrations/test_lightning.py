@@ -150,7 +150,55 @@ def test_counter_totals_survive_a_checkpoint_and_resume(tmp_path) -> None:
 
     (checkpoint,) = (tmp_path / "ckpt").glob("*.ckpt")
     _single_process_fit(callback(tmp_path / "resumed.jsonl"), 6, tmp_path, ckpt_path=checkpoint)
+    # The collections stay on the every-2 grid across the restart (the checkpoint's own one at 3 aside).
     assert [(r["step"], r["values"]["train/examples"]) for r in _reports(tmp_path / "resumed.jsonl")] == [
-        (5, 15.0),
+        (4, 12.0),
         (6, 18.0),
     ]
+
+
+class SevenBatchRegression(TinyRegression):
+    """Seven batches per epoch: the epoch ends off the every-3 grid."""
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        x = torch.randn(21, self.hparams.width, generator=torch.Generator().manual_seed(0))
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(-1)), batch_size=3)
+
+
+def test_collections_stay_on_the_grid_across_epoch_ends_and_self_log_rides_in_them(tmp_path) -> None:
+    path = tmp_path / "telemetry.jsonl"
+    callback = LightningTelemetryCallback(
+        {"train/examples": SumMetric(kind="counter")},
+        [JsonlExporter(path)],
+        update=lambda metrics, outputs, batch: metrics["train/examples"].update(torch.tensor(3.0)),
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=2,
+        log_every_n_steps=3,  # the callback's every
+        callbacks=[callback],
+        logger=LightningTelemetryLogger(callback),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,  # checkpointing on: a checkpoint at each epoch end (steps 7 and 14)
+    )
+    trainer.fit(SevenBatchRegression())
+
+    reports = _reports(path)
+    collected = [r["step"] for r in reports if "train/examples" in r["values"]]
+    assert collected == [3, 6, 7, 9, 12, 14], "the grid (3, 6, 9, 12) outlives the epoch-end checkpoints"
+    assert [r["values"]["train/examples"] for r in reports if "train/examples" in r["values"]] == [
+        3.0 * step for step in collected
+    ]
+    logged = [r for r in reports if "lightning_loss" in r["values"]]
+    assert [r["step"] for r in logged] == [3, 6, 9, 12]
+    assert all("train/loss" in r["values"] for r in logged), "self.log values ride in that step's report"
+
+
+def test_a_torchrun_launch_the_trainer_does_not_match_is_an_error(tmp_path, monkeypatch) -> None:
+    # torchrun --nproc_per_node=2 with Trainer(devices=1): two independent 1-rank runs otherwise.
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    callback = LightningTelemetryCallback({"train/examples": SumMetric(kind="counter")}, [])
+    with pytest.raises(RuntimeError, match=r"WORLD_SIZE=2 processes but the Trainer runs 1"):
+        _single_process_fit(callback, 2, tmp_path)

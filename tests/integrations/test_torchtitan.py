@@ -75,3 +75,20 @@ def test_close_flushes_without_closing_the_telemetry(tmp_path) -> None:
     telemetry.close()
     with open(path, encoding="utf-8") as file:
         assert [json.loads(line)["step"] for line in file] == [7, 8]
+
+
+def test_telemetry_log_and_the_logger_name_free_form_keys_by_one_rule(tmp_path, caplog) -> None:
+    path = tmp_path / "telemetry.jsonl"
+    telemetry = Telemetry({}, [JsonlExporter(path)], signals=False)
+    with caplog.at_level(logging.WARNING):
+        telemetry.log({"my loss": 1.0, "mfu(%)": 40.0, "()": 3.0}, step=1)
+        TelemetryMetricLogger(telemetry).log({"my loss": 2.0, "mfu(%)": 41.0}, step=2)
+    telemetry.close()
+
+    with open(path, encoding="utf-8") as file:
+        reports = [
+            (record["step"], {k: v for k, v in record["values"].items() if not k.startswith("exporter/")})
+            for record in map(json.loads, file)
+        ]
+    assert reports == [(1, {"my_loss": 1.0, "mfu_pct": 40.0}), (2, {"my_loss": 2.0, "mfu_pct": 41.0})]
+    assert "'()' skipped" in caplog.text, "a name with nothing legal left is named in a warning"

@@ -31,6 +31,7 @@ def test_trainer_run_exports_exact_values_from_world_process_zero_only(tmp_path)
         assert values["train/max_token_loss"] == pytest.approx(max(r["max"] for r in window), rel=1e-6)
         assert values["train/label_tokens"] == tokens
         assert values["train/learning_rate"] == pytest.approx(1e-3)
+        assert "learning_rate" not in values, "one learning rate per report: the built-in signal's"
         # The Trainer's own log of this step rides in the same report, unchanged.
         logged = trainer_logs[report["step"]]
         assert values["loss"] == logged["loss"]

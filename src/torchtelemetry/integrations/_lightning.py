@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from argparse import Namespace
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -97,6 +98,14 @@ class LightningTelemetryCallback(pl.Callback):
         """Build the `Telemetry` (collective: every rank of the group binds the collector)."""
         if stage != "fit":
             return
+        launched = os.environ.get("WORLD_SIZE")
+        if launched is not None and launched.isdigit() and int(launched) != trainer.world_size:
+            raise RuntimeError(
+                f"LightningTelemetryCallback: the launcher started WORLD_SIZE={launched} processes but the "
+                f"Trainer runs {trainer.world_size} (devices x num_nodes), so each process would be a run "
+                "of its own; under torchrun pass Trainer(devices=<--nproc_per_node>, strategy='ddp'), or "
+                "run `python script.py` and let Lightning start its processes"
+            )
         for _, metric in metric_leaves(self._tree, op="LightningTelemetryCallback"):
             metric.to(trainer.strategy.root_device)
         config = self.config.replace(

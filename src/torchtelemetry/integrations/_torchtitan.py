@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from torchtelemetry.report import InvalidMetricNameError, ScalarValue, sanitize_path
+from torchtelemetry.report import ScalarValue
 from torchtelemetry.telemetry import Telemetry
 
 __all__ = ["TelemetryMetricLogger"]
@@ -41,7 +41,7 @@ class TelemetryMetricLogger:
     Numbers, one-element tensors (read with `.item()`: log host values to
     avoid the sync) and mappings of label to number are exported; other values
     (strings, images) are skipped with one warning per name; free-form names are
-    made legal metric paths (`mfu(%)` -> `mfu_pct`, see `sanitize_path`). Only
+    made legal metric paths by `Telemetry.log` (`mfu(%)` -> `mfu_pct`). Only
     global rank 0 exports (other ranks' hubs do nothing), so it can be called on
     every rank or on rank 0 alone. Values
     logged while a collection is in flight are exported in that collection's
@@ -71,18 +71,14 @@ class TelemetryMetricLogger:
         self.telemetry.hub.force_flush()
 
     def scalars(self, metrics: Mapping[str, Any]) -> dict[str, ScalarValue]:
-        """The exportable entries of `metrics`, named with the prefix."""
+        """The exportable entries of `metrics`, named with the prefix (`Telemetry.log` makes names legal)."""
         out: dict[str, ScalarValue] = {}
         for key, raw in metrics.items():
-            name = f"{self.prefix}{key}"
             value = _scalar(raw)
             if value is None:
-                self._skip(name, f"{type(raw).__name__} values are not exported")
-                continue
-            try:
-                out[sanitize_path(name)] = value
-            except InvalidMetricNameError as error:
-                self._skip(name, str(error))
+                self._skip(f"{self.prefix}{key}", f"{type(raw).__name__} values are not exported")
+            else:
+                out[f"{self.prefix}{key}"] = value
         return out
 
     def _skip(self, name: str, reason: str) -> None:

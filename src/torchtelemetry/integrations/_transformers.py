@@ -68,6 +68,7 @@ class TrainerTelemetryCallback(transformers.TrainerCallback):
         """The run's `Telemetry` from `on_train_begin` until `close()`."""
         self._logs: TelemetryMetricLogger | None = None
         self._last_log: tuple[int, dict[str, Any]] = (-1, {})
+        self._reports_learning_rate = False
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Build the `Telemetry` on every process (binding the collector is collective)."""
@@ -87,7 +88,9 @@ class TrainerTelemetryCallback(transformers.TrainerCallback):
         """`Telemetry.step`; one collection when the Trainer is about to log (every process)."""
         if self.telemetry is None:
             return
-        self.telemetry.step(state.global_step, learning_rate=_learning_rate(lr_scheduler))
+        learning_rate = _learning_rate(lr_scheduler)
+        self._reports_learning_rate = learning_rate is not None and self.telemetry.config.signals
+        self.telemetry.step(state.global_step, learning_rate=learning_rate)
         if control.should_log:
             self.telemetry.schedule_collection()
 
@@ -99,8 +102,13 @@ class TrainerTelemetryCallback(transformers.TrainerCallback):
     def on_log(
         self, args: Any, state: Any, control: Any, logs: Mapping[str, Any] | None = None, **kwargs: Any
     ) -> None:
-        """Export the Trainer's logs from world process zero, with the collection of this step."""
+        """Export the Trainer's logs from world process zero, with the collection of this step.
+
+        Its `learning_rate` is left out when the built-in `train/learning_rate` signal reports it.
+        """
         if self._logs is not None and logs:
+            if self._reports_learning_rate:
+                logs = {key: value for key, value in logs.items() if key != "learning_rate"}
             self._logs.log(logs, state.global_step)
             self._last_log = (state.global_step, dict(logs))
 
