@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
 PROMETHEUS_DIR = ROOT / "exporters" / "prometheus"
 PROMETHEUS_CONFIG = PROMETHEUS_DIR / "prometheus.yml"
+PROMETHEUS_HOST_CONFIG = PROMETHEUS_DIR / "prometheus-host.yml"
 ALERTS = PROMETHEUS_DIR / "alerts.yml"
 ALERTS_TEST = PROMETHEUS_DIR / "alerts_test.yml"
 COLLECTOR_CONFIG = ROOT / "exporters" / "otel-collector" / "config.yaml"

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 
+from tests.servers import PrometheusServer, binary, http_get
 from tests.stack._stack import (
     ALERTS,
     ALERTS_TEST,
     PROMETHEUS_CONFIG,
     PROMETHEUS_DIR,
+    PROMETHEUS_HOST_CONFIG,
     alert_rules,
     emitted_labels,
     emitted_names,
@@ -19,6 +23,7 @@ from tests.stack._stack import (
     queried_labels,
     queried_metrics,
 )
+from torchtelemetry import PrometheusExporter, Telemetry, WeightedMeanMetric
 
 PROMTOOL = shutil.which("promtool")
 needs_promtool = pytest.mark.skipif(
@@ -38,6 +43,42 @@ def test_promtool_accepts_the_config_and_its_rule_files() -> None:
     result = _promtool("check", "config", str(PROMETHEUS_CONFIG))
     assert result.returncode == 0, result.stdout + result.stderr
     assert "1 rule files found" in result.stdout
+
+
+@needs_promtool
+def test_promtool_accepts_the_config_for_a_prometheus_outside_docker() -> None:
+    result = _promtool("check", "config", str(PROMETHEUS_HOST_CONFIG))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.skipif(binary("prometheus") is None, reason="prometheus not installed")
+def test_a_real_prometheus_outside_docker_scrapes_the_trainer_and_loads_every_alert(tmp_path) -> None:
+    exporter = PrometheusExporter(port=0)
+    telemetry = Telemetry({"train": {"loss": WeightedMeanMetric()}}, [exporter], every=1, run_id="host")
+    telemetry.step(0)
+    telemetry.flush()
+    # The shipped file, with the trainer's port as it is in this test.
+    config = PROMETHEUS_HOST_CONFIG.read_text().replace("127.0.0.1:9464", f"127.0.0.1:{exporter.port}")
+    (tmp_path / "alerts.yml").write_text(ALERTS.read_text())
+    try:
+        with _ShippedConfigPrometheus(tmp_path, config) as prometheus:
+            assert prometheus.wait_for('torchtelemetry_train_step{job="torchtelemetry", run="host"}')
+            rules = json.loads(http_get(f"{prometheus.url}/api/v1/rules"))["data"]["groups"]
+            loaded = {rule["name"] for group in rules for rule in group["rules"]}
+            assert loaded == {rule["alert"] for rule in alert_rules()}
+    finally:
+        telemetry.close()
+
+
+class _ShippedConfigPrometheus(PrometheusServer):
+    """The test run's Prometheus, started on a given config instead of its own."""
+
+    def __init__(self, workdir: Path, config: str) -> None:
+        self._shipped = config
+        super().__init__(workdir)
+
+    def _write_config(self) -> None:
+        self._config.write_text(self._shipped)
 
 
 @needs_promtool
