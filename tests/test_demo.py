@@ -78,6 +78,9 @@ def test_demo_exports_exact_values_to_every_backend(tmp_path: Path) -> None:
             if demo.poll() is None:
                 demo.kill()
         assert demo.returncode == 0, output
+        banner = output.split("\n\n")[0]
+        assert f"otlp: {otlp.metrics_endpoint}" in banner, "the banner lists every target"
+        assert "wandb: " in banner and str(tmp_path / "wandb") in banner
 
         lines = _read_jsonl(jsonl)
         assert [line["step"] for line in lines] == list(range(every - 1, steps, every))

@@ -12,11 +12,14 @@ and no periodic reader are involved, for two reasons:
   worker never inherits a second exporter, and the outcome of every push is the
   OTLP exporter's own `MetricExportResult`, not a `force_flush()` boolean.
 
-Gauges are OTLP gauges, counters are cumulative monotonic sums of the running
-total, histograms are cumulative explicit-bucket histograms; all share the
-start time of the exporter. A report that failed to reach the collector is
-kept (values are cumulative or latest, so only the newest report matters) and
-retried by `force_flush()` and by `close()`.
+Gauges are OTLP gauges, counters are monotonic sums, histograms are
+explicit-bucket histograms: cumulative running totals sharing the start time of
+the exporter, or, when `OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE` is
+`delta` or `lowmemory`, deltas since the last delivered report (the hub hands
+them over, `preferred_temporality`). A report that failed to reach the collector
+is kept (values are cumulative or latest, so only the newest report matters) and
+retried by `force_flush()` and by `close()`; with deltas, a later report carries
+the failed one's increments, so it is retried only by `close()`.
 """
 
 from __future__ import annotations
@@ -26,12 +29,22 @@ import os
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 from torchtelemetry._optional import import_optional
 from torchtelemetry.export._base import BaseExporter, ExportFailed
 from torchtelemetry.export._otel_metric import otel_metric
+from torchtelemetry.export._otlp_settings import (
+    METRICS_PROTOCOL_ENV,
+    PROTOCOL_ENV,
+    has_user_info,
+    metrics_endpoint,
+    redact_url,
+    resolve_protocol,
+    temporality_preference,
+)
 from torchtelemetry.export._protocol import RunInfo
+from torchtelemetry.export._temporality import Temporality
+from torchtelemetry.metric import MetricKind
 from torchtelemetry.report import (
     STEP_METRIC,
     MetricDescriptor,
@@ -51,10 +64,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-PROTOCOL_ENV = "OTEL_EXPORTER_OTLP_PROTOCOL"
-"""Transport for every signal: `http/protobuf` (default) or `grpc`."""
-METRICS_PROTOCOL_ENV = "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL"
-"""Transport for metrics; wins over `OTEL_EXPORTER_OTLP_PROTOCOL`."""
 SDK_DISABLED_ENV = "OTEL_SDK_DISABLED"
 """`true` turns the exporter into a no-op (with a warning)."""
 DEFAULT_SERVICE_NAME = "torchtelemetry"
@@ -62,58 +71,23 @@ DEFAULT_SERVICE_NAME = "torchtelemetry"
 WORLD_SIZE_ATTRIBUTE = "torchtelemetry.world_size"
 """Resource attribute holding the run's number of ranks."""
 
-_ENDPOINT_ENV = "OTEL_EXPORTER_OTLP_ENDPOINT"
-_METRICS_ENDPOINT_ENV = "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT"
-_PROTOCOLS = ("http/protobuf", "grpc")
-_DEFAULT_PROTOCOL = "http/protobuf"
 _COMPRESSIONS = ("none", "gzip", "deflate")
-
-
-def _resolve_protocol(protocol: str | None) -> str:
-    if protocol is not None:
-        if protocol not in _PROTOCOLS:
-            raise ValueError(f"OTelExporter: protocol must be one of {_PROTOCOLS}, got {protocol!r}")
-        return protocol
-    for env in (METRICS_PROTOCOL_ENV, PROTOCOL_ENV):
-        value = os.environ.get(env, "").strip().lower()
-        if value in _PROTOCOLS:
-            return value
-        if value:
-            logger.warning(
-                "%s=%r is not supported by OTelExporter (use one of %s); using %s",
-                env,
-                value,
-                _PROTOCOLS,
-                _DEFAULT_PROTOCOL,
-            )
-            return _DEFAULT_PROTOCOL
-    return _DEFAULT_PROTOCOL
-
-
-def _has_user_info(url: str) -> bool:
-    return "@" in urlsplit(url if "//" in url else f"//{url}").netloc
-
-
-def _redact(url: str) -> str:
-    """`url` with any `user:password@` masked, safe for logs."""
-    if not _has_user_info(url):
-        return url
-    parts = urlsplit(url if "//" in url else f"//{url}")
-    redacted = urlunsplit(parts._replace(netloc=f"***@{parts.netloc.rpartition('@')[2]}"))
-    return redacted if "//" in url else redacted.removeprefix("//")
 
 
 class OTelExporter(BaseExporter):
     """Pushes every report to an OpenTelemetry collector over OTLP (HTTP/protobuf or gRPC).
 
     Each argument beats its standard environment variable, which beats the
-    default. `endpoint` is the metrics endpoint: for HTTP the full URL with
-    `/v1/metrics` (like `OTEL_EXPORTER_OTLP_METRICS_ENDPOINT`), for gRPC
-    `http://host:4317` (`http` means no TLS). Unset, the SDK reads
-    `OTEL_EXPORTER_OTLP_METRICS_ENDPOINT` as is, else `OTEL_EXPORTER_OTLP_ENDPOINT`
-    (HTTP appends `/v1/metrics`), else localhost. Headers, timeout and
-    compression fall back to `OTEL_EXPORTER_OTLP_[METRICS_]HEADERS`, `_TIMEOUT`
-    and `_COMPRESSION` the same way. Header values are never logged.
+    default. `endpoint` is the metrics endpoint, used as is: for HTTP the full URL
+    with `/v1/metrics` (like `OTEL_EXPORTER_OTLP_METRICS_ENDPOINT`), for gRPC
+    `http://host:4317` (`http` means no TLS). Unset, `OTEL_EXPORTER_OTLP_METRICS_ENDPOINT`
+    is used as is, else `OTEL_EXPORTER_OTLP_ENDPOINT` (HTTP appends `/v1/metrics`
+    unless it ends with it already), else localhost; `url` shows the result.
+    Headers, timeout and compression fall back to `OTEL_EXPORTER_OTLP_[METRICS_]HEADERS`,
+    `_TIMEOUT` and `_COMPRESSION` the same way. Header values are never logged.
+    `OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE` (`cumulative`, `delta`,
+    `lowmemory`) is honoured as the specification defines it for synchronous
+    counters and histograms.
 
     The resource carries `service.name` ("torchtelemetry", overridden by
     `OTEL_SERVICE_NAME` / `OTEL_RESOURCE_ATTRIBUTES`, then by `service_name`),
@@ -137,7 +111,7 @@ class OTelExporter(BaseExporter):
         resource_attributes: Mapping[str, str | bool | int | float] | None = None,
         name: str = "otlp",
     ) -> None:
-        self.protocol = _resolve_protocol(protocol)
+        self.protocol = resolve_protocol(protocol)
         transport = "grpc" if self.protocol == "grpc" else "http"
         for module in (
             "opentelemetry.sdk.metrics.export",
@@ -147,17 +121,22 @@ class OTelExporter(BaseExporter):
             import_optional(module, "otel", "OTelExporter")
         if compression is not None and compression not in _COMPRESSIONS:
             raise ValueError(f"OTelExporter: compression must be one of {_COMPRESSIONS}, got {compression!r}")
-        if self.protocol == "grpc":
-            target = endpoint or os.environ.get(_METRICS_ENDPOINT_ENV) or os.environ.get(_ENDPOINT_ENV) or ""
-            if _has_user_info(target):
-                raise ValueError(
-                    "OTelExporter: a gRPC endpoint cannot carry credentials (user:password@host); "
-                    "pass them as headers (headers= or OTEL_EXPORTER_OTLP_HEADERS)"
-                )
+        self.endpoint = metrics_endpoint(self.protocol, endpoint)
+        """The metrics endpoint, resolved by the OTLP rule (may hold credentials: log `url`)."""
+        if self.protocol == "grpc" and has_user_info(self.endpoint):
+            raise ValueError(
+                "OTelExporter: a gRPC endpoint cannot carry credentials (user:password@host); "
+                "pass them as headers (headers= or OTEL_EXPORTER_OTLP_HEADERS)"
+            )
         if timeout_s is not None and not timeout_s > 0:
             raise ValueError(f"OTelExporter: timeout_s must be positive, got {timeout_s}")
         super().__init__(name)
-        self._endpoint = endpoint
+        self.temporality = temporality_preference()
+        """`cumulative`, `delta` or `lowmemory` (`OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE`)."""
+        if self.temporality != "cumulative":  # counters and histograms are synchronous instruments
+            self.preferred_temporality = dict.fromkeys(
+                (MetricKind.COUNTER, MetricKind.HISTOGRAM), Temporality.DELTA
+            )
         self._headers = dict(headers) if headers is not None else None
         self._timeout_s = timeout_s
         self._compression = compression
@@ -168,9 +147,15 @@ class OTelExporter(BaseExporter):
         self._otlp: Any = None
         self._resource: Any = None
         self._start_ns = 0
+        self._delta_start_ns = 0
         self._disabled = False
         self._pending: Any = None
         self._unknown_warned: set[str] = set()
+
+    @property
+    def url(self) -> str:
+        """The metrics endpoint with any `user:password@` masked: what logs and the demo show."""
+        return redact_url(self.endpoint)
 
     def _describe(self, descriptors: Sequence[MetricDescriptor], run: RunInfo) -> None:
         self._descriptors = merge_descriptors(
@@ -189,13 +174,14 @@ class OTelExporter(BaseExporter):
         except Exception:
             logger.exception("OTelExporter %r: could not create the OTLP %s client", self.name, self.protocol)
             return
-        self._start_ns = time.time_ns()
+        self._start_ns = self._delta_start_ns = time.time_ns()
         header_names = sorted(self._headers or ())
         logger.info(
-            "OTelExporter %r: OTLP %s to %s%s",
+            "OTelExporter %r: OTLP %s to %s, %s temporality%s",
             self.name,
             self.protocol,
-            _redact(str(getattr(self._otlp, "_endpoint", self._endpoint or "the default endpoint"))),
+            self.url,
+            self.temporality,
             f" with headers {header_names}" if header_names else "",
         )
 
@@ -208,10 +194,13 @@ class OTelExporter(BaseExporter):
         self._push(self._metrics_data(step, scalars, timestamp))
 
     def _flush(self, timeout_s: float) -> bool:
-        """Retry the newest report if its push failed; True when nothing is left undelivered."""
+        """Retry the newest report if its push failed; True when nothing is left undelivered.
+
+        With deltas, only at close: before that, the next report carries the failed one's increments.
+        """
         if self._pending is None or self._otlp is None:
             return self._pending is None
-        if timeout_s <= 0:
+        if timeout_s <= 0 or (self.temporality != "cumulative" and not self.closed):
             return False
         self._push(self._pending)
         return True
@@ -259,7 +248,7 @@ class OTelExporter(BaseExporter):
             }
             headers = {k.lower(): v for k, v in self._headers.items()} if self._headers is not None else None
             return OTLPMetricExporter(
-                endpoint=self._endpoint,
+                endpoint=self.endpoint,
                 headers=headers,
                 timeout=self._timeout_s,
                 compression=compressions[self._compression] if self._compression else None,
@@ -268,26 +257,31 @@ class OTelExporter(BaseExporter):
         from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
 
         return OTLPMetricExporter(
-            endpoint=self._endpoint,
+            endpoint=self.endpoint,
             headers=self._headers,
             timeout=self._timeout_s,
             compression=Compression(self._compression) if self._compression else None,
         )
 
-    def _push(self, data: Any) -> None:
+    def _push(self, report: tuple[Any, int]) -> None:
+        """Push `(MetricsData, its time)`; raises `ExportFailed` naming the URL when not acknowledged."""
         from opentelemetry.sdk.metrics.export import MetricExportResult
 
+        data, time_ns = report
         try:
             result = self._otlp.export(data)
         except Exception as error:
-            self._pending = data
-            raise ExportFailed("OTLP export raised") from error
+            self._pending = report
+            raise ExportFailed(f"OTLP {self.protocol} push to {self.url} failed") from error
         if result is not MetricExportResult.SUCCESS:
-            self._pending = data
-            raise ExportFailed(f"OTLP export to the collector returned {result.name}")
+            self._pending = report
+            raise ExportFailed(
+                f"OTLP {self.protocol} push to {self.url} failed: {result.name} (the SDK logged why)"
+            )
         self._pending = None
+        self._delta_start_ns = time_ns
 
-    def _metrics_data(self, step: int, scalars: Scalars, timestamp: float) -> Any:
+    def _metrics_data(self, step: int, scalars: Scalars, timestamp: float) -> tuple[Any, int]:
         from opentelemetry.sdk.metrics.export import MetricsData, ResourceMetrics, ScopeMetrics
         from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
@@ -295,6 +289,8 @@ class OTelExporter(BaseExporter):
 
         now_ns = int(timestamp * 1e9)
         self._start_ns = min(self._start_ns, now_ns)
+        self._delta_start_ns = min(self._delta_start_ns, now_ns)
+        delta = self.temporality != "cumulative"
         metrics = [otel_metric(STEP_METRIC, int(step), self._start_ns, now_ns)]
         for path, value in scalars.items():
             descriptor = self._descriptors.get(path)
@@ -303,10 +299,14 @@ class OTelExporter(BaseExporter):
                     self._unknown_warned.add(path)
                     logger.warning("OTelExporter %r: %r was never described; not exported", self.name, path)
                 continue
-            metrics.append(otel_metric(descriptor, value, self._start_ns, now_ns))
+            if delta and descriptor.kind is not MetricKind.GAUGE:
+                metrics.append(otel_metric(descriptor, value, self._delta_start_ns, now_ns, delta=True))
+            else:
+                metrics.append(otel_metric(descriptor, value, self._start_ns, now_ns))
         scope = ScopeMetrics(
             scope=InstrumentationScope("torchtelemetry", __version__), metrics=metrics, schema_url=""
         )
-        return MetricsData(
+        data = MetricsData(
             resource_metrics=[ResourceMetrics(resource=self._resource, scope_metrics=[scope], schema_url="")]
         )
+        return data, now_ns

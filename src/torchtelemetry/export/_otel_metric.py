@@ -11,9 +11,12 @@ from torchtelemetry.report import STEP_METRIC, HistogramValue, MetricDescriptor,
 __all__ = ["otel_metric"]
 
 
-def otel_metric(descriptor: MetricDescriptor, value: Any, start_ns: int, now_ns: int) -> Any:
-    """One report value as an OpenTelemetry SDK `Metric`: a gauge, a cumulative monotonic sum
-    (counters) or a cumulative explicit-bucket histogram, with the metric's own bounds and counts."""
+def otel_metric(
+    descriptor: MetricDescriptor, value: Any, start_ns: int, now_ns: int, *, delta: bool = False
+) -> Any:
+    """One report value as an OpenTelemetry SDK `Metric`: a gauge, a monotonic sum (counters) or an
+    explicit-bucket histogram, with the metric's own bounds and counts; sums and histograms are
+    cumulative, or deltas over `start_ns`..`now_ns` when `delta`."""
     from opentelemetry.sdk.metrics.export import (
         AggregationTemporality,
         Gauge,
@@ -24,6 +27,7 @@ def otel_metric(descriptor: MetricDescriptor, value: Any, start_ns: int, now_ns:
         Sum,
     )
 
+    temporality = AggregationTemporality.DELTA if delta else AggregationTemporality.CUMULATIVE
     if descriptor.kind is MetricKind.HISTOGRAM:
         if not isinstance(value, HistogramValue):
             raise TypeError(
@@ -40,7 +44,7 @@ def otel_metric(descriptor: MetricDescriptor, value: Any, start_ns: int, now_ns:
             min=None,  # unknown: only bucket counts are kept
             max=None,
         )
-        data: Any = Histogram(data_points=[point], aggregation_temporality=AggregationTemporality.CUMULATIVE)
+        data: Any = Histogram(data_points=[point], aggregation_temporality=temporality)
     else:
         if isinstance(value, HistogramValue):
             raise TypeError(f"{descriptor.name!r}: described as a {descriptor.kind.value}, got a histogram")
@@ -63,7 +67,7 @@ def otel_metric(descriptor: MetricDescriptor, value: Any, start_ns: int, now_ns:
                 )
             ]
         if descriptor.kind is MetricKind.COUNTER:
-            data = Sum(points, AggregationTemporality.CUMULATIVE, is_monotonic=True)
+            data = Sum(points, temporality, is_monotonic=True)
         else:
             data = Gauge(points)
     return Metric(

@@ -106,6 +106,16 @@ class WandbExporter(BaseExporter):
         """The `wandb.Run` in use (None before the first `describe()` or after a failed start)."""
         return self._run
 
+    @property
+    def url(self) -> str | None:
+        """The run's page (online mode); None offline or before the run starts."""
+        return getattr(self._run, "url", None) if self._run is not None else None
+
+    @property
+    def path(self) -> str | None:
+        """The directory the run writes to; None before the run starts."""
+        return getattr(self._run, "dir", None) if self._run is not None else None
+
     def _describe(self, descriptors: Sequence[MetricDescriptor], run: RunInfo) -> None:
         self._keys.describe(descriptors)
 
