@@ -15,7 +15,15 @@ import pytest
 
 from tests.servers import http_get
 from torchtelemetry import JsonlExporter, PrometheusExporter
-from torchtelemetry.export import ExportHub, ExportResult, HistogramValue, MetricDescriptor, RunInfo, Scalars
+from torchtelemetry.export import (
+    ExporterStartError,
+    ExportHub,
+    ExportResult,
+    HistogramValue,
+    MetricDescriptor,
+    RunInfo,
+    Scalars,
+)
 from torchtelemetry.metric import MetricKind
 from torchtelemetry.report import InvalidMetricNameError, NameCollisionError
 
@@ -226,19 +234,17 @@ def test_new_names_are_described_on_the_exporter_threads(caplog: pytest.LogCaptu
     hub.close(30)
 
 
-def test_an_exporter_that_cannot_start_is_counted_not_raised() -> None:
+def test_an_exporter_that_cannot_start_stops_the_set_up_naming_why() -> None:
+    threads_before = set(threading.enumerate())
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        prometheus = PrometheusExporter(port=taken.getsockname()[1])
-        recorder = RecordingExporter("recorder")
-        hub = ExportHub([prometheus, recorder], run=RUN)
-        hub.describe([LOSS])  # the port is taken: logged and counted, the run goes on
-        hub.submit(1, {"train/loss": 1.0})
-        assert hub.force_flush(30)
-        assert hub.health()["prometheus"].errors == 1
-        assert [step for step, _ in recorder.reports] == [1]
+        port = taken.getsockname()[1]
+        hub = ExportHub([PrometheusExporter(port=port), RecordingExporter("recorder")], run=RUN)
+        with pytest.raises(ExporterStartError, match=f"port {port}"):
+            hub.describe([LOSS])  # the port is taken: the run must not train on without its endpoint
         hub.close(30)
+    assert set(threading.enumerate()) <= threads_before, "no exporter thread was started"
 
 
 def test_bad_configuration_raises() -> None:

@@ -40,7 +40,12 @@ def test_gloo_run_pushed_and_scraped_through_the_gateway(
     )  # fmt: skip
     check_observations(rank0)
     assert rank1["threads"] == []
-    assert groups_of(pushgateway, run_id) == []  # close() deleted the group
+    # close() pushed the final report once more, marked finished, and the gateway keeps it.
+    assert groups_of(pushgateway, run_id) == [{"job": "torchtelemetry", "run": run_id}]
+    assert (
+        f'torchtelemetry_run_finished_timestamp_seconds{{instance="",job="torchtelemetry",run="{run_id}"}}'
+        in (http_get(f"{pushgateway.url}/metrics").decode())
+    )
 
 
 def test_group_key_and_keep_on_close(pushgateway: PushgatewayServer) -> None:
@@ -81,7 +86,7 @@ def test_unreachable_gateway_fails_without_raising_and_recovers(
         assert hub.force_flush(10)  # the latest report is pushed again
         assert groups_of(gateway, RUN.run_id) != []
         hub.close(10)
-        assert groups_of(gateway, RUN.run_id) == []
+        assert "torchtelemetry_run_finished_timestamp_seconds" in http_get(f"{gateway.url}/metrics").decode()
 
 
 def test_bad_options_and_collisions() -> None:

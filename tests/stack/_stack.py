@@ -22,6 +22,7 @@ from torchtelemetry.export._prometheus import RUN_LABEL
 from torchtelemetry.metric import MetricKind
 from torchtelemetry.report import (
     LAST_UPDATE_METRIC,
+    RUN_FINISHED_METRIC,
     STEP_METRIC,
     allocator_metrics,
     describe_metrics,
@@ -132,7 +133,7 @@ def health_descriptors() -> tuple[MetricDescriptor, ...]:
 
 def exporter_descriptors() -> tuple[MetricDescriptor, ...]:
     """What the Prometheus and Pushgateway exporters add to every report."""
-    return (STEP_METRIC, LAST_UPDATE_METRIC)
+    return (STEP_METRIC, LAST_UPDATE_METRIC, RUN_FINISHED_METRIC)
 
 
 def sample_names(descriptor: MetricDescriptor) -> set[str]:

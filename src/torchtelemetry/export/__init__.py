@@ -12,7 +12,7 @@ from torchtelemetry.export._jsonl import JsonlExporter
 from torchtelemetry.export._mlflow import MLflowExporter
 from torchtelemetry.export._otel import OTelExporter
 from torchtelemetry.export._prometheus import PrometheusExporter
-from torchtelemetry.export._protocol import RUN_ID_ENV, Exporter, ExportResult, RunInfo
+from torchtelemetry.export._protocol import RUN_ID_ENV, Exporter, ExporterStartError, ExportResult, RunInfo
 from torchtelemetry.export._pushgateway import PushgatewayExporter
 from torchtelemetry.export._registry import available_exporters, exporter_class, exporters_from_spec
 from torchtelemetry.export._temporality import Temporality
@@ -30,6 +30,7 @@ __all__ = [
     "ExportResult",
     "Exporter",
     "ExporterHealth",
+    "ExporterStartError",
     "HistogramValue",
     "JsonlExporter",
     "MLflowExporter",

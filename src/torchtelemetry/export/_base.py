@@ -6,7 +6,8 @@ check, the second-close warning, failure logging (once per burst) and the
 
 - `_describe(descriptors, run)`: learn the names (may raise `ValueError`, e.g. `NameCollisionError`);
 - `_start(run)`: open the port / file / client, once, after the first `_describe` (a start that
-  fails should log and leave `_export` to raise `ExportFailed`);
+  fails should log and leave `_export` to raise `ExportFailed`, or raise `ExporterStartError`
+  when the run must not go on without it, e.g. a port in use);
 - `_export(step, scalars, timestamp)`: publish one report; raise `ExportFailed` (or any error) on failure;
 - `_flush(timeout_s) -> bool`: deliver what is buffered (only once started);
 - `_close(timeout_s)`: release what the exporter opened (called once, started or not).
@@ -82,7 +83,8 @@ class BaseExporter:
     """An `Exporter` whose lifecycle is done: subclasses implement the `_describe` ... `_close` hooks.
 
     After construction nothing raises but `describe` (with `ValueError` for names the
-    backend cannot take): failures are logged once per burst and reported as
+    backend cannot take, `ExporterStartError` for a backend that cannot start as
+    configured): failures are logged once per burst and reported as
     `ExportResult.FAILURE` or a False flush. Used in a forked child (its lock, threads and
     sockets stay with the parent), every method raises a `RuntimeError` naming the fork.
     """

@@ -75,10 +75,11 @@ class ExportHub:
     def describe(self, descriptors: Sequence[MetricDescriptor]) -> None:
         """Describe the metric tree to every exporter (on this thread), then start the exporter threads.
 
-        Raises `InvalidMetricNameError` for an illegal path and what an
-        exporter's `describe` raises as `ValueError` (e.g. `NameCollisionError`);
-        other errors are logged and counted. Later calls add names and are described on the
-        exporters' threads, like names first seen by `submit()`.
+        Raises `InvalidMetricNameError` for an illegal path and what an exporter's
+        `describe` raises as `ValueError` (e.g. `NameCollisionError`) or
+        `ExporterStartError` (e.g. a port in use); other errors are logged and
+        counted. Later calls add names and are described on the exporters' threads,
+        like names first seen by `submit()`.
         """
         for descriptor in descriptors:
             validate_path(descriptor.name)

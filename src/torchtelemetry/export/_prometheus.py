@@ -10,17 +10,20 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from torchtelemetry._optional import import_optional
 from torchtelemetry.export._base import BaseExporter, ExportFailed
-from torchtelemetry.export._protocol import RunInfo
+from torchtelemetry.export._protocol import ExporterStartError, RunInfo
+from torchtelemetry.export._scrape_server import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS, ScrapeServer
 from torchtelemetry.metric import MetricKind
 from torchtelemetry.report import (
     LAST_UPDATE_METRIC,
     NAMESPACE,
+    RUN_FINISHED_METRIC,
     STEP_METRIC,
     HistogramValue,
     MetricDescriptor,
@@ -31,12 +34,21 @@ from torchtelemetry.report import (
     prometheus_name,
 )
 
-__all__ = ["RUN_LABEL", "PrometheusCollector", "PrometheusExporter", "import_prometheus_client"]
+__all__ = [
+    "DEFAULT_LINGER_S",
+    "RUN_LABEL",
+    "PrometheusCollector",
+    "PrometheusExporter",
+    "import_prometheus_client",
+]
 
 logger = logging.getLogger(__name__)
 
 RUN_LABEL = "run"
 """Label carrying `RunInfo.run_id` on every series."""
+
+DEFAULT_LINGER_S = 15.0
+"""How long `PrometheusExporter.close()` keeps serving for a scrape of the final report."""
 
 
 def import_prometheus_client() -> Any:
@@ -60,19 +72,26 @@ class PrometheusCollector:
     `set_descriptors()` checks names (collisions raise `NameCollisionError`), `set_report()`
     builds the families of a new report and swaps them in under a lock. A series keeps its
     last reported value until a report carries it again (a report of a framework's own logs
-    does not hide the collected metrics).
+    does not hide the collected metrics). `set_finished()` adds the run's finished marker;
+    `wait_for_scrape()` waits until a `collect()` has read the latest report.
     """
 
     def __init__(self, namespace: str = NAMESPACE) -> None:
         self._core = import_prometheus_client().metrics_core
         self._namespace = namespace
         self._lock = threading.Lock()
+        self._scraped = threading.Condition(self._lock)
+        self._generation = 0
+        self._scraped_generation = 0
+        self.scrapes = 0
+        """`collect()` calls so far (scrapes of the endpoint, pushes to a gateway)."""
         self._series: dict[str, _Series] = {}
         self._run_id: str | None = None
         self._families: list[Any] = []
         self._latest: dict[str, Any] = {}
         self._fixed = {
-            descriptor.name: self._make_series(descriptor) for descriptor in (STEP_METRIC, LAST_UPDATE_METRIC)
+            descriptor.name: self._make_series(descriptor)
+            for descriptor in (STEP_METRIC, LAST_UPDATE_METRIC, RUN_FINISHED_METRIC)
         }
 
     def set_descriptors(self, descriptors: Sequence[MetricDescriptor], run: RunInfo) -> None:
@@ -110,15 +129,37 @@ class PrometheusCollector:
         with self._lock:
             self._latest.update(updates)
             self._families = [*fixed, *self._latest.values()]
+            self._generation += 1
         return problems
 
+    def set_finished(self, timestamp: float) -> None:
+        """Add `torchtelemetry_run_finished_timestamp_seconds` (the run closed at `timestamp`)."""
+        if self._run_id is None:
+            return
+        family = self._gauge_family(self._fixed[RUN_FINISHED_METRIC.name], self._run_id, timestamp)
+        with self._lock:
+            self._families = [*self._families, family]
+
+    def wait_for_scrape(self, timeout_s: float) -> bool:
+        """Wait until a `collect()` has read the latest report; False on timeout."""
+        with self._scraped:
+            generation = self._generation
+            return self._scraped.wait_for(lambda: self._scraped_generation >= generation, timeout_s)
+
     def describe(self) -> list[Any]:
-        """No fixed names to register: they follow the metric tree (prometheus_client's `describe`)."""
+        """No fixed names to register: they follow the metric tree (prometheus_client's `describe`).
+
+        Register it in a `CollectorRegistry(support_collectors_without_names=True)` for `name[]`
+        filtering (`/metrics?name[]=...`) to find it.
+        """
         return []
 
     def collect(self) -> list[Any]:
         """The families of the latest report (prometheus_client's `Collector` protocol)."""
-        with self._lock:
+        with self._scraped:
+            self.scrapes += 1
+            self._scraped_generation = self._generation
+            self._scraped.notify_all()
             return self._families
 
     def clear(self) -> None:
@@ -203,10 +244,19 @@ class PrometheusExporter(BaseExporter):
     """Serves the latest report on `http://addr:port/metrics` from a dedicated `CollectorRegistry`.
 
     Nothing is opened until `start()` or the first `describe()` (which only
-    rank 0's hub makes). `port=0` picks a free port (read `.port` after start);
+    rank 0's hub makes); a port that cannot be bound raises `ExporterStartError`
+    naming it. `port=0` picks a free port (read `.port` after start);
     `port=None` serves nothing and only registers the collector in `registry`,
-    for an application that already serves that registry. The TLS options are
-    prometheus_client's `start_http_server` options.
+    for an application that already serves that registry (create it with
+    `support_collectors_without_names=True` for `name[]` filtering). The TLS
+    options are prometheus_client's `start_http_server` options.
+
+    At most `max_connections` scrape connections are served at once (more are
+    closed at accept) and one idle for `idle_timeout_s` is closed. `close()`
+    marks the run finished and, if anything has scraped the endpoint, keeps
+    serving until a scrape has read the final report, at most `linger_s` (and
+    within close's own timeout), so the last values reach Prometheus; it logs
+    that it waits. Then every connection and thread is gone.
     """
 
     def __init__(
@@ -221,6 +271,9 @@ class PrometheusExporter(BaseExporter):
         client_cafile: str | None = None,
         client_capath: str | None = None,
         client_auth_required: bool = False,
+        linger_s: float = DEFAULT_LINGER_S,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
         name: str = "prometheus",
     ) -> None:
         client = import_prometheus_client()
@@ -232,8 +285,18 @@ class PrometheusExporter(BaseExporter):
             raise ValueError("PrometheusExporter: certfile and keyfile must be given together for TLS")
         if port is None and registry is None:
             raise ValueError("PrometheusExporter: port=None serves nothing; pass the registry= you serve")
+        if linger_s < 0 or not idle_timeout_s > 0:
+            raise ValueError(
+                f"PrometheusExporter: linger_s must be at least 0 and idle_timeout_s positive, got "
+                f"linger_s={linger_s}, idle_timeout_s={idle_timeout_s}"
+            )
+        if max_connections < 1:
+            raise ValueError(f"PrometheusExporter.max_connections: must be at least 1, got {max_connections}")
         super().__init__(name)
-        self.registry = registry if registry is not None else client.CollectorRegistry()
+        # Without names of its own, the collector is found by `name[]` only in such a registry.
+        self.registry = registry or client.CollectorRegistry(support_collectors_without_names=True)
+        self.linger_s = linger_s
+        self._limits = {"max_connections": max_connections, "idle_timeout_s": idle_timeout_s}
         self._port = port
         self._addr = addr
         self._tls = {
@@ -245,13 +308,12 @@ class PrometheusExporter(BaseExporter):
         }
         self._collector = PrometheusCollector(namespace)
         self._registered = False
-        self._server: Any = None
-        self._thread: threading.Thread | None = None
+        self._server: ScrapeServer | None = None
 
     @property
     def port(self) -> int | None:
         """The port served: the bound one after start (also for port=0), else the one asked for."""
-        return self._server.server_port if self._server is not None else self._port
+        return self._server.port if self._server is not None else self._port
 
     @property
     def url(self) -> str | None:
@@ -263,7 +325,7 @@ class PrometheusExporter(BaseExporter):
         return f"{scheme}://{host}:{self.port}/metrics"
 
     def start(self) -> None:
-        """Register the collector and start serving (idempotent); raises OSError if the port is taken."""
+        """Register the collector and serve (idempotent); `ExporterStartError` if the port is taken."""
         with self._lock:
             if self.closed:
                 raise RuntimeError(f"PrometheusExporter {self.name!r}: start() after close()")
@@ -272,10 +334,16 @@ class PrometheusExporter(BaseExporter):
                 self._registered = True
             if self._port is None or self._server is not None:
                 return
-            client = import_prometheus_client()
-            self._server, self._thread = client.start_http_server(
-                self._port, addr=self._addr, registry=self.registry, **self._tls
-            )
+            try:
+                self._server = ScrapeServer(
+                    self._port, self._addr, self.registry, **self._limits, **self._tls
+                )
+            except OSError as error:
+                raise ExporterStartError(
+                    f"PrometheusExporter {self.name!r}: cannot serve on {self._addr} port {self._port} "
+                    f"({error}); is another process (or run) using port {self._port}? pass another port=, "
+                    "or port=0 for a free one"
+                ) from error
             logger.info("PrometheusExporter %r: serving %s", self.name, self.url)
 
     def _describe(self, descriptors: Sequence[MetricDescriptor], run: RunInfo) -> None:
@@ -291,13 +359,32 @@ class PrometheusExporter(BaseExporter):
             raise ExportFailed(f"values left out: {'; '.join(problems)}")
 
     def _close(self, timeout_s: float) -> None:
-        """Stop serving and unregister the collector."""
-        server, thread, self._server, self._thread = self._server, self._thread, None, None
+        """Mark the run finished, linger for a scrape of the final report, stop serving, unregister."""
+        deadline = time.monotonic() + timeout_s
+        self._collector.set_finished(time.time())
+        if self._server is not None:
+            self._linger(min(self.linger_s, timeout_s - 1.0))  # a second of close's timeout to stop
+        server, self._server = self._server, None
         if self._registered:
             self._registered = False
             self.registry.unregister(self._collector)
-        if server is not None:
-            server.shutdown()
-            server.server_close()
-        if thread is not None:
-            thread.join(timeout_s)
+        if server is not None and not server.close(max(0.0, deadline - time.monotonic())):
+            logger.warning("PrometheusExporter %r: scrape connections still open after close", self.name)
+
+    def _linger(self, linger_s: float) -> None:
+        """Keep serving until a scrape has read the final report, if anything scrapes this endpoint."""
+        if self._collector.scrapes == 0 or linger_s <= 0 or self._collector.wait_for_scrape(0.0):
+            return  # nobody scrapes it, or the final report was read already
+        logger.info(
+            "PrometheusExporter %r: waiting up to %.0f s (linger_s) for a scrape of the final report at %s",
+            self.name,
+            linger_s,
+            self.url,
+        )
+        if not self._collector.wait_for_scrape(linger_s):
+            logger.warning(
+                "PrometheusExporter %r: no scrape read the final report within %.0f s; raise linger_s "
+                "to at least the scrape interval",
+                self.name,
+                linger_s,
+            )

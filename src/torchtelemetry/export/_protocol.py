@@ -12,7 +12,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from torchtelemetry.report import MetricDescriptor, Scalars
 
-__all__ = ["RUN_ID_ENV", "ExportResult", "Exporter", "RunInfo"]
+__all__ = ["RUN_ID_ENV", "ExportResult", "Exporter", "ExporterStartError", "RunInfo"]
 
 
 class ExportResult(enum.Enum):
@@ -20,6 +20,14 @@ class ExportResult(enum.Enum):
 
     SUCCESS = "success"
     FAILURE = "failure"
+
+
+class ExporterStartError(RuntimeError):
+    """An exporter cannot start as configured (e.g. its port is in use).
+
+    Raised by the first `describe()`, it stops the set-up of `Telemetry` on every rank instead of
+    letting the run train on without that exporter.
+    """
 
 
 RUN_ID_ENV = "TORCHTELEMETRY_RUN_ID"
@@ -73,7 +81,8 @@ class Exporter(Protocol):
     def describe(self, descriptors: Sequence[MetricDescriptor], run: RunInfo) -> None:
         """Learn the run and the exported names; called before the first export and when new names appear.
 
-        The first call starts the exporter (opens its port, starts its client).
+        The first call starts the exporter (opens its port, starts its client); it raises
+        `ExporterStartError` when the exporter cannot start as configured.
         """
         ...
 

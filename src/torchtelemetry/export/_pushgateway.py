@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 from urllib.parse import unquote, urlsplit, urlunsplit
@@ -21,8 +22,12 @@ class PushgatewayExporter(BaseExporter):
     """Pushes (HTTP PUT, replacing the group) every report to `url` under the grouping key (job, run, ...).
 
     Pushes run on the exporter's hub thread, each bounded by `timeout_s`. On
-    close the group is deleted from the gateway unless `keep_on_close`. Scrape
-    the gateway with `honor_labels: true` so `job` and `run` are kept.
+    close the final report is pushed once more with
+    `torchtelemetry_run_finished_timestamp_seconds`, and the gateway keeps it, so
+    Prometheus scrapes the last values and alerts and dashboards tell a finished
+    run from a stalled one; `keep_on_close=False` deletes the group instead (the
+    final report may then never be scraped). Scrape the gateway with
+    `honor_labels: true` so `job` and `run` are kept.
     Credentials in the URL (`https://user:password@host:9091`) are sent as HTTP
     basic auth and kept out of `url`, logs and repr.
     """
@@ -33,7 +38,7 @@ class PushgatewayExporter(BaseExporter):
         *,
         job: str = "torchtelemetry",
         grouping_key: Mapping[str, str] | None = None,
-        keep_on_close: bool = False,
+        keep_on_close: bool = True,
         timeout_s: float = 10.0,
         namespace: str = NAMESPACE,
         name: str = "pushgateway",
@@ -92,8 +97,20 @@ class PushgatewayExporter(BaseExporter):
         return True
 
     def _close(self, timeout_s: float) -> None:
-        """Delete the group from the gateway (unless `keep_on_close`)."""
-        if self._grouping_key is None or self.keep_on_close:
+        """Push the final report marked finished (or delete the group: `keep_on_close=False`)."""
+        if self._grouping_key is None:
+            return
+        if self.keep_on_close:
+            self._collector.set_finished(time.time())
+            try:
+                self._push(min(timeout_s, self.timeout_s))
+            except ExportFailed as error:
+                logger.warning(
+                    "PushgatewayExporter %r: the final report (marked finished) did not reach %s: %s",
+                    self.name,
+                    self.url,
+                    error.__cause__ or error,
+                )
             return
         try:
             self._client.delete_from_gateway(

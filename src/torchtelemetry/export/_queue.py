@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from torchtelemetry.export._base import FailureLog
 from torchtelemetry.export._health import ExporterHealth
-from torchtelemetry.export._protocol import Exporter, ExportResult, RunInfo
+from torchtelemetry.export._protocol import Exporter, ExporterStartError, ExportResult, RunInfo
 from torchtelemetry.export._temporality import DeltaConverter, preferred_temporality
 from torchtelemetry.report import MetricDescriptor, Scalars
 
@@ -90,11 +90,12 @@ class ExporterQueue:
     # -- caller side ------------------------------------------------------------------------
 
     def describe_now(self, descriptors: Sequence[MetricDescriptor]) -> None:
-        """Describe on the caller's thread, before `start()`; `ValueError` propagates, the rest is counted."""
+        """Describe on the caller's thread, before `start()`; `ValueError` and `ExporterStartError`
+        propagate, the rest is counted."""
         self._converter.learn(descriptors)
         try:
             self.exporter.describe(descriptors, self._run)
-        except ValueError:
+        except (ValueError, ExporterStartError):
             raise
         except Exception as error:
             self._failed("describe raised", error)

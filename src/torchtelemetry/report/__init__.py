@@ -13,6 +13,7 @@ from torchtelemetry.report._naming import (
     LAST_UPDATE_METRIC,
     MAX_NAME_LENGTH,
     NAMESPACE,
+    RUN_FINISHED_METRIC,
     STEP_METRIC,
     InvalidMetricNameError,
     NameCollisionError,
@@ -34,6 +35,7 @@ from torchtelemetry.report._values import HistogramValue, MetricDescriptor, Scal
 
 __all__ = [
     "LAST_UPDATE_METRIC",
+    "RUN_FINISHED_METRIC",
     "MAX_NAME_LENGTH",
     "NAMESPACE",
     "PEAK_FLOPS",

@@ -20,6 +20,7 @@ __all__ = [
     "MAX_NAME_LENGTH",
     "NAMESPACE",
     "LAST_UPDATE_METRIC",
+    "RUN_FINISHED_METRIC",
     "STEP_METRIC",
     "InvalidMetricNameError",
     "NameCollisionError",
@@ -51,6 +52,11 @@ LAST_UPDATE_METRIC = MetricDescriptor(
     "last_update_timestamp", unit="seconds", description="Unix time at which the latest report was collected"
 )
 """When the latest report was collected (`torchtelemetry_last_update_timestamp_seconds`): stall alerts."""
+
+RUN_FINISHED_METRIC = MetricDescriptor(
+    "run/finished_timestamp", unit="seconds", description="Unix time at which the run closed its telemetry"
+)
+"""Set when the run closes (`torchtelemetry_run_finished_timestamp_seconds`): finished, not stalled."""
 
 _SEGMENT = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
 _PROMETHEUS_ILLEGAL = re.compile(r"[^A-Za-z0-9_]")
