@@ -18,7 +18,7 @@ import yaml
 
 from torchtelemetry.demo import build_metrics
 from torchtelemetry.export import HEALTH_DESCRIPTORS, MetricDescriptor
-from torchtelemetry.export._prometheus import RUN_LABEL
+from torchtelemetry.export._exposition import RUN_LABEL
 from torchtelemetry.metric import MetricKind
 from torchtelemetry.report import (
     LAST_UPDATE_METRIC,

@@ -1,243 +1,28 @@
 """`PrometheusExporter`: rank 0 serves `/metrics`, one consistent step per scrape.
 
-`PrometheusCollector` turns the latest report into metric families (gauges,
-counters with `_total`, real histograms with cumulative `le` buckets, one series
-per label value, a `run` label on every series and never the step as a label);
-the scrape endpoint here and the Pushgateway exporter both expose it.
+The families come from `PrometheusCollector` (`_exposition.py`), the server from
+`ScrapeServer` (`_scrape_server.py`); this module starts, serves and closes them.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
-from torchtelemetry._optional import import_optional
 from torchtelemetry.export._base import BaseExporter, ExportFailed
+from torchtelemetry.export._exposition import PrometheusCollector, import_prometheus_client
 from torchtelemetry.export._protocol import ExporterStartError, RunInfo
 from torchtelemetry.export._scrape_server import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS, ScrapeServer
-from torchtelemetry.metric import MetricKind
-from torchtelemetry.report import (
-    LAST_UPDATE_METRIC,
-    NAMESPACE,
-    RUN_FINISHED_METRIC,
-    STEP_METRIC,
-    HistogramValue,
-    MetricDescriptor,
-    NameCollisionError,
-    Scalars,
-    merge_descriptors,
-    prometheus_label_name,
-    prometheus_name,
-)
+from torchtelemetry.report import NAMESPACE, MetricDescriptor, Scalars
 
-__all__ = [
-    "DEFAULT_LINGER_S",
-    "RUN_LABEL",
-    "PrometheusCollector",
-    "PrometheusExporter",
-    "import_prometheus_client",
-]
+__all__ = ["DEFAULT_LINGER_S", "PrometheusExporter"]
 
 logger = logging.getLogger(__name__)
 
-RUN_LABEL = "run"
-"""Label carrying `RunInfo.run_id` on every series."""
-
 DEFAULT_LINGER_S = 15.0
 """How long `PrometheusExporter.close()` keeps serving for a scrape of the final report."""
-
-
-def import_prometheus_client() -> Any:
-    """`prometheus_client`, or an ImportError that names the pip extra."""
-    for module in ("prometheus_client.metrics_core", "prometheus_client.utils"):
-        import_optional(module, "prometheus", "the Prometheus exporters")
-    return import_optional("prometheus_client", "prometheus", "the Prometheus exporters")
-
-
-@dataclass(frozen=True, slots=True)
-class _Series:
-    descriptor: MetricDescriptor
-    name: str
-    help: str
-    label: str | None
-
-
-class PrometheusCollector:
-    """A prometheus_client collector over the reports; `collect()` returns a consistent snapshot.
-
-    `set_descriptors()` checks names (collisions raise `NameCollisionError`), `set_report()`
-    builds the families of a new report and swaps them in under a lock. A series keeps its
-    last reported value until a report carries it again (a report of a framework's own logs
-    does not hide the collected metrics). `set_finished()` adds the run's finished marker;
-    `wait_for_scrape()` waits until a `collect()` has read the latest report.
-    """
-
-    def __init__(self, namespace: str = NAMESPACE) -> None:
-        self._core = import_prometheus_client().metrics_core
-        self._namespace = namespace
-        self._lock = threading.Lock()
-        self._scraped = threading.Condition(self._lock)
-        self._generation = 0
-        self._scraped_generation = 0
-        self.scrapes = 0
-        """`collect()` calls so far (scrapes of the endpoint, pushes to a gateway)."""
-        self._series: dict[str, _Series] = {}
-        self._run_id: str | None = None
-        self._families: list[Any] = []
-        self._latest: dict[str, Any] = {}
-        self._fixed = {
-            descriptor.name: self._make_series(descriptor)
-            for descriptor in (STEP_METRIC, LAST_UPDATE_METRIC, RUN_FINISHED_METRIC)
-        }
-
-    def set_descriptors(self, descriptors: Sequence[MetricDescriptor], run: RunInfo) -> None:
-        """Add (or replace, by path) the descriptors; raise `NameCollisionError` on any clash."""
-        known = {path: series.descriptor for path, series in self._series.items()}
-        merged = merge_descriptors(
-            known, descriptors, lambda d: prometheus_name(d, self._namespace), "Prometheus"
-        )
-        series = {path: self._make_series(descriptor) for path, descriptor in merged.items()}
-        self._check_exposition(series)
-        with self._lock:
-            self._series = series
-            self._run_id = run.run_id
-
-    def set_report(self, step: int, scalars: Scalars, timestamp: float) -> list[str]:
-        """Make this report the one scrapes see; returns the problems of values left out (empty if none)."""
-        problems: list[str] = []
-        if self._run_id is None:
-            return ["describe() was not called"]
-        run = self._run_id
-        fixed = [
-            self._gauge_family(self._fixed[STEP_METRIC.name], run, float(step)),
-            self._gauge_family(self._fixed[LAST_UPDATE_METRIC.name], run, float(timestamp)),
-        ]
-        updates = {}
-        for path, value in scalars.items():
-            series = self._series.get(path)
-            if series is None:
-                problems.append(f"{path!r} was not described")
-                continue
-            try:
-                updates[path] = self._family(series, run, value)
-            except (TypeError, ValueError) as error:
-                problems.append(f"{path!r}: {error}")
-        with self._lock:
-            self._latest.update(updates)
-            self._families = [*fixed, *self._latest.values()]
-            self._generation += 1
-        return problems
-
-    def set_finished(self, timestamp: float) -> None:
-        """Add `torchtelemetry_run_finished_timestamp_seconds` (the run closed at `timestamp`)."""
-        if self._run_id is None:
-            return
-        family = self._gauge_family(self._fixed[RUN_FINISHED_METRIC.name], self._run_id, timestamp)
-        with self._lock:
-            self._families = [*self._families, family]
-
-    def wait_for_scrape(self, timeout_s: float) -> bool:
-        """Wait until a `collect()` has read the latest report; False on timeout."""
-        with self._scraped:
-            generation = self._generation
-            return self._scraped.wait_for(lambda: self._scraped_generation >= generation, timeout_s)
-
-    def describe(self) -> list[Any]:
-        """No fixed names to register: they follow the metric tree (prometheus_client's `describe`).
-
-        Register it in a `CollectorRegistry(support_collectors_without_names=True)` for `name[]`
-        filtering (`/metrics?name[]=...`) to find it.
-        """
-        return []
-
-    def collect(self) -> list[Any]:
-        """The families of the latest report (prometheus_client's `Collector` protocol)."""
-        with self._scraped:
-            self.scrapes += 1
-            self._scraped_generation = self._generation
-            self._scraped.notify_all()
-            return self._families
-
-    def clear(self) -> None:
-        """Forget every reported value."""
-        with self._lock:
-            self._families = []
-            self._latest = {}
-
-    def _make_series(self, descriptor: MetricDescriptor) -> _Series:
-        help_text = descriptor.description or f"{descriptor.name} ({descriptor.kind.value})"
-        label = None if descriptor.label_name is None else prometheus_label_name(descriptor.label_name)
-        return _Series(descriptor, prometheus_name(descriptor, self._namespace), help_text, label)
-
-    def _check_exposition(self, series: Mapping[str, _Series]) -> None:
-        """Sample names and labels that would clash in the exposition, beyond family-name collisions."""
-        owners: dict[str, list[str]] = {}
-        for path, entry in [*self._fixed.items(), *series.items()]:
-            if entry.label in (RUN_LABEL, "le"):
-                raise NameCollisionError(
-                    f"Prometheus: metric {path!r} has label {entry.descriptor.label_name!r}, which maps to "
-                    f"{entry.label!r}, a label the exporter sets itself; choose another label_name"
-                )
-            for sample in _sample_names(entry):
-                owners.setdefault(sample, []).append(path)
-        clashes = {sample: paths for sample, paths in owners.items() if len(paths) > 1}
-        if clashes:
-            listed = "; ".join(f"{paths} -> {sample!r}" for sample, paths in sorted(clashes.items()))
-            raise NameCollisionError(
-                f"Prometheus: series names collide ({listed}); "
-                f"{STEP_METRIC.name!r} and {LAST_UPDATE_METRIC.name!r} are reserved; rename one of each"
-            )
-
-    def _gauge_family(self, series: _Series, run: str, value: float) -> Any:
-        family = self._core.GaugeMetricFamily(series.name, series.help, labels=[RUN_LABEL])
-        family.add_metric([run], value)
-        return family
-
-    def _family(self, series: _Series, run: str, value: Any) -> Any:
-        kind = series.descriptor.kind
-        if kind is MetricKind.HISTOGRAM:
-            if not isinstance(value, HistogramValue):
-                raise TypeError(f"a histogram takes a HistogramValue, got {type(value).__name__}")
-            family = self._core.HistogramMetricFamily(series.name, series.help, labels=[RUN_LABEL])
-            family.add_metric([run], _buckets(value), value.sum)
-            return family
-        family_type = (
-            self._core.CounterMetricFamily if kind is MetricKind.COUNTER else self._core.GaugeMetricFamily
-        )
-        if isinstance(value, Mapping):
-            if series.label is None:
-                raise TypeError("a value per label needs a descriptor with label_name")
-            family = family_type(series.name, series.help, labels=[RUN_LABEL, series.label])
-            for label_value, entry in value.items():
-                family.add_metric([run, str(label_value)], float(entry))
-            return family
-        if isinstance(value, HistogramValue):
-            raise TypeError(f"a HistogramValue for a {kind.value}")
-        family = family_type(series.name, series.help, labels=[RUN_LABEL])
-        family.add_metric([run], float(value))
-        return family
-
-
-def _sample_names(series: _Series) -> Iterator[str]:
-    if series.descriptor.kind is MetricKind.HISTOGRAM:
-        yield from (f"{series.name}_bucket", f"{series.name}_sum", f"{series.name}_count")
-    else:
-        yield series.name
-
-
-def _buckets(value: HistogramValue) -> list[tuple[str, float]]:
-    float_to_go_string = import_prometheus_client().utils.floatToGoString
-    cumulative = value.cumulative_counts()
-    if len(cumulative) != len(value.bounds) + 1:
-        raise ValueError(
-            f"{len(value.bounds)} bounds need {len(value.bounds) + 1} counts, got {len(cumulative)}"
-        )
-    edges = [float_to_go_string(bound) for bound in value.bounds] + ["+Inf"]
-    return list(zip(edges, cumulative, strict=True))
 
 
 class PrometheusExporter(BaseExporter):

@@ -9,7 +9,7 @@ from typing import Any
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 from torchtelemetry.export._base import BaseExporter, ExportFailed
-from torchtelemetry.export._prometheus import RUN_LABEL, PrometheusCollector, import_prometheus_client
+from torchtelemetry.export._exposition import RUN_LABEL, PrometheusCollector, import_prometheus_client
 from torchtelemetry.export._protocol import RunInfo
 from torchtelemetry.report import NAMESPACE, MetricDescriptor, Scalars
 

@@ -15,7 +15,7 @@ import threading
 import time
 from typing import Any
 
-from torchtelemetry._optional import import_optional
+from torchtelemetry.export._exposition import import_prometheus_client
 
 __all__ = ["DEFAULT_IDLE_TIMEOUT_S", "DEFAULT_MAX_CONNECTIONS", "HANDLER_THREAD_PREFIX", "ScrapeServer"]
 
@@ -51,8 +51,8 @@ class ScrapeServer:
         self._last_refusal_log: float | None = None
         self.refused_connections = 0
         """Connections closed at accept because `max_connections` were open."""
-        exposition = import_optional("prometheus_client.exposition", "prometheus", "the scrape endpoint")
-        self._server, self._thread = exposition.start_http_server(port, addr=addr, registry=registry, **tls)
+        client = import_prometheus_client()
+        self._server, self._thread = client.start_http_server(port, addr=addr, registry=registry, **tls)
         # socketserver looks both up on the instance: every later connection goes through them.
         self._process_request = self._server.process_request
         self._process_request_thread = self._server.process_request_thread
