@@ -31,9 +31,21 @@ def builtin_names() -> list[str]:
     CUDA allocator detail), the exporters' step and timestamp, and the export hub's health."""
     from torchtelemetry.export import HEALTH_DESCRIPTORS
     from torchtelemetry.metric import MetricKind
-    from torchtelemetry.report import LAST_UPDATE_METRIC, STEP_METRIC, prometheus_name, signal_descriptors
+    from torchtelemetry.report import (
+        LAST_UPDATE_METRIC,
+        RUN_FINISHED_METRIC,
+        STEP_METRIC,
+        prometheus_name,
+        signal_descriptors,
+    )
 
-    descriptors = [STEP_METRIC, LAST_UPDATE_METRIC, *HEALTH_DESCRIPTORS, *signal_descriptors()]
+    descriptors = [
+        STEP_METRIC,
+        LAST_UPDATE_METRIC,
+        RUN_FINISHED_METRIC,
+        *HEALTH_DESCRIPTORS,
+        *signal_descriptors(),
+    ]
     names = set()
     for descriptor in descriptors:
         name = prometheus_name(descriptor)

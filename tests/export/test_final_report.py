@@ -4,6 +4,8 @@ scraped, the Pushgateway keeps it and marks the run finished."""
 from __future__ import annotations
 
 import logging
+import threading
+import time
 import uuid
 
 import pytest
@@ -11,6 +13,8 @@ import torch
 
 from tests.servers import PrometheusServer, PushgatewayServer, http_get
 from torchtelemetry import PrometheusExporter, PushgatewayExporter, SumMetric, Telemetry
+from torchtelemetry.export import MetricDescriptor, RunInfo
+from torchtelemetry.metric import MetricKind
 
 EVERY, STEPS = 2, 9  # windows end at 1, 3, 5, 7; close() exports the partial window ending at 8
 TOKENS_PER_STEP = 10.0
@@ -28,7 +32,7 @@ def _final(prometheus: PrometheusServer, name: str, run_id: str) -> float:
     return sample.value
 
 
-def test_close_keeps_serving_until_the_final_report_is_scraped(prometheus: PrometheusServer, caplog) -> None:
+def test_close_keeps_serving_until_the_final_report_is_scraped(prometheus: PrometheusServer) -> None:
     run_id = f"linger-{uuid.uuid4().hex[:8]}"
     tokens = SumMetric(kind="counter")
     exporter = PrometheusExporter(port=0, linger_s=20)
@@ -39,13 +43,35 @@ def test_close_keeps_serving_until_the_final_report_is_scraped(prometheus: Prome
     telemetry.flush()  # the collection of step 3 is exported, not left in flight
     prometheus.wait_for(f'torchtelemetry_train_step{{run="{run_id}"}} >= 3', timeout_s=60)
     _train(telemetry, tokens, range(4, STEPS))
-    with caplog.at_level(logging.INFO, logger="torchtelemetry"):
-        telemetry.close()
-    assert "waiting up to 20 s (linger_s) for a scrape of the final report" in caplog.text
+    telemetry.close()
     assert exporter.url is None, "the endpoint is closed once the final report was scraped"
     assert _final(prometheus, "torchtelemetry_train_step", run_id) == STEPS - 1
     assert _final(prometheus, "torchtelemetry_tokens_total", run_id) == STEPS * TOKENS_PER_STEP
     assert _final(prometheus, "torchtelemetry_run_finished_timestamp_seconds", run_id) > 0
+
+
+def test_close_says_it_waits_and_returns_once_a_scrape_read_the_final_report(caplog) -> None:
+    exporter = PrometheusExporter(port=0, linger_s=60)
+    exporter.describe([MetricDescriptor("tokens", MetricKind.COUNTER)], RunInfo(run_id="waits"))
+    exporter.export(1, {"tokens": 10.0}, 1.0)
+    assert b"torchtelemetry_tokens_total" in http_get(exporter.url)  # something scrapes this endpoint
+    exporter.export(2, {"tokens": 20.0}, 2.0)  # the final report, not scraped yet
+    url = exporter.url
+    with caplog.at_level(logging.INFO, logger="torchtelemetry"):
+        closing = threading.Thread(target=exporter.close, args=(120.0,))
+        closing.start()
+        deadline = time.monotonic() + 30
+        while "(linger_s) for a scrape of the final report" not in caplog.text:
+            assert time.monotonic() < deadline, "close() did not say that it waits"
+            time.sleep(0.05)
+        assert closing.is_alive(), "close() waits for the scrape"
+        body = http_get(url).decode()
+        closing.join(30)
+    assert not closing.is_alive(), "close() returned once the final report was scraped"
+    assert 'torchtelemetry_train_step{run="waits"} 2.0' in body
+    assert 'torchtelemetry_tokens_total{run="waits"} 20.0' in body
+    assert 'torchtelemetry_run_finished_timestamp_seconds{run="waits"}' in body
+    assert f"waiting up to 60 s (linger_s) for a scrape of the final report at {url}" in caplog.text
 
 
 def test_the_pushgateway_keeps_the_final_report_marked_finished(

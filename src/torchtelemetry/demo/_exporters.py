@@ -25,7 +25,7 @@ def build_exporters(config: DemoConfig, run_id: str) -> list[Any]:
         exporters.append(export.PushgatewayExporter(config.pushgateway))
     if config.otlp is not None:
         if config.otlp:
-            # A base endpoint, as the SDK reads it: /v1/metrics is appended for OTLP/HTTP.
+            # The generic endpoint: OTelExporter appends /v1/metrics for OTLP/HTTP (never twice).
             os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = config.otlp
         exporters.append(export.OTelExporter())
     if config.wandb:

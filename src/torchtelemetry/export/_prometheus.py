@@ -101,6 +101,11 @@ class PrometheusExporter(BaseExporter):
         return self._server.port if self._server is not None else self._port
 
     @property
+    def refused_connections(self) -> int:
+        """Scrape connections closed at accept because `max_connections` were open."""
+        return self._server.refused_connections if self._server is not None else 0
+
+    @property
     def url(self) -> str | None:
         """`http(s)://addr:port/metrics` once serving, else None."""
         if self._server is None:
