@@ -252,7 +252,7 @@ def test_backend_gone_or_hanging_mid_run_then_back(backend: Backend, hub: Export
 
 def test_slow_backend_gets_the_newest_report(backend: Backend, hub: ExportHub) -> None:
     hub.describe([LOSS])
-    backend.proxy.slow(TIMEOUT_S / 5)  # answers late, within the exporter's timeout
+    backend.proxy.slow(TIMEOUT_S / 10)  # answers late, well within the exporter's timeout (load-proof)
     burst(hub, range(1, 21))
     assert_queue_bound(hub, backend.name, 20)
     assert hub.force_flush(30)
