@@ -39,8 +39,28 @@ def _cases() -> dict[str, tuple[Callable[[], None], Callable[[], None]]]:
     half = torch.full((1024,), 0.5, dtype=torch.float16)
     half_sum = tt.SumMetric()
     half_state = torch.zeros((), dtype=torch.float64)
+    logits, labels = torch.randn(64, 10), torch.randint(0, 10, (64,))
+    accuracy = tt.AccuracyMetric()
+    correct, total = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
+
+    def accuracy_floor() -> None:
+        correct.add_((logits.argmax(-1) == labels).sum())
+        total.add_(labels.numel())
+
+    bins = [0.1, 0.5, 1, 2, 5, 10]
+    histogram = tt.HistogramMetric(bins=bins)
+    bounds, grad_norm = torch.tensor(bins, dtype=torch.float64), torch.tensor(1.3)
+    counts, value_sum = torch.zeros(len(bins) + 1, dtype=torch.float64), torch.zeros((), dtype=torch.float64)
+
+    def histogram_floor() -> None:
+        value = grad_norm.to(torch.float64).reshape(1)
+        counts.index_add_(0, torch.bucketize(value, bounds), torch.ones_like(value))
+        value_sum.add_(value.sum())
+
     return {
         "weighted mean, 0-d (loss, tokens)": (mean_floor, lambda: mean.update(loss, tokens)),
+        "accuracy, 64 x 10 logits": (accuracy_floor, lambda: accuracy.update(logits, labels)),
+        "histogram, 0-d (grad norm), 6 bounds": (histogram_floor, lambda: histogram.update(grad_norm)),
         "counter, 0-d int64 into float64": (
             lambda: counter_state.add_(tokens),
             lambda: counter.update(tokens),
