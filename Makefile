@@ -25,6 +25,7 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(PY) -m ruff check src tests bench
 	$(PY) -m ruff format --check src tests bench
+	$(VENV)/bin/lint-imports  # the layers and private modules of .importlinter
 
 test: system-deps $(STAMP) lint
 	$(PY) -m pytest -q -p no:cacheprovider

@@ -7,6 +7,7 @@ values, naming rules), `torchtelemetry.export` (the `Exporter` protocol, the hub
 and `torchtelemetry.integrations` (framework adapters).
 """
 
+from torchtelemetry._version import __version__
 from torchtelemetry.collect import AsyncMetricCollector, CollectionError
 from torchtelemetry.export import (
     ConsoleExporter,
@@ -33,8 +34,6 @@ from torchtelemetry.metric import (
 )
 from torchtelemetry.sync import sync_and_compute, sync_metrics
 from torchtelemetry.telemetry import Telemetry, TelemetryConfig, TelemetryStartupError
-
-__version__ = "0.1.0"
 
 __all__ = [
     "AccuracyMetric",

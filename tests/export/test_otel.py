@@ -21,7 +21,7 @@ from tests.receivers import (
     metrics_by_name,
     resource_attributes,
 )
-from torchtelemetry.collect._results import to_python
+from torchtelemetry.collect import to_python
 from torchtelemetry.export import ExportHub, ExportResult, MetricDescriptor, NullHub, OTelExporter, RunInfo
 from torchtelemetry.metric import MetricKind
 from torchtelemetry.report import NameCollisionError, describe_metrics, flatten_results

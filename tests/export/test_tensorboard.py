@@ -16,8 +16,14 @@ import torchtelemetry as tt
 from tests.distributed import run_ranks
 from tests.export.test_otel import BINS, STEPS, expected_values
 from tests.export.trackers import CONFIG, NO_HISTOGRAM, TIMESTAMPS, export_label_clashes, tracker_rank
-from torchtelemetry.export import ExportResult, HistogramValue, MetricDescriptor, RunInfo, TensorBoardExporter
-from torchtelemetry.export._histograms import histogram_edges
+from torchtelemetry.export import (
+    ExportResult,
+    HistogramValue,
+    MetricDescriptor,
+    RunInfo,
+    TensorBoardExporter,
+    histogram_edges,
+)
 from torchtelemetry.export._tensorboard import CONFIG_TAG
 from torchtelemetry.metric import MetricKind
 

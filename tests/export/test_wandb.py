@@ -20,8 +20,8 @@ from torchtelemetry.export import (
     NullHub,
     RunInfo,
     WandbExporter,
+    histogram_edges,
 )
-from torchtelemetry.export._histograms import histogram_edges
 from torchtelemetry.metric import MetricKind
 from torchtelemetry.report import describe_metrics
 

@@ -17,8 +17,7 @@ from typing import Any
 import yaml
 
 from torchtelemetry.demo import build_metrics
-from torchtelemetry.export import HEALTH_DESCRIPTORS, MetricDescriptor
-from torchtelemetry.export._exposition import RUN_LABEL
+from torchtelemetry.export import HEALTH_DESCRIPTORS, RUN_LABEL, MetricDescriptor
 from torchtelemetry.metric import MetricKind
 from torchtelemetry.report import (
     LAST_UPDATE_METRIC,

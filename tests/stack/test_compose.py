@@ -18,7 +18,7 @@ from tests.stack._stack import (
     dashboards,
     load_yaml,
 )
-from torchtelemetry.export._exposition import RUN_LABEL
+from torchtelemetry.export import RUN_LABEL
 from torchtelemetry.report import NAMESPACE
 
 SERVICES = {"prometheus", "grafana", "otel-collector", "pushgateway"}

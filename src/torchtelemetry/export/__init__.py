@@ -6,7 +6,9 @@ The values a report carries (`HistogramValue`, `MetricDescriptor`, `Scalars`) co
 
 from torchtelemetry.export._base import BaseExporter, ExportFailed
 from torchtelemetry.export._console import ConsoleExporter
+from torchtelemetry.export._exposition import RUN_LABEL
 from torchtelemetry.export._health import HEALTH_DESCRIPTORS, ExporterHealth
+from torchtelemetry.export._histograms import histogram_edges
 from torchtelemetry.export._hub import ExportHub, NullHub
 from torchtelemetry.export._jsonl import JsonlExporter
 from torchtelemetry.export._mlflow import MLflowExporter
@@ -23,6 +25,7 @@ from torchtelemetry.report import HistogramValue, MetricDescriptor, Scalars, Sca
 __all__ = [
     "HEALTH_DESCRIPTORS",
     "RUN_ID_ENV",
+    "RUN_LABEL",
     "BaseExporter",
     "ConsoleExporter",
     "ExportHub",
@@ -48,4 +51,5 @@ __all__ = [
     "available_exporters",
     "exporter_class",
     "exporters_from_spec",
+    "histogram_edges",
 ]

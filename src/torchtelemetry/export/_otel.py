@@ -285,7 +285,7 @@ class OTelExporter(BaseExporter):
         from opentelemetry.sdk.metrics.export import MetricsData, ResourceMetrics, ScopeMetrics
         from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
-        from torchtelemetry import __version__
+        from torchtelemetry._version import __version__
 
         now_ns = int(timestamp * 1e9)
         self._start_ns = min(self._start_ns, now_ns)
