@@ -53,7 +53,7 @@ class TelemetryConfig:
     """How a `Telemetry` collects and exports; `Telemetry` and every framework adapter take it."""
 
     every: int = 10
-    """Logging interval: a collection every this many steps."""
+    """Steps per window: a collection every this many steps."""
     group: GroupLike = None
     """Ranks to reduce over: a ProcessGroup, a 1-D DeviceMesh, (mesh, dim), or None (the default group)."""
     run_id: str | None = None

@@ -16,7 +16,7 @@ class DemoConfig:
     steps: int = 200
     """Training steps."""
     every: int = 10
-    """Collection interval in steps."""
+    """Steps per window: a collection every this many steps."""
     batch_size: int = 16
     """Sequences per rank per step."""
     seq_len: int = 32

@@ -50,8 +50,8 @@ class MLflowExporter(BaseExporter):
     `MLFLOW_HTTP_REQUEST_MAX_RETRIES`). Each value becomes one metric at the report's step and
     timestamp; a value per label one metric per label (`train/step_time/rank_0`). MLflow has
     no histograms: the exporter prefers deltas for them (`preferred_temporality`), and each
-    histogram becomes the interval's `<path>/count`, `<path>/sum` and `<path>/mean` (no mean in
-    an interval without values). Counters stay running totals. The run ends (`FINISHED`) on close.
+    histogram becomes the window's `<path>/count`, `<path>/sum` and `<path>/mean` (no mean in
+    a window without values). Counters stay running totals. The run ends (`FINISHED`) on close.
     Keys are checked (`TrackerKeys`): a histogram's `<path>/count` against a metric `<path>/count`
     raises `NameCollisionError` in `describe`; a label value sanitized into a key another label value
     already has is left out of every report, logged, and the report counted as failed.

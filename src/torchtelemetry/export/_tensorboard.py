@@ -33,7 +33,7 @@ class TensorBoardExporter(BaseExporter):
     same run id appends to it. The run id, world size and config are written once as text
     (tag `run/config`). Each value becomes a scalar (TensorBoard stores float32) at the report's
     step and collection time; a value per label one scalar per label (`train/step_time/rank_0`).
-    The exporter prefers deltas for histograms (`preferred_temporality`), so each histogram is the interval's
+    The exporter prefers deltas for histograms (`preferred_temporality`), so each histogram is the window's
     distribution, written with its exact buckets (`add_histogram_raw`); its `min` and `max`
     are the drawn outer edges of the open first and last buckets (see `histogram_edges`), and
     its `sum_squares` is NaN: the library tracks neither extremes nor squares. Counters stay

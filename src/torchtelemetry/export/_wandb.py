@@ -42,7 +42,7 @@ class WandbExporter(BaseExporter):
     e.g. `{"train/loss": "min"}`. The exporter prefers deltas for histograms
     (`preferred_temporality`), so each becomes a `wandb.Histogram` of the exact
     bucket counts since the previous report (see `histogram_edges`) and W&B's
-    histogram panels show each interval's distribution; counters stay running
+    histogram panels show each window's distribution; counters stay running
     totals. Per-label values become one key per label (`train/step_time/rank_0`); a label value
     sanitized into the key of another label value (`a/b` and `a_b`) is left out, logged, and the
     report counted as failed (`TrackerKeys`).
