@@ -16,7 +16,6 @@ from tests.distributed import free_port, run_ranks
 from tests.export.test_otel import STEPS, expected_values
 from tests.export.trackers import CONFIG, NO_HISTOGRAM, TIMESTAMPS, export_label_clashes, tracker_rank
 from torchtelemetry.export import ExportResult, MetricDescriptor, MLflowExporter, RunInfo
-from torchtelemetry.export._mlflow import RUN_ID_TAG
 
 mlflow = pytest.importorskip("mlflow")
 pytest.importorskip("sqlalchemy")
@@ -57,7 +56,7 @@ def test_two_ranks_one_run_with_every_step_value_and_timestamp(store: str) -> No
 
     run = only_run(store, "two-ranks")  # rank 1 made no run
     assert (run.info.run_name, run.info.status) == ("mlflow-two-ranks", "FINISHED")
-    assert run.data.tags[RUN_ID_TAG] == "mlflow-two-ranks"
+    assert run.data.tags["torchtelemetry.run_id"] == "mlflow-two-ranks"
     assert (run.data.tags["torchtelemetry.world_size"], run.data.tags["team"]) == ("2", "ci")
     assert {key: json.loads(value) for key, value in run.data.params.items()} == CONFIG
 

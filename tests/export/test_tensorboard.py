@@ -24,7 +24,6 @@ from torchtelemetry.export import (
     TensorBoardExporter,
     histogram_edges,
 )
-from torchtelemetry.export._tensorboard import CONFIG_TAG
 from torchtelemetry.metric import MetricKind
 
 event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
@@ -70,7 +69,7 @@ def test_two_ranks_event_files_hold_exact_values_buckets_and_config(tmp_path: Pa
         assert (histogram.min, histogram.max) == (edges[0], edges[-1])
         assert math.isnan(histogram.sum_squares)  # not tracked: not invented
 
-    (text,) = events.Tensors(f"{CONFIG_TAG}/text_summary")
+    (text,) = events.Tensors("run/config/text_summary")
     markdown = text.tensor_proto.string_val[0].decode()
     assert "run id: `tb-two-ranks`, world size: 2" in markdown
     assert json.loads(markdown.split("```json\n")[1].split("\n```")[0]) == CONFIG
