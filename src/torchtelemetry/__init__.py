@@ -1,14 +1,15 @@
 """torchtelemetry: GPU-resident PyTorch training metrics, synced across ranks, exported from rank 0.
 
 The top level holds what a training script uses; the building blocks live in their subpackages,
-in the order data flows through them: `torchtelemetry.sync` (packed collectives, functional
-reductions), `torchtelemetry.metric`, `torchtelemetry.collect`, `torchtelemetry.report` (named
+each importing only those before it (.importlinter): `torchtelemetry.sync` (collectives over packed
+tensors, functional reductions), `torchtelemetry.metric` (metrics, `sync_metrics`),
+`torchtelemetry.collect` (windows collected off the training loop), `torchtelemetry.report` (named
 values, naming rules), `torchtelemetry.export` (the `Exporter` protocol, the hub, the backends),
-and `torchtelemetry.integrations` (framework adapters).
+`Telemetry`, and `torchtelemetry.integrations` (framework adapters).
 """
 
 from torchtelemetry._version import __version__
-from torchtelemetry.collect import AsyncMetricCollector, CollectionError
+from torchtelemetry.collect import AsyncMetricCollector, CollectionError, sync_and_compute
 from torchtelemetry.export import (
     ConsoleExporter,
     JsonlExporter,
@@ -31,8 +32,8 @@ from torchtelemetry.metric import (
     PerRankMetric,
     SumMetric,
     WeightedMeanMetric,
+    sync_metrics,
 )
-from torchtelemetry.sync import sync_and_compute, sync_metrics
 from torchtelemetry.telemetry import Telemetry, TelemetryConfig, TelemetryStartupError
 
 __all__ = [

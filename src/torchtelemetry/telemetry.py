@@ -20,7 +20,7 @@ from torchtelemetry._process import check_same_process, current_pid
 from torchtelemetry._startup import TelemetryStartupError, agree_on_start, require_process_group
 from torchtelemetry.collect import AsyncMetricCollector, CollectionError
 from torchtelemetry.export import Exporter, ExportHub, NullHub, RunInfo, exporters_from_spec
-from torchtelemetry.metric import MetricKind
+from torchtelemetry.metric import MetricKind, gather_local_states, metric_leaves, restore_local_states
 from torchtelemetry.report import (
     InvalidMetricNameError,
     MetricDescriptor,
@@ -33,15 +33,7 @@ from torchtelemetry.report import (
     flatten_results,
     sanitize_path,
 )
-from torchtelemetry.sync import (
-    GroupLike,
-    gather_local_states,
-    group_rank,
-    group_world_size,
-    metric_leaves,
-    resolve_group,
-    restore_local_states,
-)
+from torchtelemetry.sync import GroupLike, group_rank, group_world_size, resolve_group
 
 __all__ = ["Telemetry", "TelemetryConfig", "TelemetryStartupError"]
 

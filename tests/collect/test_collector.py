@@ -257,7 +257,7 @@ def test_collectives_use_a_dedicated_group_on_the_worker_thread() -> None:
 def _leak_rank(rank: int, world_size: int, collections: int) -> dict[str, Any]:
     from torch.distributed.distributed_c10d import _world
 
-    from torchtelemetry.sync._sync import _VERIFIED_LAYOUTS
+    from torchtelemetry.sync._reduce import _VERIFIED_LAYOUTS
 
     metrics = {"loss": tt.WeightedMeanMetric(), "tokens": tt.SumMetric(kind="counter")}
     groups_before = len(_world.pg_map)

@@ -10,7 +10,7 @@ import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import torchtelemetry as tt
-from torchtelemetry.sync import named_accumulators
+from torchtelemetry.metric import named_accumulators
 
 Inputs = Callable[[torch.Generator], tuple[Any, ...]]
 

@@ -23,9 +23,8 @@ from tests.receivers import (
 )
 from torchtelemetry.collect import to_python
 from torchtelemetry.export import ExportHub, ExportResult, MetricDescriptor, NullHub, OTelExporter, RunInfo
-from torchtelemetry.metric import MetricKind
+from torchtelemetry.metric import MetricKind, metric_leaves, sync_metrics
 from torchtelemetry.report import NameCollisionError, describe_metrics, flatten_results
-from torchtelemetry.sync import metric_leaves, sync_metrics
 
 pytest.importorskip("opentelemetry.exporter.otlp.proto.grpc")
 

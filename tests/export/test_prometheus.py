@@ -28,9 +28,8 @@ from torchtelemetry import (
 )
 from torchtelemetry.collect import to_python
 from torchtelemetry.export import ExportHub, ExportResult, HistogramValue, MetricDescriptor, NullHub, RunInfo
-from torchtelemetry.metric import MetricKind
+from torchtelemetry.metric import MetricKind, metric_leaves
 from torchtelemetry.report import NameCollisionError, describe_metrics, flatten_results
-from torchtelemetry.sync import metric_leaves
 
 STEPS = 3
 BINS = [0.5, 1.0, 2.0, 4.0]

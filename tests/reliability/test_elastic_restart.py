@@ -16,7 +16,7 @@ import torch.distributed.checkpoint as dcp
 
 import torchtelemetry as tt
 from tests.distributed import run_ranks
-from torchtelemetry.sync import gather_local_states, restore_local_states
+from torchtelemetry.metric import gather_local_states, restore_local_states
 
 EVERY = 3
 SAVED_STEPS = range(7)  # windows end at steps 2 and 5; step 6 is the partial window at the save

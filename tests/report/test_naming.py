@@ -15,7 +15,7 @@ from torchtelemetry import (
 )
 from torchtelemetry.collect import to_python
 from torchtelemetry.export import HistogramValue, MetricDescriptor
-from torchtelemetry.metric import MetricKind
+from torchtelemetry.metric import MetricKind, metric_leaves
 from torchtelemetry.report import (
     InvalidMetricNameError,
     NameCollisionError,
@@ -30,7 +30,6 @@ from torchtelemetry.report import (
     sanitize_path,
     validate_path,
 )
-from torchtelemetry.sync import metric_leaves
 
 COUNTER, HISTOGRAM = MetricKind.COUNTER, MetricKind.HISTOGRAM
 

@@ -10,8 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import torchtelemetry as tt
-from torchtelemetry.metric import ReduceOp
-from torchtelemetry.sync import BucketLayout, resolve_group
+from torchtelemetry.sync import BucketLayout, ReduceOp, resolve_group
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.int32, torch.int64]
 

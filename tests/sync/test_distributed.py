@@ -67,11 +67,11 @@ def _feed(tree: dict[str, dict[str, tt.Metric]], rank: int) -> dict[str, np.ndar
 
 
 def _locals(tree) -> dict[str, np.ndarray]:
-    return {name: acc.local.numpy().copy() for name, acc in tt.sync.named_accumulators(tree).items()}
+    return {name: acc.local.numpy().copy() for name, acc in tt.metric.named_accumulators(tree).items()}
 
 
 def _synced(tree) -> dict[str, np.ndarray]:
-    return {name: acc.value.numpy().copy() for name, acc in tt.sync.named_accumulators(tree).items()}
+    return {name: acc.value.numpy().copy() for name, acc in tt.metric.named_accumulators(tree).items()}
 
 
 def _plain(tree: dict) -> dict:
@@ -115,7 +115,7 @@ def test_every_rank_holds_the_exact_global_state_with_two_collectives(world_size
     results = run_ranks(_tree_rank, world_size, count, timeout_s=200)
     names = list(results[0]["locals"])
     assert len(names) >= count  # every metric holds one or more states
-    ops = {name: acc.reduce_op for name, acc in tt.sync.named_accumulators(_mixed_tree(count)).items()}
+    ops = {name: acc.reduce_op for name, acc in tt.metric.named_accumulators(_mixed_tree(count)).items()}
     assert {op.value for op in ops.values()} == {"sum", "max", "min"}
     for name in names:
         stacked = np.stack([result["locals"][name] for result in results])

@@ -25,14 +25,8 @@ from torchtelemetry.collect._transports import (
     Plan,
     Transport,
 )
-from torchtelemetry.metric import layout_generation
-from torchtelemetry.sync import (
-    GroupLike,
-    forget_group,
-    group_world_size,
-    metric_leaves,
-    resolve_group,
-)
+from torchtelemetry.metric import layout_generation, metric_leaves
+from torchtelemetry.sync import GroupLike, forget_group, group_world_size, resolve_group
 
 __all__ = ["AsyncMetricCollector", "CollectionError"]
 

@@ -31,8 +31,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from torchtelemetry.collect._window import WindowPlan
 from torchtelemetry.metric import Metric, MetricAccumulator, layout_generation
-from torchtelemetry.sync import BucketKey, LayoutMismatchError, Slot, WindowExchange, WindowPlan
+from torchtelemetry.sync import BucketKey, LayoutMismatchError, Slot, WindowExchange
 
 __all__ = [
     "HOST_TRANSPORT_LIMIT_BYTES",

@@ -9,7 +9,7 @@ from typing import Any
 from torchtelemetry._optional import import_optional
 from torchtelemetry.export import Exporter
 from torchtelemetry.integrations._torchtitan import TelemetryMetricLogger
-from torchtelemetry.sync import metric_leaves
+from torchtelemetry.metric import metric_leaves
 from torchtelemetry.telemetry import Telemetry, TelemetryConfig
 
 tracking = import_optional("accelerate.tracking", "accelerate", "TelemetryTracker")

@@ -13,8 +13,7 @@ import torch
 from torchtelemetry._optional import import_optional
 from torchtelemetry.export import Exporter, RunInfo
 from torchtelemetry.integrations._torchtitan import TelemetryMetricLogger
-from torchtelemetry.metric import Metric, WeightedMeanMetric
-from torchtelemetry.sync import metric_leaves
+from torchtelemetry.metric import Metric, WeightedMeanMetric, metric_leaves
 from torchtelemetry.telemetry import Telemetry, TelemetryConfig
 
 pl = import_optional("lightning.pytorch", "lightning", "LightningTelemetryCallback")

@@ -18,6 +18,9 @@ from torchtelemetry.metric._base import Metric, MetricKind, NanPolicy
 from torchtelemetry.metric._batched import BatchedRule, batched_rule
 from torchtelemetry.metric._classification import AccuracyMetric, BinaryAUROCMetric, ConfusionMatrixMetric
 from torchtelemetry.metric._histogram import HistogramMetric
+from torchtelemetry.metric._reshard import gather_local_states, restore_local_states
+from torchtelemetry.metric._sync import SyncHandle, sync_accumulators, sync_metrics
+from torchtelemetry.metric._tree import metric_leaves, named_accumulators
 
 __all__ = [
     "DEFAULT_STATE_DTYPE",
@@ -35,8 +38,15 @@ __all__ = [
     "PerRankMetric",
     "ReduceOp",
     "SumMetric",
+    "SyncHandle",
     "WeightedMeanMetric",
     "batched_rule",
+    "gather_local_states",
     "layout_generation",
+    "metric_leaves",
+    "named_accumulators",
+    "restore_local_states",
+    "sync_accumulators",
+    "sync_metrics",
     "window_state",
 ]

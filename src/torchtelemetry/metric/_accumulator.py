@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import enum
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-if TYPE_CHECKING:
-    from torchtelemetry.sync._group import GroupLike
+from torchtelemetry.sync import GroupLike, ReduceOp
 
 __all__ = [
     "DEFAULT_STATE_DTYPE",
@@ -27,14 +25,6 @@ __all__ = [
 
 DEFAULT_STATE_DTYPE = torch.float64
 """State dtype of the built-in metrics: integers stay exact up to 2**53."""
-
-
-class ReduceOp(enum.Enum):
-    """How an accumulator merges across steps and across ranks."""
-
-    SUM = "sum"
-    MAX = "max"
-    MIN = "min"
 
 
 # Per-thread override of what `MetricAccumulator.value` returns: the collector's
@@ -206,7 +196,7 @@ class MetricAccumulator:
 
     def sync(self, group: GroupLike = None) -> None:
         """Reduce the local state across `group` into `value` (one collective)."""
-        from torchtelemetry.sync import sync_accumulators
+        from torchtelemetry.metric._sync import sync_accumulators  # _sync imports this module
 
         sync_accumulators({"accumulator": self}, group=group)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import threading
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import torch
 
@@ -15,9 +15,7 @@ from torchtelemetry.metric._accumulator import (
     rank_local,
     rank_sharded,
 )
-
-if TYPE_CHECKING:
-    from torchtelemetry.sync._group import GroupLike
+from torchtelemetry.sync import GroupLike
 
 __all__ = ["Metric", "MetricKind", "NanPolicy"]
 
@@ -128,7 +126,7 @@ class Metric:
 
     def sync(self, group: GroupLike = None) -> None:
         """Reduce every accumulator across `group` (one collective per bucket)."""
-        from torchtelemetry.sync import sync_metrics
+        from torchtelemetry.metric._sync import sync_metrics  # _sync imports this module
 
         sync_metrics(self, group=group)
 

@@ -6,10 +6,9 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from torchtelemetry.collect import to_python
-from torchtelemetry.metric import Metric, MetricKind
+from torchtelemetry.metric import Metric, MetricKind, metric_leaves
 from torchtelemetry.report._naming import validate_path
 from torchtelemetry.report._values import HistogramValue, MetricDescriptor, ScalarValue
-from torchtelemetry.sync import metric_leaves
 
 __all__ = ["describe_metrics", "flatten_results"]
 

@@ -19,11 +19,10 @@ from typing import Any
 
 import torch
 
-from torchtelemetry.metric import MaxMetric, MetricKind, PerRankMetric, SumMetric
+from torchtelemetry.metric import MaxMetric, MetricKind, PerRankMetric, SumMetric, metric_leaves
 from torchtelemetry.report._flops import ModelFlops, model_flops
 from torchtelemetry.report._memory import AllocatorStats, allocator_metrics, peak_memory
 from torchtelemetry.report._values import MetricDescriptor, ScalarValue
-from torchtelemetry.sync import metric_leaves
 
 __all__ = ["TrainingSignals", "WindowTiming", "signal_descriptors"]
 

@@ -6,15 +6,22 @@ of float32 states of mixed ops needs at most two buckets (SUM and MAX).
 
 from __future__ import annotations
 
+import enum
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from torchtelemetry.metric import ReduceOp
+__all__ = ["BucketKey", "BucketLayout", "ReduceOp"]
 
-__all__ = ["BucketKey", "BucketLayout"]
+
+class ReduceOp(enum.Enum):
+    """How an accumulator merges across steps and across ranks."""
+
+    SUM = "sum"
+    MAX = "max"
+    MIN = "min"
 
 
 @dataclass(frozen=True, slots=True, order=True)

@@ -17,10 +17,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from torchtelemetry.metric import ReduceOp
-from torchtelemetry.sync._buckets import BucketKey, BucketLayout
+from torchtelemetry.sync._buckets import BucketKey, BucketLayout, ReduceOp
 from torchtelemetry.sync._group import group_rank, group_world_size
-from torchtelemetry.sync._sync import reduce_buffers, verify_layout
+from torchtelemetry.sync._reduce import reduce_buffers, verify_layout
 
 __all__ = ["GATHER_LIMIT_BYTES", "Slot", "WindowExchange"]
 

@@ -13,10 +13,9 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from torchtelemetry.metric import ReduceOp
-from torchtelemetry.sync._buckets import BucketLayout
+from torchtelemetry.sync._buckets import BucketLayout, ReduceOp
 from torchtelemetry.sync._group import GroupLike, comm_device, group_world_size, resolve_group
-from torchtelemetry.sync._sync import reduce_buffers, verify_layout
+from torchtelemetry.sync._reduce import reduce_buffers, verify_layout
 
 __all__ = ["Reduction", "all_gather", "per_rank", "reduce", "reduce_custom"]
 

@@ -30,12 +30,18 @@ from torchtelemetry.metric import (
     ReduceOp,
     batched_rule,
     layout_generation,
+    metric_leaves,
     window_state,
 )
-from torchtelemetry.sync._buckets import BucketKey, BucketLayout
-from torchtelemetry.sync._exchange import Slot, WindowExchange
-from torchtelemetry.sync._group import GroupLike, group_world_size, resolve_group
-from torchtelemetry.sync._sync import metric_leaves
+from torchtelemetry.sync import (
+    BucketKey,
+    BucketLayout,
+    GroupLike,
+    Slot,
+    WindowExchange,
+    group_world_size,
+    resolve_group,
+)
 
 __all__ = ["STEPS_ENTRY", "WindowMismatchError", "WindowPlan", "sync_and_compute"]
 

@@ -17,9 +17,9 @@ from collections.abc import Collection, Sequence
 
 import torch
 
-from torchtelemetry.metric import Metric, MetricAccumulator, ReduceOp
-from torchtelemetry.sync._functional import all_gather
-from torchtelemetry.sync._group import GroupLike, group_rank, group_world_size, resolve_group
+from torchtelemetry.metric._accumulator import MetricAccumulator
+from torchtelemetry.metric._base import Metric
+from torchtelemetry.sync import GroupLike, ReduceOp, all_gather, group_rank, group_world_size, resolve_group
 
 __all__ = ["gather_local_states", "restore_local_states"]
 
