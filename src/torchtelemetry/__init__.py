@@ -10,6 +10,7 @@ values, naming rules), `torchtelemetry.export` (the `Exporter` protocol, the hub
 
 from torchtelemetry._version import __version__
 from torchtelemetry.collect import AsyncMetricCollector, CollectionError, sync_and_compute
+from torchtelemetry.config import TelemetryConfig
 from torchtelemetry.export import (
     ConsoleExporter,
     JsonlExporter,
@@ -34,7 +35,7 @@ from torchtelemetry.metric import (
     WeightedMeanMetric,
     sync_metrics,
 )
-from torchtelemetry.telemetry import Telemetry, TelemetryConfig, TelemetryStartupError
+from torchtelemetry.telemetry import Telemetry, TelemetryStartupError
 
 __all__ = [
     "AccuracyMetric",

@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import logging
-import math
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -19,6 +16,7 @@ import torch.distributed as dist
 from torchtelemetry._process import check_same_process, current_pid
 from torchtelemetry._startup import TelemetryStartupError, agree_on_start, require_process_group
 from torchtelemetry.collect import AsyncMetricCollector, CollectionError
+from torchtelemetry.config import TelemetryConfig
 from torchtelemetry.export import Exporter, ExportHub, NullHub, RunInfo, exporters_from_spec
 from torchtelemetry.metric import MetricKind, gather_local_states, metric_leaves, restore_local_states
 from torchtelemetry.report import (
@@ -33,77 +31,11 @@ from torchtelemetry.report import (
     flatten_results,
     sanitize_path,
 )
-from torchtelemetry.sync import GroupLike, group_rank, group_world_size, resolve_group
+from torchtelemetry.sync import group_rank, group_world_size, resolve_group
 
 __all__ = ["Telemetry", "TelemetryConfig", "TelemetryStartupError"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(kw_only=True, slots=True)
-class TelemetryConfig:
-    """How a `Telemetry` collects and exports; `Telemetry` and every framework adapter take it."""
-
-    every: int = 10
-    """Steps per window: a collection every this many steps."""
-    group: GroupLike = None
-    """Ranks to reduce over: a ProcessGroup, a 1-D DeviceMesh, (mesh, dim), or None (the default group)."""
-    run_id: str | None = None
-    """Stable run id (Prometheus `run` label, OTel instance id, W&B run id); default
-    `$TORCHTELEMETRY_RUN_ID`, else a new one."""
-    run_config: Mapping[str, Any] = field(default_factory=dict)
-    """Hyperparameters handed to exporters with the run (the W&B run config, OTel resource)."""
-    signals: bool = True
-    """Add the built-in signals (step time and data wait per rank, tokens, samples, throughput,
-    model FLOPs, learning rate, peak memory and the CUDA allocator's detail)."""
-    max_rank_series: int = 64
-    """Above this many ranks, step time and data wait are exported as min/median/max over ranks
-    instead of one series per rank (0: always); the ranks holding the min and max step time are
-    exported either way."""
-    flops_per_token: float | None = None
-    """Model FLOPs of training on one token (forward and backward, e.g. 6 x parameters plus
-    attention); exports `train/tflops_per_second` and `train/mfu` from `step(tokens=)`."""
-    flops_per_sample: float | None = None
-    """As `flops_per_token`, per sample counted by `step(samples=)`; give one of the two."""
-    peak_flops: float | None = None
-    """Peak FLOP/s of one accelerator for `train/mfu`; default: the CUDA device's dense BF16 peak
-    from `torchtelemetry.report.PEAK_FLOPS` (no MFU when the device is not listed)."""
-    timeout_s: float = 300.0
-    """Bound on one collection: a dead or missing rank raises instead of hanging."""
-    max_pending: int = 2
-    """Collections in flight before `step()` waits for the oldest."""
-    queue_size: int = 8
-    """Reports buffered per exporter before the oldest is dropped."""
-
-    def __post_init__(self) -> None:
-        for key in ("every", "max_pending", "queue_size"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"TelemetryConfig.{key} must be at least 1, got {getattr(self, key)}")
-        if self.max_rank_series < 0:
-            raise ValueError(
-                f"TelemetryConfig.max_rank_series must be at least 0, got {self.max_rank_series}"
-            )
-        if not self.timeout_s > 0:
-            raise ValueError(f"TelemetryConfig.timeout_s must be positive, got {self.timeout_s}")
-        for key in ("flops_per_token", "flops_per_sample", "peak_flops"):
-            value = getattr(self, key)
-            if value is not None and not (math.isfinite(value) and value > 0):
-                raise ValueError(f"TelemetryConfig.{key} must be a positive number, got {value}")
-        if self.flops_per_token is not None and self.flops_per_sample is not None:
-            raise ValueError(
-                "TelemetryConfig.flops_per_token and flops_per_sample are both set; give FLOPs per token "
-                "or per sample, not both"
-            )
-
-    def replace(self, **fields: Any) -> TelemetryConfig:
-        """A copy with `fields` changed; unknown names raise a TypeError listing the valid ones."""
-        unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(self)})
-        if unknown:
-            raise TypeError(
-                f"TelemetryConfig: unknown field(s) {unknown}; valid fields are "
-                f"{[f.name for f in dataclasses.fields(self)]}"
-            )
-        return dataclasses.replace(self, **fields) if fields else self
 
 
 class Telemetry:
