@@ -35,6 +35,8 @@ def test_an_upward_import_a_private_import_and_an_unplaced_module_break_the_cont
     shutil.copytree(PACKAGE, tmp_path / "torchtelemetry", ignore=shutil.ignore_patterns("__pycache__"))
     with open(tmp_path / "torchtelemetry" / "report" / "_values.py", "a") as module:
         module.write("\nfrom torchtelemetry.telemetry import Telemetry\n")
+    with open(tmp_path / "torchtelemetry" / "sync" / "_buckets.py", "a") as module:
+        module.write("\nfrom torchtelemetry.metric import Metric\n")  # the cycle Metric.sync() once made
     with open(tmp_path / "torchtelemetry" / "telemetry.py", "a") as module:
         module.write("\nfrom torchtelemetry.export._hub import ExportHub\n")
     (tmp_path / "torchtelemetry" / "helpers.py").write_text('"""Not placed in any layer."""\n')
@@ -43,5 +45,6 @@ def test_an_upward_import_a_private_import_and_an_unplaced_module_break_the_cont
 
     assert result.returncode == 1, result.stdout + result.stderr
     assert "torchtelemetry.report is not allowed to import torchtelemetry.telemetry" in result.stdout
+    assert "torchtelemetry.sync is not allowed to import torchtelemetry.metric" in result.stdout
     assert "torchtelemetry.telemetry -> torchtelemetry.export._hub" in result.stdout
     assert "torchtelemetry.helpers" in result.stdout  # every top-level module must be placed in a layer
