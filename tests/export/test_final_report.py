@@ -7,6 +7,7 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -26,10 +27,19 @@ def _train(telemetry: Telemetry, metric: SumMetric, steps: range) -> None:
         telemetry.step(step)
 
 
-def _final(prometheus: PrometheusServer, name: str, run_id: str) -> float:
-    """The newest value Prometheus holds of `name` for the run (the series may be stale by now)."""
-    (sample,) = prometheus.wait_for(f'last_over_time({name}{{run="{run_id}"}}[5m])', timeout_s=30)
-    return sample.value
+def _reaches(prometheus: PrometheusServer, name: str, run_id: str, expected: Callable[[float], bool]) -> bool:
+    """Whether the newest value Prometheus holds of `name` for the run (the series may be stale by
+    now) comes to satisfy `expected` within 30 s: the last scrape or push of a run is only queryable
+    once Prometheus has ingested it, a moment after close() returns."""
+    try:
+        prometheus.wait_for(
+            f'last_over_time({name}{{run="{run_id}"}}[5m])',
+            predicate=lambda samples: len(samples) == 1 and expected(samples[0].value),
+            timeout_s=30,
+        )
+    except TimeoutError:
+        return False
+    return True
 
 
 def test_close_keeps_serving_until_the_final_report_is_scraped(prometheus: PrometheusServer) -> None:
@@ -45,9 +55,11 @@ def test_close_keeps_serving_until_the_final_report_is_scraped(prometheus: Prome
     _train(telemetry, tokens, range(4, STEPS))
     telemetry.close()
     assert exporter.url is None, "the endpoint is closed once the final report was scraped"
-    assert _final(prometheus, "torchtelemetry_train_step", run_id) == STEPS - 1
-    assert _final(prometheus, "torchtelemetry_tokens_total", run_id) == STEPS * TOKENS_PER_STEP
-    assert _final(prometheus, "torchtelemetry_run_finished_timestamp_seconds", run_id) > 0
+    assert _reaches(prometheus, "torchtelemetry_train_step", run_id, lambda step: step == STEPS - 1)
+    assert _reaches(
+        prometheus, "torchtelemetry_tokens_total", run_id, lambda total: total == STEPS * TOKENS_PER_STEP
+    )
+    assert _reaches(prometheus, "torchtelemetry_run_finished_timestamp_seconds", run_id, lambda at: at > 0)
 
 
 def test_close_says_it_waits_and_returns_once_a_scrape_read_the_final_report(caplog) -> None:
@@ -92,9 +104,11 @@ def test_the_pushgateway_keeps_the_final_report_marked_finished(
         f'torchtelemetry_run_finished_timestamp_seconds{{instance="",job="torchtelemetry",run="{run_id}"}}'
         in body
     )
-    assert _final(prometheus, "torchtelemetry_train_step", run_id) == STEPS - 1
-    assert _final(prometheus, "torchtelemetry_tokens_total", run_id) == STEPS * TOKENS_PER_STEP
-    assert _final(prometheus, "torchtelemetry_run_finished_timestamp_seconds", run_id) > 0
+    assert _reaches(prometheus, "torchtelemetry_train_step", run_id, lambda step: step == STEPS - 1)
+    assert _reaches(
+        prometheus, "torchtelemetry_tokens_total", run_id, lambda total: total == STEPS * TOKENS_PER_STEP
+    )
+    assert _reaches(prometheus, "torchtelemetry_run_finished_timestamp_seconds", run_id, lambda at: at > 0)
 
 
 def test_keep_on_close_false_deletes_the_group(pushgateway: PushgatewayServer) -> None:

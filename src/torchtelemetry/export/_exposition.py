@@ -68,6 +68,7 @@ class PrometheusCollector:
         self._scraped = threading.Condition(self._lock)
         self._generation = 0
         self._scraped_generation = 0
+        self._reading = threading.local()
         self.scrapes = 0
         """`collect()` calls so far (scrapes of the endpoint, pushes to a gateway)."""
         self._series: dict[str, _Series] = {}
@@ -126,7 +127,7 @@ class PrometheusCollector:
             self._families = [*self._families, family]
 
     def wait_for_scrape(self, timeout_s: float) -> bool:
-        """Wait until a `collect()` has read the latest report; False on timeout."""
+        """Wait until a scrape has delivered the latest report (`delivered()`); False on timeout."""
         with self._scraped:
             generation = self._generation
             return self._scraped.wait_for(lambda: self._scraped_generation >= generation, timeout_s)
@@ -141,11 +142,21 @@ class PrometheusCollector:
 
     def collect(self) -> list[Any]:
         """The families of the latest report (prometheus_client's `Collector` protocol)."""
-        with self._scraped:
+        with self._lock:
             self.scrapes += 1
-            self._scraped_generation = self._generation
-            self._scraped.notify_all()
+            self._reading.generation = self._generation
             return self._families
+
+    def delivered(self) -> None:
+        """The scrape served on this thread has sent its whole response: what its `collect()` read
+        counts as scraped (a scrape cut short by closing the endpoint must not)."""
+        generation = getattr(self._reading, "generation", None)
+        if generation is None:
+            return
+        self._reading.generation = None
+        with self._scraped:
+            self._scraped_generation = max(self._scraped_generation, generation)
+            self._scraped.notify_all()
 
     def clear(self) -> None:
         """Forget every reported value."""

@@ -23,6 +23,8 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_LINGER_S = 15.0
 """How long `PrometheusExporter.close()` keeps serving for a scrape of the final report."""
+_IN_FLIGHT_S = 2.0
+"""Before saying it lingers, close() lets a scrape that has read the final report finish sending it."""
 
 
 class PrometheusExporter(BaseExporter):
@@ -126,7 +128,12 @@ class PrometheusExporter(BaseExporter):
                 return
             try:
                 self._server = ScrapeServer(
-                    self._port, self._addr, self.registry, **self._limits, **self._tls
+                    self._port,
+                    self._addr,
+                    self.registry,
+                    on_delivered=self._collector.delivered,
+                    **self._limits,
+                    **self._tls,
                 )
             except OSError as error:
                 raise ExporterStartError(
@@ -163,8 +170,10 @@ class PrometheusExporter(BaseExporter):
 
     def _linger(self, linger_s: float) -> None:
         """Keep serving until a scrape has read the final report, if anything scrapes this endpoint."""
-        if self._collector.scrapes == 0 or linger_s <= 0 or self._collector.wait_for_scrape(0.0):
-            return  # nobody scrapes it, or the final report was read already
+        if self._collector.scrapes == 0 or linger_s <= 0:
+            return  # nobody scrapes it
+        if self._collector.wait_for_scrape(min(linger_s, _IN_FLIGHT_S)):
+            return  # the final report was read already, or by a scrape still sending it
         logger.info(
             "PrometheusExporter %r: waiting up to %.0f s (linger_s) for a scrape of the final report at %s",
             self.name,

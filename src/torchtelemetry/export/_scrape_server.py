@@ -13,6 +13,7 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from torchtelemetry.export._exposition import import_prometheus_client
@@ -31,7 +32,10 @@ _REFUSAL_LOG_INTERVAL_S = 60.0
 
 
 class ScrapeServer:
-    """Serves `registry` on `addr:port` until `close()`; raises `OSError` if the port cannot be bound."""
+    """Serves `registry` on `addr:port` until `close()`; raises `OSError` if the port cannot be bound.
+
+    `on_delivered` is called on the handler thread after a response was sent whole.
+    """
 
     def __init__(
         self,
@@ -41,11 +45,14 @@ class ScrapeServer:
         *,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
         idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
+        on_delivered: Callable[[], None] | None = None,
         **tls: Any,
     ) -> None:
         self._slots = threading.BoundedSemaphore(max_connections)
         self._max_connections = max_connections
         self._idle_timeout_s = idle_timeout_s
+        self._on_delivered = on_delivered
+        self._request = threading.local()
         self._lock = threading.Lock()
         self._open: dict[Any, threading.Thread | None] = {}
         self._last_refusal_log: float | None = None
@@ -118,13 +125,17 @@ class ScrapeServer:
         threading.current_thread().name = f"{HANDLER_THREAD_PREFIX}-{self.port}"
         with self._lock:
             self._open[request] = threading.current_thread()
+        self._request.failed = False
         try:
-            self._process_request_thread(request, client_address)
+            self._process_request_thread(request, client_address)  # the response is sent and the socket shut
         finally:
             with self._lock:
                 self._open.pop(request, None)
             self._slots.release()
+        if not self._request.failed and self._on_delivered is not None:
+            self._on_delivered()
 
     def _handle_error(self, request: Any, client_address: Any) -> None:
         """A connection that timed out or went away is routine: logged at debug, not printed."""
+        self._request.failed = True
         logger.debug("scrape connection from %s ended with an error", client_address[0], exc_info=True)
