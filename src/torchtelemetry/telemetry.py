@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import collections
 import contextlib
-import logging
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -18,24 +16,18 @@ from torchtelemetry._startup import TelemetryStartupError, agree_on_start, requi
 from torchtelemetry.collect import AsyncMetricCollector, CollectionError
 from torchtelemetry.config import TelemetryConfig
 from torchtelemetry.export import Exporter, ExportHub, NullHub, RunInfo, exporters_from_spec
-from torchtelemetry.metric import MetricKind, gather_local_states, metric_leaves, restore_local_states
+from torchtelemetry.metric import gather_local_states, metric_leaves, restore_local_states
 from torchtelemetry.report import (
-    InvalidMetricNameError,
     MetricDescriptor,
     ModelFlops,
-    RunningTotals,
     ScalarValue,
     TrainingSignals,
-    WindowTiming,
-    describe_metrics,
-    flatten_results,
-    sanitize_path,
+    WindowPublisher,
+    describe_with_signals,
 )
 from torchtelemetry.sync import group_rank, group_world_size, resolve_group
 
 __all__ = ["Telemetry", "TelemetryConfig", "TelemetryStartupError"]
-
-logger = logging.getLogger(__name__)
 
 
 class Telemetry:
@@ -97,7 +89,6 @@ class Telemetry:
         except BaseException:
             self.hub.close()  # started exporters (open ports, threads) must not outlive a failed set-up
             raise
-        self._windows: collections.deque[WindowTiming] = collections.deque()
         self._steps_in_window = 0
         self._steps_since_grid = 0
         self._last_step: int | None = None
@@ -105,12 +96,7 @@ class Telemetry:
         self._window_start = self._signals_flushed = time.perf_counter()
         self.backpressure_waits = 0
         """Times `step()` waited because `max_pending` collections were in flight."""
-        self.latest: dict[str, ScalarValue] = {}
-        """The last exported values (running totals for counters), on every rank."""
-        self.latest_step: int | None = None
-        self._logged: dict[int, list[tuple[int, dict[str, ScalarValue], float]]] = {}
         self._failure: CollectionError | None = None
-        self._skipped_names: set[str] = set()
         self._closed = False
 
     def _set_up(self, metrics: Any, exporters: Sequence[Exporter] | str, config: TelemetryConfig) -> None:
@@ -138,10 +124,7 @@ class Telemetry:
         )
         signal_metrics = self._signals.metrics if self._signals else {}
         self._leaves = self._user_leaves + metric_leaves(signal_metrics, op="Telemetry")
-        self._descriptors = self._describe(metrics, signal_metrics)
-        self._totals = RunningTotals(
-            d.name for d in self._descriptors if d.kind in (MetricKind.COUNTER, MetricKind.HISTOGRAM)
-        )
+        self._descriptors = describe_with_signals(metrics, self._signals)
         self.is_exporting = not dist.is_initialized() or dist.get_rank() == 0
         if isinstance(exporters, str):
             exporters = exporters_from_spec(exporters)
@@ -149,26 +132,22 @@ class Telemetry:
         if self.is_exporting:
             self.hub = ExportHub(exporters, run=self.run, queue_size=config.queue_size)
         self.hub.describe(self._descriptors)
-
-    def _describe(self, metrics: Any, signal_metrics: Any) -> list[MetricDescriptor]:
-        described = describe_metrics(metrics)
-        if self._signals is not None:
-            described += self._signals.descriptors(describe_metrics(signal_metrics))
-        seen: dict[str, int] = collections.Counter(d.name for d in described)
-        duplicates = sorted(name for name, count in seen.items() if count > 1)
-        if duplicates:
-            raise ValueError(
-                f"Telemetry: metric names {duplicates} are defined twice (the built-in signals use "
-                "train/step_time, train/data_wait, train/tokens, train/samples, train/learning_rate, "
-                "train/peak_memory, train/memory/..., train/tokens_per_second, train/mfu, ...); "
-                "rename yours or pass signals=False"
-            )
-        return described
+        self._publisher = WindowPublisher(self._leaves, self._descriptors, self._signals, self.hub.submit)
 
     @property
     def descriptors(self) -> list[MetricDescriptor]:
         """Every name this telemetry exports."""
         return list(self._descriptors)
+
+    @property
+    def latest(self) -> dict[str, ScalarValue]:
+        """The last exported values (running totals for counters), on every rank."""
+        return self._publisher.latest
+
+    @property
+    def latest_step(self) -> int | None:
+        """The step of `latest` (None before the first collection)."""
+        return self._publisher.latest_step
 
     # -- the loop -------------------------------------------------------------------------
 
@@ -247,22 +226,7 @@ class Telemetry:
         with nothing legal left is skipped with a warning naming it.
         """
         self._require_open("log")
-        values = self._legal_names(values)
-        if self._windows:
-            self._logged.setdefault(self._windows[-1].step, []).append((step, dict(values), time.time()))
-        else:
-            self.hub.submit(step, dict(values), time.time())
-
-    def _legal_names(self, values: Mapping[str, ScalarValue]) -> dict[str, ScalarValue]:
-        legal: dict[str, ScalarValue] = {}
-        for name, value in values.items():
-            try:
-                legal[sanitize_path(name)] = value
-            except InvalidMetricNameError as error:
-                if name not in self._skipped_names:
-                    self._skipped_names.add(name)
-                    logger.warning("Telemetry.log: %r skipped: %s", name, error)
-        return legal
+        self._publisher.log(values, step)
 
     def _flush_signals(self) -> float:
         now = time.perf_counter()
@@ -274,11 +238,7 @@ class Telemetry:
     def _schedule(self) -> None:
         now = self._flush_signals()
         self._collector.schedule_collection(step=self._last_step)
-        self._windows.append(
-            WindowTiming(
-                step=self._last_step or 0, timestamp=time.time(), duration_s=now - self._window_start
-            )
-        )
+        self._publisher.scheduled(self._last_step or 0, duration_s=now - self._window_start)
         self._window_start = now
         self._steps_in_window = 0
 
@@ -292,24 +252,8 @@ class Telemetry:
             except CollectionError as error:
                 self._failure = error
                 raise
-            timing = self._windows.popleft()
-            self._publish(timing, [result for _, result in results])
+            self._publisher.publish([result for _, result in results])
             collected += 1
-
-    def _publish(self, timing: WindowTiming, results: list[Any]) -> None:
-        window = flatten_results(self._leaves, results)
-        if self._signals is not None:
-            self._signals.publish(window, timing)
-        reported = self._totals.add(window)
-        self.latest = reported
-        self.latest_step = timing.step
-        logged = self._logged.pop(timing.step, [])
-        riders = [values for step, values, _ in logged if step == timing.step]
-        reported = dict(collections.ChainMap(reported, *reversed(riders)))
-        self.hub.submit(timing.step, reported, timing.timestamp, window=window)
-        for step, values, timestamp in logged:
-            if step != timing.step:
-                self.hub.submit(step, values, timestamp)
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Collect the current partial window and everything in flight, export it, flush exporters."""
@@ -379,7 +323,7 @@ class Telemetry:
             self._flush_signals()
         return {
             "window": gather_local_states(self._leaves, self.config.group),
-            "counters": self._totals.state_dict(),
+            "counters": self._publisher.totals.state_dict(),
             "signals": self._signals.state_dict() if self._signals else {},
             "step": -1 if self._last_step is None else self._last_step,
             "steps_in_window": self._steps_in_window,
@@ -401,7 +345,7 @@ class Telemetry:
             )
         signal_names = {name for name, _ in self._leaves} - {name for name, _ in self._user_leaves}
         restore_local_states(self._leaves, state["window"], self.config.group, droppable=signal_names)
-        self._totals.load_state_dict(state.get("counters", "{}"))
+        self._publisher.totals.load_state_dict(state.get("counters", "{}"))
         if self._signals is not None:
             self._signals.load_state_dict(state.get("signals", {}))
         step = int(state.get("step", -1))

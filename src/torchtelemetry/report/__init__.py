@@ -2,8 +2,8 @@
 
 Between collection and export: `flatten_results` names each metric's results by its path in the
 tree (`train/loss`), `TrainingSignals` adds throughput and step-time statistics, `RunningTotals`
-turns counters and histograms into totals across windows and restarts, and the naming rules say
-how each backend spells a path.
+turns counters and histograms into totals across windows and restarts, `WindowPublisher` submits
+one report per window in step order, and the naming rules say how each backend spells a path.
 """
 
 from torchtelemetry.report._flatten import describe_metrics, flatten_results
@@ -29,6 +29,7 @@ from torchtelemetry.report._naming import (
     tracker_name,
     validate_path,
 )
+from torchtelemetry.report._publisher import WindowPublisher, describe_with_signals
 from torchtelemetry.report._signals import TrainingSignals, WindowTiming, signal_descriptors
 from torchtelemetry.report._totals import RunningTotals, difference
 from torchtelemetry.report._values import HistogramValue, MetricDescriptor, Scalars, ScalarValue
@@ -50,11 +51,13 @@ __all__ = [
     "Scalars",
     "TrackerKeys",
     "TrainingSignals",
+    "WindowPublisher",
     "WindowTiming",
     "allocator_metrics",
     "check_unique",
     "difference",
     "describe_metrics",
+    "describe_with_signals",
     "flatten_results",
     "merge_descriptors",
     "model_flops",

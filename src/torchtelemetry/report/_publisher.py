@@ -1,0 +1,113 @@
+"""One report per collected window, in step order, with the values logged alongside it."""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+from torchtelemetry.metric import Metric, MetricKind
+from torchtelemetry.report._flatten import describe_metrics, flatten_results
+from torchtelemetry.report._naming import InvalidMetricNameError, sanitize_path
+from torchtelemetry.report._signals import TrainingSignals, WindowTiming
+from torchtelemetry.report._totals import RunningTotals
+from torchtelemetry.report._values import MetricDescriptor, Scalars, ScalarValue
+
+__all__ = ["Submit", "WindowPublisher", "describe_with_signals"]
+
+logger = logging.getLogger(__name__)
+
+
+class Submit(Protocol):
+    """Where reports go: `ExportHub.submit`."""
+
+    def __call__(
+        self, step: int, scalars: Scalars, timestamp: float | None = None, *, window: Scalars | None = None
+    ) -> None: ...
+
+
+def describe_with_signals(metrics: Any, signals: TrainingSignals | None) -> list[MetricDescriptor]:
+    """Descriptors of the user's metrics and the built-in signals; a name defined twice raises."""
+    described = describe_metrics(metrics)
+    if signals is not None:
+        described += signals.descriptors(describe_metrics(signals.metrics))
+    seen: dict[str, int] = collections.Counter(d.name for d in described)
+    duplicates = sorted(name for name, count in seen.items() if count > 1)
+    if duplicates:
+        raise ValueError(
+            f"Telemetry: metric names {duplicates} are defined twice (the built-in signals use "
+            "train/step_time, train/data_wait, train/tokens, train/samples, train/learning_rate, "
+            "train/peak_memory, train/memory/..., train/tokens_per_second, train/mfu, ...); "
+            "rename yours or pass signals=False"
+        )
+    return described
+
+
+class WindowPublisher:
+    """Turns each collected window into one report for `submit`, in the order windows were scheduled.
+
+    Values `log()`ged while windows are in flight wait for the newest one: those at its step
+    ride in its report, others are submitted right after it.
+    """
+
+    def __init__(
+        self,
+        leaves: Sequence[tuple[str, Metric]],
+        descriptors: Sequence[MetricDescriptor],
+        signals: TrainingSignals | None,
+        submit: Submit,
+    ) -> None:
+        self._leaves = leaves
+        self._signals = signals
+        self._submit = submit
+        self.totals = RunningTotals(
+            d.name for d in descriptors if d.kind in (MetricKind.COUNTER, MetricKind.HISTOGRAM)
+        )
+        """Counter and histogram totals across windows (and restarts, through its state_dict)."""
+        self._windows: collections.deque[WindowTiming] = collections.deque()
+        self._logged: dict[int, list[tuple[int, dict[str, ScalarValue], float]]] = {}
+        self._skipped_names: set[str] = set()
+        self.latest: dict[str, ScalarValue] = {}
+        self.latest_step: int | None = None
+
+    def scheduled(self, step: int, *, duration_s: float) -> None:
+        """A window ending at `step` was scheduled now; its results come to `publish` in this order."""
+        self._windows.append(WindowTiming(step=step, timestamp=time.time(), duration_s=duration_s))
+
+    def publish(self, results: Sequence[Any]) -> None:
+        """Submit the oldest scheduled window's report (`results` per leaf), then what waited for it."""
+        timing = self._windows.popleft()
+        window = flatten_results(self._leaves, results)
+        if self._signals is not None:
+            self._signals.publish(window, timing)
+        reported = self.totals.add(window)
+        self.latest = reported
+        self.latest_step = timing.step
+        logged = self._logged.pop(timing.step, [])
+        riders = [values for step, values, _ in logged if step == timing.step]
+        reported = dict(collections.ChainMap(reported, *reversed(riders)))
+        self._submit(timing.step, reported, timing.timestamp, window=window)
+        for step, values, timestamp in logged:
+            if step != timing.step:
+                self._submit(step, values, timestamp)
+
+    def log(self, values: Mapping[str, ScalarValue], step: int) -> None:
+        """Submit host values now, or after the newest window in flight (see the class)."""
+        legal = self._legal_names(values)
+        if self._windows:
+            self._logged.setdefault(self._windows[-1].step, []).append((step, legal, time.time()))
+        else:
+            self._submit(step, legal, time.time())
+
+    def _legal_names(self, values: Mapping[str, ScalarValue]) -> dict[str, ScalarValue]:
+        legal: dict[str, ScalarValue] = {}
+        for name, value in values.items():
+            try:
+                legal[sanitize_path(name)] = value
+            except InvalidMetricNameError as error:
+                if name not in self._skipped_names:
+                    self._skipped_names.add(name)
+                    logger.warning("Telemetry.log: %r skipped: %s", name, error)
+        return legal
