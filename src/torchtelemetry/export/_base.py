@@ -79,6 +79,22 @@ class FailureLog:
             self._in_burst = 0
 
 
+class LogThrottle:
+    """Says when to log an event that can repeat fast: at most once every `interval_s` seconds."""
+
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
+        self._last: float | None = None
+
+    def due(self) -> bool:
+        """True (and the clock restarts) when `interval_s` has passed since the last True, or never was."""
+        now = time.monotonic()
+        if self._last is not None and now - self._last <= self.interval_s:
+            return False
+        self._last = now
+        return True
+
+
 class BaseExporter:
     """An `Exporter` whose lifecycle is done: subclasses implement the `_describe` ... `_close` hooks.
 

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from torchtelemetry.export._base import FailureLog
+from torchtelemetry.export._base import FailureLog, LogThrottle
 from torchtelemetry.export._health import ExporterHealth
 from torchtelemetry.export._protocol import Exporter, ExporterStartError, ExportResult, RunInfo
 from torchtelemetry.export._temporality import DeltaConverter, preferred_temporality
@@ -77,7 +77,7 @@ class ExporterQueue:
         self._items: collections.deque[_Report | _Describe | _Barrier] = collections.deque()
         self._queued_reports = 0
         self._close_deadline: float | None = None
-        self._last_drop_log: float | None = None
+        self._drop_log = LogThrottle(DROP_LOG_INTERVAL_S)
         self._failures = FailureLog(f"exporter {self.name!r}")
         self._exported_reports = 0
         self._errors = 0
@@ -113,9 +113,7 @@ class ExporterQueue:
         with self._cond:
             if self._queued_reports >= self._queue_size:
                 self._drop_oldest_report()
-                now = time.monotonic()
-                if self._last_drop_log is None or now - self._last_drop_log > DROP_LOG_INTERVAL_S:
-                    self._last_drop_log = now
+                if self._drop_log.due():
                     logger.warning(
                         "exporter %r: queue full (%d reports), dropping the oldest; %d dropped so far "
                         "(logged at most every %.0f s)",

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from torchtelemetry.export._base import LogThrottle
 from torchtelemetry.export._exposition import import_prometheus_client
 
 __all__ = ["DEFAULT_IDLE_TIMEOUT_S", "DEFAULT_MAX_CONNECTIONS", "HANDLER_THREAD_PREFIX", "ScrapeServer"]
@@ -55,7 +56,7 @@ class ScrapeServer:
         self._request = threading.local()
         self._lock = threading.Lock()
         self._open: dict[Any, threading.Thread | None] = {}
-        self._last_refusal_log: float | None = None
+        self._refusal_log = LogThrottle(_REFUSAL_LOG_INTERVAL_S)
         self.refused_connections = 0
         """Connections closed at accept because `max_connections` were open."""
         client = import_prometheus_client()
@@ -96,9 +97,7 @@ class ScrapeServer:
     def _admit(self, request: Any, client_address: Any) -> None:
         if not self._slots.acquire(blocking=False):
             self.refused_connections += 1
-            now = time.monotonic()
-            if self._last_refusal_log is None or now - self._last_refusal_log > _REFUSAL_LOG_INTERVAL_S:
-                self._last_refusal_log = now
+            if self._refusal_log.due():
                 logger.warning(
                     "scrape endpoint on port %d: %d connections open (max_connections), closing a new "
                     "one from %s; %d refused so far (logged at most every %.0f s)",
