@@ -307,7 +307,8 @@ class AsyncMetricCollector:
         except FutureTimeout:
             raise CollectionError(
                 f"AsyncMetricCollector.{op}: window {window.index} did not complete in {limit:.1f}s; "
-                "a rank may not have called schedule_collection(), may have died, or be far behind"
+                f"a rank may have died or not called schedule_collection() within timeout_s="
+                f"{self.timeout_s:g}s, or be far behind"
             ) from None
         except Exception as error:
             self._pending.popleft()
