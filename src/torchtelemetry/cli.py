@@ -5,9 +5,12 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
+from torchtelemetry._version import __version__
+
 __all__ = ["main"]
 
 _USAGE = """usage: torchtelemetry <command> [options]
+       torchtelemetry --version
 
 commands:
   demo     a real multi-process training run exporting live metrics (torchtelemetry demo --help)
@@ -21,6 +24,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(_USAGE, end="")
         return 0 if args else 2
     command, rest = args[0], args[1:]
+    if command in ("-V", "--version"):
+        print(f"torchtelemetry {__version__}")
+        return 0
     if command == "demo":
         from torchtelemetry.demo import main as demo_main
 

@@ -112,11 +112,10 @@ def test_the_entry_points_pyproject_declares_build_every_exporter(
     pytest.importorskip("mlflow")
     project = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]
     declared = project["entry-points"]["torchtelemetry.exporters"]
-    dist = tmp_path / f"torchtelemetry-{project['version']}.dist-info"
+    version = torchtelemetry.__version__  # pyproject reads it from _version.py
+    dist = tmp_path / f"torchtelemetry-{version}.dist-info"
     dist.mkdir()
-    (dist / "METADATA").write_text(
-        f"Metadata-Version: 2.1\nName: torchtelemetry\nVersion: {project['version']}\n"
-    )
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: torchtelemetry\nVersion: {version}\n")
     lines = "".join(f"{name} = {target}\n" for name, target in declared.items())
     (dist / "entry_points.txt").write_text(f"[torchtelemetry.exporters]\n{lines}")
     monkeypatch.syspath_prepend(str(tmp_path))
