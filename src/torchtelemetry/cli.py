@@ -14,6 +14,8 @@ _USAGE = """usage: torchtelemetry <command> [options]
 
 commands:
   demo     a real multi-process training run exporting live metrics (torchtelemetry demo --help)
+  stack    write Prometheus, alert rules, Grafana dashboards, Collector and compose files into a
+           directory, ready for `docker compose up -d` (torchtelemetry stack --help)
 """
 
 
@@ -31,6 +33,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from torchtelemetry.demo import main as demo_main
 
         return demo_main(rest)
+    if command == "stack":
+        from torchtelemetry.stack import main as stack_main
+
+        return stack_main(rest)
     print(f"torchtelemetry: unknown command {command!r}\n{_USAGE}", end="", file=sys.stderr)
     return 2
 
