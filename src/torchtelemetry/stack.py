@@ -101,22 +101,27 @@ def _targets_rewriter(
 
 def _rewrite_scrape_targets(text: str, rewrite: Callable[[str], str]) -> str:
     """`text` with `rewrite` applied to the value of every `targets:` key, in flow style
-    (`targets: ["a:1", "b:2"]`) or block style (one `- a:1` per line below the key)."""
+    (`targets: ["a:1", "b:2"]`, on one line or several) or block style (one `- a:1` a line)."""
     out: list[str] = []
-    block_indent: int | None = None
+    block_column: int | None = None  # in a block list of targets: the column of its key
+    in_flow = False  # in a flow list of targets that goes on over several lines
     for line in text.splitlines(keepends=True):
+        if in_flow:
+            out.append(rewrite(line))
+            in_flow = "]" not in line.split("#", 1)[0]
+            continue
         item = _BLOCK_ITEM.match(line)
-        if block_indent is not None and item is not None and len(item["indent"]) > block_indent:
+        if block_column is not None and item is not None and len(item["indent"]) >= block_column:
             out.append(rewrite(line))
             continue
-        block_indent = None
+        block_column = None
         key = _TARGETS_KEY.match(line)
         if key is None:
             out.append(line)
             continue
         value = key["value"].split("#", 1)[0].strip()
-        if not value:
-            block_indent = len(key["indent"])
+        block_column = None if value else len(key["indent"])
+        in_flow = value.startswith("[") and "]" not in value
         out.append(line[: key.start("value")] + rewrite(key["value"]) + line[key.end("value") :])
     return "".join(out)
 

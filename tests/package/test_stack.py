@@ -123,7 +123,7 @@ def test_promtool_accepts_every_prometheus_config_written_with_flags(tmp_path: P
 
 
 AGENT = """\
-# A config the package learns about only by shipping it (block-style targets, remote write).
+# A config the package learns about only by shipping it: targets in every YAML list style.
 scrape_configs:
   - job_name: torchtelemetry
     static_configs:
@@ -131,6 +131,16 @@ scrape_configs:
           - 127.0.0.1:9464  # rank 0
           - 'localhost:9091'
       - targets: [other-host:9464, "127.0.0.1:9100"]
+  - job_name: collector
+    static_configs:
+      - labels: {route: otlp}
+        targets: [
+          "127.0.0.1:8889",
+        ]
+  - job_name: indentless
+    static_configs:
+      - targets:
+        - host.docker.internal:9464
 remote_write:
   - url: http://127.0.0.1:8428/api/v1/write
 """
@@ -142,16 +152,23 @@ def test_a_new_prometheus_config_gets_the_same_targets(tmp_path: Path, monkeypat
     (shipped / "exporters" / "prometheus" / "prometheus-agent.yml").write_text(AGENT)
     monkeypatch.setattr(stack, "_files", lambda: shipped)
 
-    write_stack(tmp_path / "out", metrics_port=9500, pushgateway="gw:9092")
+    write_stack(tmp_path / "out", metrics_port=9500, pushgateway="gw:9092", collector="col:18889")
 
-    expected = AGENT.replace("127.0.0.1:9464", "127.0.0.1:9500").replace("'localhost:9091'", "'gw:9092'")
-    assert (tmp_path / "out" / "exporters" / "prometheus" / "prometheus-agent.yml").read_text() == expected
+    text = (tmp_path / "out" / "exporters" / "prometheus" / "prometheus-agent.yml").read_text()
+    config = yaml.safe_load(text)
+    assert targets(config) == {
+        "torchtelemetry": ["127.0.0.1:9500", "gw:9092", "other-host:9464", "127.0.0.1:9100"],
+        "collector": ["col:18889"],
+        "indentless": ["host.docker.internal:9500"],
+    }
+    assert config["remote_write"] == yaml.safe_load(AGENT)["remote_write"]
+    assert "127.0.0.1:9500  # rank 0\n" in text
 
 
 def test_a_flag_no_shipped_config_uses_is_an_error(tmp_path: Path, monkeypatch) -> None:
     shipped = tmp_path / "shipped"
     shipped.mkdir()
-    (shipped / "prometheus.yml").write_text(AGENT)
+    (shipped / "prometheus.yml").write_text(AGENT.split("  - job_name: collector")[0])  # no collector
     monkeypatch.setattr(stack, "_files", lambda: shipped)
     with pytest.raises(
         ValueError, match=r"collector: no Prometheus config in the package scrapes .* port 8889"
