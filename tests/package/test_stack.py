@@ -8,6 +8,7 @@ what a built wheel holds.
 
 from __future__ import annotations
 
+import inspect
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,7 @@ from typing import Any
 import pytest
 import yaml
 
-from torchtelemetry import stack
+from torchtelemetry import PrometheusExporter, stack
 from torchtelemetry.cli import main
 from torchtelemetry.stack import stack_files, write_stack
 
@@ -70,6 +71,10 @@ def test_the_package_links_to_the_repository_files() -> None:
         assert (links / part).is_symlink(), f"stack-files/{part} must link to the repository's {part}"
         assert (links / part).resolve() == (ROOT / part).resolve()
     assert {name: source.read_bytes() for name, source in stack_files()} == repository_stack()
+
+
+def test_the_trainer_port_is_the_exporters_default() -> None:
+    assert inspect.signature(PrometheusExporter).parameters["port"].default == stack.METRICS_PORT
 
 
 def test_the_stack_written_with_defaults_is_the_repositorys(tmp_path: Path, capsys) -> None:
