@@ -25,11 +25,10 @@ import pytest
 
 import torchtelemetry
 from tests.distributed import free_port
-from tests.package.test_stack import STACK_PARTS, repository_stack, written
+from tests.package._files import ROOT, STACK_PARTS, repository_stack, written
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-ROOT = Path(__file__).resolve().parents[2]
 NEW_FILE = "exporters/new-receiver/config.yaml"
 """Added to the copy of the checkout: it must ship, and `torchtelemetry stack` must write it."""
 TORCH = "torch==2.13.0"
