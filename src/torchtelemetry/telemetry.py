@@ -20,6 +20,7 @@ from torchtelemetry.metric import gather_local_states, metric_leaves, restore_lo
 from torchtelemetry.report import (
     MetricDescriptor,
     ModelFlops,
+    RankSeriesLimit,
     ScalarValue,
     TrainingSignals,
     WindowPublisher,
@@ -114,7 +115,6 @@ class Telemetry:
                 world_size=world_size,
                 rank=group_rank(resolved),
                 device=device,
-                max_rank_series=config.max_rank_series,
                 flops=ModelFlops.resolve(
                     config.flops_per_token, config.flops_per_sample, config.peak_flops, device
                 ),
@@ -124,7 +124,8 @@ class Telemetry:
         )
         signal_metrics = self._signals.metrics if self._signals else {}
         self._leaves = self._user_leaves + metric_leaves(signal_metrics, op="Telemetry")
-        self._descriptors = describe_with_signals(metrics, self._signals)
+        ranks = RankSeriesLimit(world_size, config.max_rank_series)
+        self._descriptors = describe_with_signals(metrics, self._signals, ranks)
         self.is_exporting = not dist.is_initialized() or dist.get_rank() == 0
         if isinstance(exporters, str):
             exporters = exporters_from_spec(exporters)
@@ -132,7 +133,9 @@ class Telemetry:
         if self.is_exporting:
             self.hub = ExportHub(exporters, run=self.run, queue_size=config.queue_size)
         self.hub.describe(self._descriptors)
-        self._publisher = WindowPublisher(self._leaves, self._descriptors, self._signals, self.hub.submit)
+        self._publisher = WindowPublisher(
+            self._leaves, self._descriptors, self._signals, self.hub.submit, ranks
+        )
 
     @property
     def descriptors(self) -> list[MetricDescriptor]:

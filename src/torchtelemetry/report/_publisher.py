@@ -11,6 +11,7 @@ from typing import Any, Protocol
 from torchtelemetry.metric import Metric, MetricKind
 from torchtelemetry.report._flatten import describe_metrics, flatten_results
 from torchtelemetry.report._naming import InvalidMetricNameError, sanitize_path
+from torchtelemetry.report._ranks import RankSeriesLimit
 from torchtelemetry.report._signals import TrainingSignals, WindowTiming
 from torchtelemetry.report._totals import RunningTotals
 from torchtelemetry.report._values import MetricDescriptor, Scalars, ScalarValue
@@ -28,11 +29,15 @@ class Submit(Protocol):
     ) -> None: ...
 
 
-def describe_with_signals(metrics: Any, signals: TrainingSignals | None) -> list[MetricDescriptor]:
-    """Descriptors of the user's metrics and the built-in signals; a name defined twice raises."""
+def describe_with_signals(
+    metrics: Any, signals: TrainingSignals | None, ranks: RankSeriesLimit
+) -> list[MetricDescriptor]:
+    """What is exported of the user's metrics and the built-in signals, values per rank within
+    `ranks`' limit; a name defined twice raises."""
     described = describe_metrics(metrics)
     if signals is not None:
         described += signals.descriptors(describe_metrics(signals.metrics))
+    described = ranks.describe(described)
     seen: dict[str, int] = collections.Counter(d.name for d in described)
     duplicates = sorted(name for name, count in seen.items() if count > 1)
     if duplicates:
@@ -46,7 +51,8 @@ def describe_with_signals(metrics: Any, signals: TrainingSignals | None) -> list
 
 
 class WindowPublisher:
-    """Turns each collected window into one report for `submit`, in the order windows were scheduled.
+    """Turns each collected window into one report for `submit`, in the order windows were scheduled;
+    values per rank as `ranks` (the one `describe_with_signals` was given) exports them.
 
     Values `log()`ged while windows are in flight wait for the newest one: those at its step
     ride in its report, others are submitted right after it.
@@ -58,9 +64,11 @@ class WindowPublisher:
         descriptors: Sequence[MetricDescriptor],
         signals: TrainingSignals | None,
         submit: Submit,
+        ranks: RankSeriesLimit,
     ) -> None:
         self._leaves = leaves
         self._signals = signals
+        self._ranks = ranks
         self._submit = submit
         self.totals = RunningTotals(
             d.name for d in descriptors if d.kind in (MetricKind.COUNTER, MetricKind.HISTOGRAM)
@@ -82,6 +90,7 @@ class WindowPublisher:
         window = flatten_results(self._leaves, results)
         if self._signals is not None:
             self._signals.publish(window, timing)
+        self._ranks.publish(window)
         reported = self.totals.add(window)
         self.latest = reported
         self.latest_step = timing.step

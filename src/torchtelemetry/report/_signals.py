@@ -6,13 +6,13 @@ handed to device-resident metrics once per window, so leaving them on costs
 nothing per step and no extra collective: they ride in the same buckets as the
 user's metrics. Per-rank values are world-sized vectors in the SUM bucket, so the
 ranks holding the fastest and slowest step time (`train/step_time/min_rank`, `max_rank`, exported
-whatever the world size) are known on every rank for free.
+whatever the world size) are known on every rank for free. Above `max_rank_series` ranks every
+value per rank is exported as statistics over ranks (`RankSeriesLimit`).
 """
 
 from __future__ import annotations
 
 import math
-import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +22,7 @@ import torch
 from torchtelemetry.metric import MaxMetric, MetricKind, PerRankMetric, SumMetric, metric_leaves
 from torchtelemetry.report._flops import ModelFlops, model_flops
 from torchtelemetry.report._memory import AllocatorStats, allocator_metrics, peak_memory
+from torchtelemetry.report._ranks import RankSeriesLimit
 from torchtelemetry.report._values import MetricDescriptor, ScalarValue
 
 __all__ = ["TrainingSignals", "WindowTiming", "signal_descriptors"]
@@ -37,8 +38,6 @@ TFLOPS_PER_SECOND = "train/tflops_per_second"
 MFU = "train/mfu"
 LEARNING_RATE = "train/learning_rate"
 PEAK_MEMORY = "train/peak_memory"
-PER_RANK = (STEP_TIME, DATA_WAIT, DATA_WAIT_SHARE)
-"""Exported per rank up to `max_rank_series` ranks, as min/median/max over ranks above."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,12 +61,10 @@ class TrainingSignals:
         world_size: int,
         rank: int,
         device: torch.device,
-        max_rank_series: int,
         flops: ModelFlops | None = None,
     ) -> None:
         self.world_size = world_size
         self.device = device
-        self.per_rank_series = world_size <= max_rank_series
         self.flops = flops
 
         def per_rank(unit: str, description: str) -> PerRankMetric:
@@ -191,18 +188,11 @@ class TrainingSignals:
         self._host_counts = {TOKENS: 0.0, SAMPLES: 0.0}
 
     def descriptors(self, described: list[MetricDescriptor]) -> list[MetricDescriptor]:
-        """`described` (from the metrics) adjusted for what `publish` emits, plus derived signals."""
+        """`described` (from the metrics) with what `publish` adds: the ranks of the extreme step
+        times and the derived signals (values per rank above the limit are `RankSeriesLimit`'s)."""
         out = []
         for descriptor in described:
-            if descriptor.name in PER_RANK and not self.per_rank_series:
-                out.extend(
-                    MetricDescriptor(
-                        f"{descriptor.name}/{stat}", MetricKind.GAUGE, descriptor.unit, f"{stat} over ranks"
-                    )
-                    for stat in ("min", "median", "max")
-                )
-            else:
-                out.append(descriptor)
+            out.append(descriptor)
             if descriptor.name == STEP_TIME:
                 out.extend(
                     MetricDescriptor(
@@ -234,7 +224,8 @@ class TrainingSignals:
 
     def publish(self, window: dict[str, ScalarValue], timing: WindowTiming) -> None:
         """Turn one window's signal values into what is exported (in place): throughput, model
-        FLOPs, per-rank statistics above the per-rank series limit, nothing for unfed signals."""
+        FLOPs, the extreme step times' ranks, nothing for unfed signals (values per rank above the
+        limit are `RankSeriesLimit`'s)."""
         for name in (TOKENS, SAMPLES, LEARNING_RATE):
             if name not in self._seen:
                 window.pop(name, None)
@@ -256,26 +247,16 @@ class TrainingSignals:
                     self.flops.peak,  # type: ignore[arg-type]
                 )
                 window.update({f"train/{name}": value for name, value in computed.items()})
-        for name in PER_RANK:
-            values = window.get(name)
-            if isinstance(values, Mapping):
-                self._publish_per_rank(window, name, values)
-
-    def _publish_per_rank(
-        self, window: dict[str, ScalarValue], name: str, values: Mapping[str, float]
-    ) -> None:
-        finite = {rank: value for rank, value in values.items() if math.isfinite(value)}
-        if finite and name == STEP_TIME:  # lowest rank on ties
-            window[f"{name}/min_rank"] = float(min(finite, key=lambda rank: (finite[rank], int(rank))))
-            window[f"{name}/max_rank"] = float(max(finite, key=lambda rank: (finite[rank], -int(rank))))
-        if self.per_rank_series:
-            window[name] = finite
-            return
-        del window[name]
-        if finite:
-            window[f"{name}/min"] = min(finite.values())
-            window[f"{name}/median"] = statistics.median(finite.values())
-            window[f"{name}/max"] = max(finite.values())
+        step_times = window.get(STEP_TIME)
+        if isinstance(step_times, Mapping):  # lowest rank on ties
+            finite = {rank: value for rank, value in step_times.items() if math.isfinite(value)}
+            if finite:
+                window[f"{STEP_TIME}/min_rank"] = float(
+                    min(finite, key=lambda rank: (finite[rank], int(rank)))
+                )
+                window[f"{STEP_TIME}/max_rank"] = float(
+                    max(finite, key=lambda rank: (finite[rank], -int(rank)))
+                )
 
     def state_dict(self) -> dict[str, Any]:
         return {"seen": sorted(self._seen)}
@@ -291,16 +272,16 @@ def signal_descriptors() -> list[MetricDescriptor]:
     from torchtelemetry.report._flatten import describe_metrics
 
     found: dict[str, MetricDescriptor] = {}
+    signals = TrainingSignals(
+        world_size=1,
+        rank=0,
+        device=torch.device("cpu"),
+        flops=ModelFlops(per_unit=1.0, per_sample=False, peak=1.0),
+    )
+    signals.metrics["train"]["memory"] = allocator_metrics()
+    described = signals.descriptors(describe_metrics(signals.metrics))
     for max_rank_series in (1, 0):
-        signals = TrainingSignals(
-            world_size=1,
-            rank=0,
-            device=torch.device("cpu"),
-            max_rank_series=max_rank_series,
-            flops=ModelFlops(per_unit=1.0, per_sample=False, peak=1.0),
-        )
-        signals.metrics["train"]["memory"] = allocator_metrics()
-        found.update((d.name, d) for d in signals.descriptors(describe_metrics(signals.metrics)))
+        found.update((d.name, d) for d in RankSeriesLimit(1, max_rank_series).describe(described))
     return list(found.values())
 
 

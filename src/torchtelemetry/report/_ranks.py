@@ -1,0 +1,81 @@
+"""Values per rank within the cardinality budget: the series a run exports grow with its metrics,
+not with its ranks.
+
+A value per rank is a mapping labelled `rank` (a `PerRankMetric`, the built-in step time and data
+wait). Up to `max_rank_series` ranks it is exported as one series per rank. Above, a gauge becomes
+three series whatever the world size, min, median and max over ranks, and a counter its total over
+ranks. Ranks that matter travel as values, never as labels (the built-in step time's
+`min_rank` / `max_rank`, exported at any world size).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+
+from torchtelemetry.metric import MetricKind
+from torchtelemetry.report._values import MetricDescriptor, ScalarValue
+
+__all__ = ["RANK_LABEL", "RANK_STATISTICS", "RankSeriesLimit"]
+
+RANK_LABEL = "rank"
+"""The label of a value per rank."""
+RANK_STATISTICS = ("min", "median", "max")
+"""What a gauge per rank becomes above the limit."""
+
+
+class RankSeriesLimit:
+    """What a run of `world_size` ranks exports of its values per rank (see the module).
+
+    `describe()` turns the descriptors of a metric tree into those exported and remembers which
+    names carry values per rank; `publish()` turns each report's values the same way.
+    """
+
+    def __init__(self, world_size: int, max_rank_series: int) -> None:
+        self.world_size = world_size
+        self.max_rank_series = max_rank_series
+        self.per_rank_series = world_size <= max_rank_series
+        """Whether values per rank are exported as one series per rank."""
+        self._kinds: dict[str, MetricKind] = {}
+
+    def describe(self, described: Sequence[MetricDescriptor]) -> list[MetricDescriptor]:
+        """The descriptors exported for `described`."""
+        out: list[MetricDescriptor] = []
+        for descriptor in described:
+            if descriptor.label_name != RANK_LABEL or descriptor.kind is MetricKind.HISTOGRAM:
+                out.append(descriptor)
+                continue
+            self._kinds[descriptor.name] = descriptor.kind
+            if self.per_rank_series:
+                out.append(descriptor)
+            elif descriptor.kind is MetricKind.COUNTER:
+                total = f"{descriptor.description or descriptor.name}, total over ranks"
+                out.append(MetricDescriptor(descriptor.name, MetricKind.COUNTER, descriptor.unit, total))
+            else:
+                out.extend(
+                    MetricDescriptor(
+                        f"{descriptor.name}/{stat}", MetricKind.GAUGE, descriptor.unit, f"{stat} over ranks"
+                    )
+                    for stat in RANK_STATISTICS
+                )
+        return out
+
+    def publish(self, window: dict[str, ScalarValue]) -> None:
+        """Turn the values per rank of one report into what is exported, in place. Non-finite
+        values (a rank that reported nothing) are left out."""
+        for name, kind in self._kinds.items():
+            values = window.get(name)
+            if not isinstance(values, Mapping):
+                continue
+            finite = {rank: value for rank, value in values.items() if math.isfinite(value)}
+            if self.per_rank_series:
+                window[name] = finite
+                continue
+            del window[name]
+            if kind is MetricKind.COUNTER:
+                window[name] = math.fsum(finite.values())
+            elif finite:
+                window[f"{name}/min"] = min(finite.values())
+                window[f"{name}/median"] = statistics.median(finite.values())
+                window[f"{name}/max"] = max(finite.values())
