@@ -1,4 +1,5 @@
-"""Count calls to torch.distributed collectives (used inside rank functions and by bench/)."""
+"""Count calls to torch.distributed collectives and the bytes a process writes to its sockets
+(used inside rank functions and by bench/)."""
 
 from __future__ import annotations
 
@@ -6,9 +7,13 @@ import collections
 import functools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
+
+GLOO_HEADER_BYTES = 48
+"""gloo's TCP transport writes every message with a header of this many bytes (torch 2.13)."""
 
 COLLECTIVES = (
     "all_reduce",
@@ -70,3 +75,38 @@ class CollectiveCounter:
                 self._depth -= 1
 
         return counted
+
+
+def process_writes() -> tuple[int, int]:
+    """`(bytes, calls)` this process has written so far (`wchar`, `syscw` of /proc/self/io): files,
+    pipes and sockets; between two reads around collectives alone, what gloo sent. OSError where
+    the kernel keeps no I/O accounting."""
+    with open("/proc/self/io") as io:
+        fields = dict(line.split(":") for line in io.read().splitlines())
+    return int(fields["wchar"]), int(fields["syscw"])
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """What one repeat of a block cost this process, on average over the repeats."""
+
+    collectives: float
+    writes: float
+    """Write calls (gloo's TCP ring: 6 per ring step)."""
+    payload: float
+    """Bytes written less gloo's message headers: the data this rank sent."""
+
+
+def measure_traffic(counter: CollectiveCounter, block: Callable[[], None], repeats: int) -> Traffic:
+    """Run `block` `repeats` times; the collectives it issued and what the process wrote, per repeat."""
+    written, calls = process_writes()
+    with counter.counting() as counted:
+        for _ in range(repeats):
+            block()
+    written_after, calls_after = process_writes()
+    writes = (calls_after - calls) / repeats
+    return Traffic(
+        collectives=sum(counted.values()) / repeats,
+        writes=writes,
+        payload=(written_after - written) / repeats - GLOO_HEADER_BYTES * writes,
+    )

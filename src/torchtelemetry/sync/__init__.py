@@ -5,6 +5,13 @@ The lowest layer: `torchtelemetry.metric` builds `Metric.sync()` and `sync_metri
 """
 
 from torchtelemetry.sync._buckets import BucketKey, BucketLayout, ReduceOp
+from torchtelemetry.sync._cost import (
+    LINK_BYTES_PER_S,
+    STEP_LATENCY_S,
+    WindowCost,
+    ring_all_reduce,
+    window_cost,
+)
 from torchtelemetry.sync._exchange import GATHER_LIMIT_BYTES, Slot, WindowExchange
 from torchtelemetry.sync._functional import Reduction, all_gather, per_rank, reduce, reduce_custom
 from torchtelemetry.sync._group import GroupLike, comm_device, group_rank, group_world_size, resolve_group
@@ -12,6 +19,8 @@ from torchtelemetry.sync._reduce import LayoutMismatchError, forget_group, reduc
 
 __all__ = [
     "GATHER_LIMIT_BYTES",
+    "LINK_BYTES_PER_S",
+    "STEP_LATENCY_S",
     "BucketKey",
     "BucketLayout",
     "GroupLike",
@@ -19,6 +28,7 @@ __all__ = [
     "ReduceOp",
     "Reduction",
     "Slot",
+    "WindowCost",
     "WindowExchange",
     "all_gather",
     "comm_device",
@@ -30,4 +40,6 @@ __all__ = [
     "reduce_buffers",
     "reduce_custom",
     "resolve_group",
+    "ring_all_reduce",
+    "window_cost",
 ]

@@ -21,7 +21,7 @@ from torchtelemetry.sync._buckets import BucketKey, BucketLayout, ReduceOp
 from torchtelemetry.sync._group import group_rank, group_world_size
 from torchtelemetry.sync._reduce import reduce_buffers, verify_layout
 
-__all__ = ["GATHER_LIMIT_BYTES", "Slot", "WindowExchange"]
+__all__ = ["GATHER_LIMIT_BYTES", "Slot", "WindowExchange", "gathers", "slot_regions"]
 
 GATHER_LIMIT_BYTES = 256 * 1024
 """World size x packed bytes up to which a window is one collective whatever its op mix."""
@@ -43,6 +43,24 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // _ALIGN) * _ALIGN
 
 
+def slot_regions(layout: BucketLayout) -> tuple[dict[BucketKey, tuple[int, int, torch.dtype]], int]:
+    """Each bucket's `(start, bytes, dtype)` in a slot of `layout`, 8-byte aligned, and the slot's size."""
+    regions: dict[BucketKey, tuple[int, int, torch.dtype]] = {}
+    offset = 0
+    for key in layout.buckets:
+        dtype = getattr(torch, key.dtype.removeprefix("torch."))
+        nbytes = layout.size(key) * dtype.itemsize
+        regions[key] = (offset, nbytes, dtype)
+        offset += _aligned(nbytes)
+    return regions, max(offset, _ALIGN)
+
+
+def gathers(buckets: int, slot_bytes: int, world_size: int) -> bool:
+    """Whether a window of `buckets` buckets in `slot_bytes` is ONE gathered all-reduce over `world_size`
+    ranks (else one all-reduce per bucket)."""
+    return world_size > 1 and buckets > 1 and world_size * slot_bytes <= GATHER_LIMIT_BYTES
+
+
 class WindowExchange:
     """Reduces slots laid out by `layout` across `group` (None: locally, nothing to do)."""
 
@@ -51,19 +69,8 @@ class WindowExchange:
         self.group = group
         self.world_size = group_world_size(group)
         self.rank = group_rank(group)
-        self._regions: dict[BucketKey, tuple[int, int, torch.dtype]] = {}
-        offset = 0
-        for key in layout.buckets:
-            dtype = getattr(torch, key.dtype.removeprefix("torch."))
-            nbytes = layout.size(key) * dtype.itemsize
-            self._regions[key] = (offset, nbytes, dtype)
-            offset += _aligned(nbytes)
-        self.slot_bytes = max(offset, _ALIGN)
-        self.gathered = (
-            group is not None
-            and len(self._regions) > 1
-            and self.world_size * self.slot_bytes <= GATHER_LIMIT_BYTES
-        )
+        self._regions, self.slot_bytes = slot_regions(layout)
+        self.gathered = group is not None and gathers(len(self._regions), self.slot_bytes, self.world_size)
         self._shared_rows: dict[torch.device, torch.Tensor] = {}
 
     def new_slot(self, device: torch.device, *, pin_memory: bool = False, private_rows: bool = False) -> Slot:
