@@ -16,8 +16,10 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 system-deps:
-	@command -v promtool >/dev/null && command -v prometheus-pushgateway >/dev/null || \
-		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus prometheus-pushgateway)
+	@command -v promtool >/dev/null && command -v prometheus-pushgateway >/dev/null && \
+		command -v victoria-metrics >/dev/null || \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus \
+			prometheus-pushgateway victoria-metrics)
 
 demo: $(STAMP)
 	$(VENV)/bin/torchtelemetry demo --steps 600 --step-delay-s 0.05  # ~45 s: time to open the /metrics URL it prints

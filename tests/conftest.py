@@ -7,13 +7,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.servers import PrometheusServer, PushgatewayServer, binary
+from tests.servers import PrometheusServer, PushgatewayServer, VictoriaMetricsServer, binary
 
 
 def _require(name: str) -> str:
     path = binary(name)
     if path is None:
-        pytest.skip(f"{name} is not installed (CI installs Debian's prometheus and prometheus-pushgateway)")
+        pytest.skip(
+            f"{name} is not installed (make system-deps installs Debian's prometheus, "
+            "prometheus-pushgateway and victoria-metrics)"
+        )
     return path
 
 
@@ -31,6 +34,14 @@ def pushgateway(tmp_path: Path) -> Iterator[PushgatewayServer]:
     """A running Pushgateway."""
     _require("prometheus-pushgateway")
     with PushgatewayServer(tmp_path / "pushgateway") as server:
+        yield server
+
+
+@pytest.fixture
+def victoriametrics(tmp_path: Path) -> Iterator[VictoriaMetricsServer]:
+    """A running single-node VictoriaMetrics (remote write in, Prometheus query API out)."""
+    _require("victoria-metrics")
+    with VictoriaMetricsServer(tmp_path / "victoria-metrics") as server:
         yield server
 
 

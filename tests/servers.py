@@ -8,6 +8,14 @@
     with PushgatewayServer(tmp_path / "gateway") as gateway:
         gateway.url, gateway.address, gateway.groups()
 
+    agent = PrometheusServer(tmp_path / "agent", agent=True)           # agent mode: no local queries
+    agent.scrape("pushgateway", [gateway.address], honor_labels=True)
+    with VictoriaMetricsServer(tmp_path / "vm") as vm:
+        agent.remote_write(vm.write_url)                                # before start(), or reloads
+        agent.start()
+        vm.wait_for('torchtelemetry_train_step >= 3')                   # the same query API
+        vm.export('{run="..."}')                                        # every raw sample stored
+
 `query(url, expr)` and `wait_for(url, expr)` also work with a bare base URL, for
 code running in another process (a rank) that only knows the server's address.
 `self_signed_cert(directory)` makes a certificate for 127.0.0.1 with `openssl`.
@@ -34,6 +42,7 @@ __all__ = [
     "PushgatewayServer",
     "QueryError",
     "Sample",
+    "VictoriaMetricsServer",
     "binary",
     "http_get",
     "query",
@@ -203,14 +212,28 @@ class _Server:
 
 
 class PrometheusServer(_Server):
-    """`prometheus` with a `scrape_interval_s` (default 1 s) scrape, temp storage, lifecycle API on."""
+    """`prometheus` with a `scrape_interval_s` (default 1 s) scrape, temp storage, lifecycle API on.
+
+    With `agent=True`, Prometheus in agent mode: it scrapes and remote-writes (`remote_write`),
+    stores nothing to query (its query API answers no data). `external_labels` go on every series.
+    """
 
     name = "prometheus"
 
-    def __init__(self, workdir: str | Path, *, scrape_interval_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        workdir: str | Path,
+        *,
+        scrape_interval_s: float = 1.0,
+        agent: bool = False,
+        external_labels: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(workdir)
         self.scrape_interval_s = scrape_interval_s
+        self.agent = agent
+        self.external_labels = dict(external_labels or {})
         self._jobs: dict[str, dict[str, Any]] = {}
+        self._remote_writes: list[dict[str, Any]] = []
         self._config = self.workdir / "prometheus.yml"
         self._write_config()
 
@@ -218,10 +241,15 @@ class PrometheusServer(_Server):
         path = binary("prometheus")
         if path is None:
             raise FileNotFoundError("prometheus is not installed (apt-get install prometheus)")
+        storage = (
+            ["--enable-feature=agent", f"--storage.agent.path={self.workdir / 'wal'}"]
+            if self.agent
+            else [f"--storage.tsdb.path={self.workdir / 'data'}"]
+        )
         return [
             path,
             f"--config.file={self._config}",
-            f"--storage.tsdb.path={self.workdir / 'data'}",
+            *storage,
             f"--web.listen-address={self.address}",
             "--web.enable-lifecycle",
             "--log.level=warn",
@@ -229,15 +257,25 @@ class PrometheusServer(_Server):
 
     def _write_config(self) -> None:
         interval = f"{round(self.scrape_interval_s * 1000)}ms"
-        config = {
-            "global": {
-                "scrape_interval": interval,
-                "scrape_timeout": interval,
-                "evaluation_interval": interval,
-            },
+        config: dict[str, Any] = {
+            "global": {"scrape_interval": interval, "scrape_timeout": interval},
             "scrape_configs": list(self._jobs.values()),
         }
+        if not self.agent:  # agent mode evaluates no rules
+            config["global"]["evaluation_interval"] = interval
+        if self.external_labels:
+            config["global"]["external_labels"] = self.external_labels
+        if self._remote_writes:
+            config["remote_write"] = self._remote_writes
         self._config.write_text(json.dumps(config, indent=1))  # JSON is YAML
+
+    def remote_write(self, url: str, **options: Any) -> None:
+        """Send every sample to `url` too (a `remote_write` entry with `options`, e.g. `queue_config`).
+        Call it before `start()`."""
+        if self._process is not None:
+            raise RuntimeError("PrometheusServer.remote_write: call it before start()")
+        self._remote_writes.append({"url": url, **options})
+        self._write_config()
 
     def scrape(
         self,
@@ -304,6 +342,50 @@ class PushgatewayServer(_Server):
         """Grouping-key labels of every group the gateway holds (`job` included)."""
         data = json.loads(http_get(f"{self.url}/api/v1/metrics"))["data"]
         return [group["labels"] for group in data]
+
+
+class VictoriaMetricsServer(_Server):
+    """Debian's single-node `victoria-metrics`: Prometheus remote write in, the Prometheus query API out.
+
+    Samples are queryable as soon as they are stored (`-search.latencyOffset=0s`; the default hides
+    the last 30 s), and responses are not cached, so polling sees new data.
+    """
+
+    name = "victoria-metrics"
+    ready_path = "/health"
+
+    def _command(self) -> list[str]:
+        path = binary("victoria-metrics")
+        if path is None:
+            raise FileNotFoundError("VictoriaMetrics is not installed (apt-get install victoria-metrics)")
+        return [
+            path,
+            f"-httpListenAddr={self.address}",
+            f"-storageDataPath={self.workdir / 'data'}",
+            "-retentionPeriod=1d",
+            "-search.latencyOffset=0s",
+            "-search.disableCache",
+            "-loggerLevel=WARN",
+        ]
+
+    @property
+    def write_url(self) -> str:
+        """Where Prometheus remote-writes (`remote_write: [{url: ...}]`)."""
+        return f"{self.url}/api/v1/write"
+
+    def query(self, expr: str, **options: Any) -> list[Sample]:
+        """`query(self.url, expr, ...)`: VictoriaMetrics answers Prometheus' `/api/v1/query`."""
+        return query(self.url, expr, **options)
+
+    def wait_for(self, expr: str, **options: Any) -> list[Sample]:
+        """`wait_for(self.url, expr, ...)`."""
+        return wait_for(self.url, expr, **options)
+
+    def export(self, selector: str) -> list[dict[str, Any]]:
+        """Every stored sample of the series matching `selector`, as VictoriaMetrics' `/api/v1/export`
+        gives them: `{"metric": labels, "values": [...], "timestamps": [ms, ...]}` per series."""
+        body = http_get(f"{self.url}/api/v1/export?{urllib.parse.urlencode({'match[]': selector})}")
+        return [json.loads(line) for line in body.decode().splitlines() if line.strip()]
 
 
 def self_signed_cert(directory: str | Path, *, host: str = "127.0.0.1") -> tuple[Path, Path]:

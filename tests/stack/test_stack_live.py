@@ -12,34 +12,17 @@ must return data on both routes.
 
 from __future__ import annotations
 
-import json
 import time
-import urllib.parse
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from tests.distributed import free_port, run_ranks
-from tests.servers import PrometheusServer, PushgatewayServer, QueryError, http_get, query, wait_for
-from tests.stack._stack import (
-    DISCOVERY_VARIABLES,
-    PROMETHEUS_CONFIG,
-    TREES,
-    alert_rules,
-    cuda_only_names,
-    dashboards,
-    discovered,
-    discovery_query,
-    feed,
-    load_yaml,
-    own_names,
-    panels,
-    queried_metrics,
-    substitute,
-)
+from tests.servers import PrometheusServer, PushgatewayServer, QueryError, query
+from tests.stack._live import panel_queries_without_data, wait_for_ranks
+from tests.stack._stack import PROMETHEUS_CONFIG, TREES, alert_rules, feed, load_yaml
 
 WORLD_SIZE = 2
 PUSHED_JOB = "torchtelemetry"
@@ -91,41 +74,6 @@ def _train(
     return step
 
 
-def _label_values(url: str, label: str, match: str) -> set[str]:
-    """What Grafana's `label_values(match, label)` lists."""
-    params = urllib.parse.urlencode({"match[]": match})
-    return set(json.loads(http_get(f"{url}/api/v1/label/{label}/values?{params}"))["data"])
-
-
-def _variable_query(variable: dict[str, Any]) -> tuple[str, str]:
-    """(metric selector, label) of a `label_values(selector, label)` variable."""
-    definition = variable["definition"]
-    assert definition.startswith("label_values(") and definition.endswith(")"), definition
-    selector, label = definition[len("label_values(") : -1].rsplit(",", 1)
-    return selector.strip(), label.strip()
-
-
-def _discovered_in(url: str, variable: dict[str, Any], values: dict[str, str]) -> set[str]:
-    """What a discovery variable lists, read from the Prometheus at `url` as Grafana reads it."""
-    selector, _ = discovery_query(variable)
-    return discovered(variable, _label_values(url, "__name__", substitute(selector, values)))
-
-
-def _wait_for_ranks(ranks: Future[Any], url: str, expr: str) -> None:
-    """Wait for `expr` to return data, failing at once with the ranks' error if they died first."""
-    deadline = time.monotonic() + 120
-    while True:
-        if ranks.done():
-            ranks.result()  # raises the ranks' error
-            raise AssertionError("the ranks finished before Prometheus saw their data")
-        try:
-            wait_for(url, expr, timeout_s=2)
-            return
-        except TimeoutError:
-            if time.monotonic() > deadline:
-                raise
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("tree", list(TREES))
 def test_every_panel_and_alert_on_a_real_two_rank_run(
@@ -148,51 +96,14 @@ def test_every_panel_and_alert_on_a_real_two_rank_run(
             for job in (SCRAPE_JOB, PUSHED_JOB):
                 # Health gauges appear from the second report on; then every series exists.
                 selector = f'job="{job}", run="{run_id}"'
-                _wait_for_ranks(
+                wait_for_ranks(
                     ranks, url, f"torchtelemetry_exporter_last_success_timestamp_seconds{{{selector}}}"
                 )
-                _wait_for_ranks(
+                wait_for_ranks(
                     ranks, url, f"count(torchtelemetry_train_step_time_seconds{{{selector}}}) == 2"
                 )
 
-            missing: list[str] = []
-            for path, dashboard in dashboards().items():
-                variables = {v["name"]: v for v in dashboard["templating"]["list"]}
-                selector, label = _variable_query(variables["job"])
-                jobs = _label_values(url, label, selector)
-                assert {SCRAPE_JOB, PUSHED_JOB} <= jobs, (path.name, jobs)
-                selector, label = _variable_query(variables["run"])
-                runs = _label_values(url, label, substitute(selector, {"job": variables["job"]["allValue"]}))
-                assert run_id in runs, (path.name, runs)
-                for job in (SCRAPE_JOB, PUSHED_JOB):
-                    values = {
-                        "datasource": "prometheus",
-                        "job": job,
-                        "run": run_id,
-                        "__rate_interval": rate_interval,
-                    }
-                    listed = {
-                        name: _discovered_in(url, variables[name], values)
-                        for name in DISCOVERY_VARIABLES
-                        if name in variables
-                    }
-                    if listed:
-                        assert listed == own_names(tree), (path.name, job, listed)
-                    for panel in panels(dashboard):
-                        repeat = panel.get("repeat")
-                        for value in sorted(listed[repeat]) if repeat else [None]:
-                            for target in panel["targets"]:
-                                expr = substitute(
-                                    target["expr"], values | ({repeat: value} if repeat else {})
-                                )
-                                if queried_metrics(expr) <= cuda_only_names():
-                                    continue  # the CUDA allocator's detail: a CPU run has none
-                                try:
-                                    wait_for(url, expr, timeout_s=10)
-                                except TimeoutError:
-                                    missing.append(
-                                        f"{path.name} / {panel['title']} / {target['refId']} ({job}): {expr}"
-                                    )
+            missing = panel_queries_without_data(url, tree, [SCRAPE_JOB, PUSHED_JOB], run_id, rate_interval)
             assert not missing, "panel queries without data:\n" + "\n".join(missing)
 
             per_rank = query(

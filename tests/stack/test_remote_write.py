@@ -1,0 +1,237 @@
+"""Past one Prometheus: a real 2-rank run, scraped by Prometheus in agent mode with the shipped
+`exporters/prometheus/prometheus-agent.yml`, remote-written to a real VictoriaMetrics, read back.
+
+Both routes of the agent config carry the run: its `torchtelemetry` job scrapes rank 0's
+`PrometheusExporter`, its `pushgateway` job (honor_labels) a Pushgateway that rank 0's
+`PushgatewayExporter` pushes to under the job "pushed". While the ranks train, every dashboard
+variable and panel query runs against VictoriaMetrics' Prometheus query API; after the run, every
+sample VictoriaMetrics stored for it is compared with the report rank 0 wrote to JSONL at the same
+step, to the 12 significant digits VictoriaMetrics keeps.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import uuid
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.distributed import free_port, run_ranks
+from tests.servers import PrometheusServer, PushgatewayServer, VictoriaMetricsServer
+from tests.stack._live import panel_queries_without_data, wait_for_ranks
+from tests.stack._stack import PROMETHEUS_DIR, TREES, feed, load_yaml
+from torchtelemetry.report import NAMESPACE
+
+AGENT_CONFIG = PROMETHEUS_DIR / "prometheus-agent.yml"
+TREE = "demo"
+SCRAPE_JOB = "torchtelemetry"
+"""The agent config's job for rank 0's endpoint."""
+PUSHED_JOB = "pushed"
+"""The job rank 0 pushes under (kept by the config's honor_labels), apart from the scrape job."""
+RUN_LIMIT_S = 150.0
+REL_TOL = 5e-12
+"""VictoriaMetrics stores a float as a 12-significant-digit decimal: half a unit in the 12th digit."""
+
+
+def _train(
+    rank: int, world_size: int, port: int, gateway_url: str, jsonl: str, run_id: str, stop: str
+) -> Any:
+    """The demo tree and every built-in signal on each rank, until told to stop; rank 0 exports to
+    the scrape endpoint, the Pushgateway and JSONL. Returns rank 0's descriptors."""
+    import torch
+    import torch.distributed as dist
+
+    from torchtelemetry.export import JsonlExporter, PrometheusExporter, PushgatewayExporter
+    from torchtelemetry.telemetry import Telemetry
+
+    metrics = TREES[TREE]()
+    telemetry = Telemetry(
+        metrics,
+        exporters=[
+            PrometheusExporter(port=port),
+            PushgatewayExporter(gateway_url, job=PUSHED_JOB),
+            JsonlExporter(jsonl),
+        ],
+        every=2,
+        run_id=run_id,
+        flops_per_token=6e6,
+        peak_flops=1e12,
+        queue_size=1024,  # JSONL must keep every report the endpoints served
+    )
+    generator = torch.Generator().manual_seed(rank)
+    deadline = time.monotonic() + RUN_LIMIT_S
+    step = 0
+    try:
+        while True:
+            if step % 10 == 0:
+                stopping = torch.tensor([float(Path(stop).exists() or time.monotonic() > deadline)])
+                dist.all_reduce(stopping, op=dist.ReduceOp.MAX)  # every rank stops at the same step
+                if stopping.item():
+                    break
+            with telemetry.data_wait():
+                time.sleep(0.002)
+            feed(TREE, metrics, generator)
+            telemetry.step(step, tokens=8 * 16, samples=8, learning_rate=1e-3 / (1 + step))
+            time.sleep(0.02 * (1 + rank))
+            step += 1
+    finally:
+        telemetry.close()
+    return [(d.name, d.kind.value, d.unit, d.label_name) for d in telemetry.descriptors]
+
+
+def _agent(workdir: Path, trainer: str, gateway: str, store: VictoriaMetricsServer) -> PrometheusServer:
+    """Prometheus in agent mode running the shipped config, its targets and URL pointed at the test's."""
+    config = load_yaml(AGENT_CONFIG)
+    targets = {"pushgateway": gateway, SCRAPE_JOB: trainer}
+    agent = PrometheusServer(workdir, agent=True, external_labels=config["global"].get("external_labels"))
+    for job in config["scrape_configs"]:
+        agent.scrape(job["job_name"], [targets[job["job_name"]]], honor_labels=job.get("honor_labels", False))
+    (remote_write,) = config["remote_write"]
+    options = {key: value for key, value in remote_write.items() if key != "url"}
+    # Sent every second instead of every 5 s: the 1 s scrapes reach the store in time for 4 s rates.
+    options["queue_config"] = options.get("queue_config", {}) | {"batch_send_deadline": "1s"}
+    agent.remote_write(store.write_url, **options)
+    return agent.start()
+
+
+def _expected_samples(record: dict[str, Any], descriptors: list[tuple]) -> dict[tuple, float]:
+    """What an exposition of this JSONL report holds: `(name, sorted labels) -> value` (`le` as a
+    number: the Pushgateway writes 1.0 as "1")."""
+    from torchtelemetry.metric import MetricKind
+    from torchtelemetry.report import LAST_UPDATE_METRIC, STEP_METRIC, MetricDescriptor, prometheus_name
+
+    expected: dict[tuple, float] = {
+        (prometheus_name(STEP_METRIC), ()): float(record["step"]),
+        (prometheus_name(LAST_UPDATE_METRIC), ()): record["timestamp"],
+    }
+    for name, kind, unit, label in descriptors:
+        descriptor = MetricDescriptor(name, MetricKind(kind), unit, "", label)
+        value = record["values"].get(name)
+        if value is None or name.startswith("exporter/"):
+            continue  # unfed, or the hub's health (each exporter is sent its own counts)
+        series = prometheus_name(descriptor)
+        if descriptor.kind is MetricKind.HISTOGRAM:
+            running = 0.0
+            for bound, count in zip([*value["bounds"], math.inf], value["counts"], strict=True):
+                running += count
+                expected[(f"{series}_bucket", (("le", bound),))] = running
+            expected[(f"{series}_sum", ())] = value["sum"]
+            expected[(f"{series}_count", ())] = value["count"]
+        elif isinstance(value, dict):
+            for key, entry in value.items():
+                expected[(series, ((label, key),))] = entry
+        else:
+            expected[(series, ())] = value
+    return expected
+
+
+def _compare(
+    stored: list[dict[str, Any]], reports: dict[int, dict[tuple, float]], job: str
+) -> tuple[int, set]:
+    """Check every sample of `job` against the report of the step the same scrape carried; returns
+    the samples compared and the steps seen."""
+    own_labels = {"__name__", "job", "instance", "run", "cluster"}
+    namespace = f"{NAMESPACE}_"  # not the Pushgateway's own push_time_seconds
+    series = [
+        s for s in stored if s["metric"]["job"] == job and s["metric"]["__name__"].startswith(namespace)
+    ]
+    steps_at = {
+        timestamp: int(value)
+        for s in series
+        if s["metric"]["__name__"] == "torchtelemetry_train_step"
+        for timestamp, value in zip(s["timestamps"], s["values"], strict=True)
+        if not _staleness_marker(value)
+    }
+    compared, mismatches = 0, []
+    for s in series:
+        name = s["metric"]["__name__"]
+        labels = {k: float(v) if k == "le" else v for k, v in s["metric"].items() if k not in own_labels}
+        key = (name, tuple(sorted(labels.items())))
+        for timestamp, value in zip(s["timestamps"], s["values"], strict=True):
+            if _staleness_marker(value) or timestamp not in steps_at:
+                continue  # a staleness marker (the target went away), or a sample of no report
+            expected = reports[steps_at[timestamp]].get(key)
+            if expected is None:
+                assert name in ("torchtelemetry_run_finished_timestamp_seconds",) or name.startswith(
+                    "torchtelemetry_exporter_"
+                ), f"{job}: {key} at step {steps_at[timestamp]} is in no report"
+                continue
+            compared += 1
+            if not math.isclose(value, expected, rel_tol=REL_TOL):
+                mismatches.append(
+                    f"{key} at step {steps_at[timestamp]}: stored {value!r}, reported {expected!r}"
+                )
+    assert not mismatches, f"{job}: {len(mismatches)} samples differ:\n" + "\n".join(mismatches[:20])
+    return compared, set(steps_at.values())
+
+
+def _staleness_marker(value: float | None) -> bool:
+    """Whether a stored value is Prometheus' end-of-series marker (VictoriaMetrics exports it as null)."""
+    return value is None or math.isnan(value)
+
+
+def _wait_for_stored(store: VictoriaMetricsServer, selector: str, timeout_s: float = 60.0) -> None:
+    """Wait until `store` holds a sample (not a staleness marker) of a series matching `selector`."""
+    deadline = time.monotonic() + timeout_s
+    while not any(not _staleness_marker(v) for series in store.export(selector) for v in series["values"]):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no sample of {selector} stored within {timeout_s} s")
+        time.sleep(0.5)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_a_two_rank_run_through_a_prometheus_agent_reads_back_exactly_from_victoriametrics(
+    tmp_path: Path, pushgateway: PushgatewayServer, victoriametrics: VictoriaMetricsServer
+) -> None:
+    run_id, port, stop = f"remote-write-{uuid.uuid4().hex[:8]}", free_port(), tmp_path / "stop"
+    jsonl = tmp_path / "reports.jsonl"
+    agent = _agent(tmp_path / "agent", f"127.0.0.1:{port}", pushgateway.address, victoriametrics)
+    url = victoriametrics.url
+    try:
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            ranks = pool.submit(
+                run_ranks, _train, 2, port, pushgateway.url, str(jsonl), run_id, str(stop), timeout_s=300
+            )
+            try:
+                for job in (SCRAPE_JOB, PUSHED_JOB):
+                    selector = f'job="{job}", run="{run_id}"'
+                    wait_for_ranks(
+                        ranks, url, f"torchtelemetry_exporter_last_success_timestamp_seconds{{{selector}}}"
+                    )
+                    wait_for_ranks(
+                        ranks, url, f"count(torchtelemetry_train_step_time_seconds{{{selector}}}) == 2"
+                    )
+                missing = panel_queries_without_data(url, TREE, [SCRAPE_JOB, PUSHED_JOB], run_id, "4s")
+                assert not missing, "panel queries without data in VictoriaMetrics:\n" + "\n".join(missing)
+            finally:
+                stop.touch()
+            descriptors = ranks.result()[0]
+        # close() pushed the final report with the finished marker, and the endpoint waited for a
+        # scrape of it. The endpoint is gone now (its series end in staleness markers): read raw samples.
+        for job in (SCRAPE_JOB, PUSHED_JOB):
+            _wait_for_stored(
+                victoriametrics,
+                f'torchtelemetry_run_finished_timestamp_seconds{{job="{job}", run="{run_id}"}}',
+            )
+    finally:
+        agent.stop()
+
+    records = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    reports = {record["step"]: _expected_samples(record, descriptors) for record in records}
+    assert len(reports) == len(records) > 3
+    stored = victoriametrics.export(f'{{run="{run_id}"}}')
+    assert {s["metric"]["cluster"] for s in stored} == {"training"}  # the config's external label
+    seen: dict[str, set[int]] = defaultdict(set)
+    for job in (SCRAPE_JOB, PUSHED_JOB):
+        compared, seen[job] = _compare(stored, reports, job)
+        assert compared > 100, (job, compared)
+    final = max(reports)
+    assert final in seen[PUSHED_JOB], "the gateway keeps the final report"
+    assert len(seen[SCRAPE_JOB]) > 3 and len(seen[PUSHED_JOB]) > 3, seen
