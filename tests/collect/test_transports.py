@@ -14,8 +14,9 @@ import torchtelemetry as tt
 from tests.collect.test_collector import assert_same, expected_window, feed_window, make_metrics
 from tests.distributed import run_ranks
 from tests.sync.collectives import CollectiveCounter
-from torchtelemetry.collect import AsyncMetricCollector, CollectionError, to_python
-from torchtelemetry.sync import GATHER_LIMIT_BYTES
+from torchtelemetry.collect import AsyncMetricCollector, CollectionError, WindowPlan, to_python
+from torchtelemetry.metric import metric_leaves
+from torchtelemetry.sync import window_cost
 
 
 def _blocking_results(metrics: Any) -> Any:
@@ -28,7 +29,7 @@ def _blocking_results(metrics: Any) -> Any:
 
 
 def _large_metrics(rank: int) -> dict[str, tt.Metric]:
-    """A confusion matrix big enough that 2 ranks x packed bytes exceed GATHER_LIMIT_BYTES."""
+    """A confusion matrix big enough that gathering it costs more than one all-reduce per bucket."""
     metrics = {"confusion": tt.ConfusionMatrixMetric(200), "worst": tt.MaxMetric(), "best": tt.MinMetric()}
     gen = torch.Generator().manual_seed(rank)
     metrics["confusion"].update(
@@ -80,7 +81,8 @@ def _collective_count_rank(rank: int, world_size: int) -> dict[str, Any]:
 
 
 def test_a_mixed_window_is_one_collective_while_small_and_one_per_bucket_above() -> None:
-    assert GATHER_LIMIT_BYTES < 2 * 200 * 200 * 8
+    large = WindowPlan(metric_leaves(_large_metrics(0), op="test"), 2).layout
+    assert window_cost(large, 2).collectives == 2  # SUM and MAX buckets (docs/scale.md)
     for rank, outcome in enumerate(run_ranks(_collective_count_rank, 2, timeout_s=240)):
         for window, result in enumerate(outcome["windows"]):
             assert_same(result, expected_window(window, 2), f"rank {rank} window {window}")

@@ -21,9 +21,10 @@ from tests.distributed import run_ranks
 from tests.sync.collectives import CollectiveCounter, Traffic, measure_traffic
 from torchtelemetry.collect import AsyncMetricCollector, WindowPlan
 from torchtelemetry.metric import metric_leaves
-from torchtelemetry.sync import GATHER_LIMIT_BYTES, WindowCost, window_cost
+from torchtelemetry.sync import GATHER_LIMIT_BYTES, WindowCost, ring_all_reduce, window_cost
+from torchtelemetry.sync._exchange import slot_regions
 
-pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="no /proc/self/io here")
+HAS_IO_ACCOUNTING = os.path.exists("/proc/self/io")
 
 GLOO_WRITES_PER_RING_STEP = 6
 _KINDS = (tt.WeightedMeanMetric, tt.SumMetric, tt.MaxMetric, tt.MinMetric)
@@ -68,6 +69,7 @@ def _traffic_rank(rank: int, world_size: int) -> dict[str, tuple[Traffic, Window
     return out
 
 
+@pytest.mark.skipif(not HAS_IO_ACCOUNTING, reason="no /proc/self/io here")
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_collectives_ring_steps_and_bytes_are_what_the_model_predicts(world_size: int) -> None:
@@ -75,7 +77,7 @@ def test_collectives_ring_steps_and_bytes_are_what_the_model_predicts(world_size
         small, small_model = outcome["small"]
         large, large_model = outcome["large"]
         assert small_model.collectives == 1, "16 metrics are gathered in one all-reduce"
-        assert large_model.collectives > 1 and world_size * 320_000 > GATHER_LIMIT_BYTES
+        assert large_model.collectives > 1, "the confusion matrix is reduced bucket by bucket"
         for traffic, model in ((small, small_model), (large, large_model)):
             where = f"rank {rank} of {world_size}: measured {traffic}, model {model}"
             assert traffic.collectives == model.collectives, where
@@ -86,3 +88,58 @@ def test_collectives_ring_steps_and_bytes_are_what_the_model_predicts(world_size
             # two segments, each at most one element (8 bytes) off the even share.
             assert abs(traffic.payload - model.bytes_sent) <= 16 * model.ring_steps, where
         assert small.writes == GLOO_WRITES_PER_RING_STEP * small_model.ring_steps
+
+
+# -- the switch: the gather where the model says it is the faster way, within its memory bound -------
+
+
+def _mixed_layout(count: int, world_size: int, *, signals: bool = True) -> Any:
+    """What `Telemetry` collects for a tree of `count` mixed metrics at `world_size` ranks."""
+    from torchtelemetry.report import TrainingSignals
+
+    metrics: dict[str, Any] = {"tree": {f"m{i:04d}": _KINDS[i % len(_KINDS)]() for i in range(count)}}
+    if signals:
+        metrics |= TrainingSignals(world_size=world_size, rank=0, device=torch.device("cpu")).metrics
+    return WindowPlan(metric_leaves(metrics, op="test"), world_size).layout
+
+
+def _both_ways(layout: Any, world_size: int) -> tuple[WindowCost, WindowCost, int]:
+    """(the gather, one all-reduce per bucket, the gather buffer's bytes) for one window."""
+    regions, slot_bytes = slot_regions(layout)
+    per_bucket = WindowCost(0, 0, 0.0)
+    for _, nbytes, _ in regions.values():
+        per_bucket += ring_all_reduce(nbytes, world_size)
+    return ring_all_reduce(world_size * slot_bytes, world_size), per_bucket, world_size * slot_bytes
+
+
+@pytest.mark.parametrize("count", [16, 1024])
+@pytest.mark.parametrize("world_size", [2, 8, 32, 64, 128, 512, 16384])
+def test_each_window_takes_the_way_the_model_says_is_faster(count: int, world_size: int) -> None:
+    layout = _mixed_layout(count, world_size)
+    gather, per_bucket, buffer_bytes = _both_ways(layout, world_size)
+    chosen = window_cost(layout, world_size)
+    if buffer_bytes <= GATHER_LIMIT_BYTES:
+        assert chosen.seconds() == min(gather.seconds(), per_bucket.seconds())
+    else:
+        assert chosen == per_bucket
+    if world_size >= 512:  # the per-rank values alone make the gather cost more than it saves
+        assert chosen == per_bucket and gather.seconds() > per_bucket.seconds()
+
+
+def test_a_thousand_metrics_on_32_ranks_are_one_collective() -> None:
+    """Below the break-even slot (~25 KB), the gather is faster at any world size its buffer allows:
+    the old limit (world x slot <= 256 KiB) gave it up here, at 23 ranks."""
+    layout = _mixed_layout(1024, 32)
+    gather, per_bucket, _ = _both_ways(layout, 32)
+    assert gather.seconds() < per_bucket.seconds()
+    assert window_cost(layout, 32) == gather
+
+
+def test_a_large_slot_on_two_ranks_is_reduced_bucket_by_bucket() -> None:
+    """A 100-class confusion matrix (80 KB): gathering it would send twice its bytes to save one ring
+    step of latency, which the model prices lower (the old limit gathered it)."""
+    metrics = {"confusion": tt.ConfusionMatrixMetric(100), "worst": tt.MaxMetric()}
+    layout = WindowPlan(metric_leaves(metrics, op="test"), 2).layout
+    gather, per_bucket, buffer_bytes = _both_ways(layout, 2)
+    assert buffer_bytes <= 256 * 1024 and gather.seconds() > per_bucket.seconds()
+    assert window_cost(layout, 2) == per_bucket

@@ -6,17 +6,15 @@ all-reduce of `n` bytes takes `2 (W - 1)` sequential steps, in which each rank s
 `W x slot` gather buffer (each rank sends `2 (W - 1) x slot` bytes) or by one all-reduce per bucket
 (`2 (W - 1) / W x slot` bytes, but `2 (W - 1)` steps per bucket). With a latency `alpha` per step
 and a time `beta` per byte, a window takes `steps x alpha + bytes x beta`
-(`WindowCost.seconds`); docs/scale.md extrapolates it and checks it against bench/bench_scale.py.
+(`WindowCost.seconds`), which is how `WindowExchange` chooses (`window_cost` gives its choice's
+cost); docs/scale.md extrapolates it and checks it against bench/bench_scale.py.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from torchtelemetry.sync._buckets import BucketLayout
-from torchtelemetry.sync._exchange import gathers, slot_regions
-
-__all__ = ["STEP_LATENCY_S", "LINK_BYTES_PER_S", "WindowCost", "ring_all_reduce", "window_cost"]
+__all__ = ["LINK_BYTES_PER_S", "STEP_LATENCY_S", "WindowCost", "ring_all_reduce"]
 
 STEP_LATENCY_S = 20e-6
 """`alpha`: one step of a gloo ring between hosts over TCP (a message and its hand-off)."""
@@ -51,16 +49,3 @@ def ring_all_reduce(nbytes: int, world_size: int) -> WindowCost:
     if world_size < 2:
         return WindowCost(0, 0, 0.0)
     return WindowCost(1, 2 * (world_size - 1), 2 * (world_size - 1) / world_size * nbytes)
-
-
-def window_cost(layout: BucketLayout, world_size: int) -> WindowCost:
-    """What reducing one window of `layout` over `world_size` ranks costs each rank, the way
-    `WindowExchange` does it (gathered while small, else one all-reduce per bucket); steady state,
-    after the one-off layout check."""
-    regions, slot_bytes = slot_regions(layout)
-    if gathers(len(regions), slot_bytes, world_size):
-        return ring_all_reduce(world_size * slot_bytes, world_size)
-    total = WindowCost(0, 0, 0.0)
-    for _, nbytes, _ in regions.values():
-        total += ring_all_reduce(nbytes, world_size)
-    return total

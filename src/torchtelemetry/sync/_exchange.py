@@ -1,12 +1,13 @@
-"""One window's packed buffers across the ranks: ONE collective while the payload is small.
+"""One window's packed buffers across the ranks: ONE collective while that is the cheaper way.
 
-Every bucket of a window lives in one byte "slot" (8-byte aligned regions, one per bucket).
-While `world_size x slot bytes <= GATHER_LIMIT_BYTES`, the slots are gathered in one
-all-reduce (each rank writes its slot into its own row of a zeroed `world_size x slot` buffer;
-a SUM of zeros and one value is that value, bit for bit) and every rank reduces the rows
-locally: SUM buckets by a sum, MAX buckets (MIN folded in by negation) by a max. Exact for any
-op mix, whatever the dtypes. Above the limit (or with a single bucket), one all-reduce per
-bucket, in place.
+Every bucket of a window lives in one byte "slot" (8-byte aligned regions, one per bucket). The
+slots can be gathered in one all-reduce (each rank writes its slot into its own row of a zeroed
+`world_size x slot` buffer; a SUM of zeros and one value is that value, bit for bit) and every
+rank reduces the rows locally: SUM buckets by a sum, MAX buckets (MIN folded in by negation) by a
+max. Exact for any op mix, whatever the dtypes. Or each bucket is all-reduced in place, one
+collective per bucket. The gather saves the ring steps of all but one collective and sends
+`world_size` times the bytes: it is chosen when the cost model (`torchtelemetry.sync._cost`,
+docs/scale.md) says it takes less time, and while its buffer is at most `GATHER_LIMIT_BYTES`.
 """
 
 from __future__ import annotations
@@ -18,13 +19,15 @@ import torch
 import torch.distributed as dist
 
 from torchtelemetry.sync._buckets import BucketKey, BucketLayout, ReduceOp
+from torchtelemetry.sync._cost import WindowCost, ring_all_reduce
 from torchtelemetry.sync._group import group_rank, group_world_size
 from torchtelemetry.sync._reduce import reduce_buffers, verify_layout
 
-__all__ = ["GATHER_LIMIT_BYTES", "Slot", "WindowExchange", "gathers", "slot_regions"]
+__all__ = ["GATHER_LIMIT_BYTES", "Slot", "WindowExchange", "gathers", "slot_regions", "window_cost"]
 
-GATHER_LIMIT_BYTES = 256 * 1024
-"""World size x packed bytes up to which a window is one collective whatever its op mix."""
+GATHER_LIMIT_BYTES = 1 << 20
+"""The largest gather buffer (world size x packed bytes): what the gather costs in memory, and about
+half of what each rank sends for it per window."""
 
 _ALIGN = 8
 
@@ -55,10 +58,24 @@ def slot_regions(layout: BucketLayout) -> tuple[dict[BucketKey, tuple[int, int, 
     return regions, max(offset, _ALIGN)
 
 
-def gathers(buckets: int, slot_bytes: int, world_size: int) -> bool:
-    """Whether a window of `buckets` buckets in `slot_bytes` is ONE gathered all-reduce over `world_size`
-    ranks (else one all-reduce per bucket)."""
-    return world_size > 1 and buckets > 1 and world_size * slot_bytes <= GATHER_LIMIT_BYTES
+def gathers(bucket_bytes: list[int], slot_bytes: int, world_size: int) -> bool:
+    """Whether a window of buckets of `bucket_bytes` (packed in `slot_bytes`) is ONE gathered
+    all-reduce over `world_size` ranks: when that takes less time than one all-reduce per bucket
+    (by the cost model) and its buffer is at most `GATHER_LIMIT_BYTES`."""
+    if world_size < 2 or len(bucket_bytes) < 2 or world_size * slot_bytes > GATHER_LIMIT_BYTES:
+        return False
+    per_bucket = sum((ring_all_reduce(nbytes, world_size) for nbytes in bucket_bytes), WindowCost(0, 0, 0.0))
+    return ring_all_reduce(world_size * slot_bytes, world_size).seconds() <= per_bucket.seconds()
+
+
+def window_cost(layout: BucketLayout, world_size: int) -> WindowCost:
+    """What reducing one window of `layout` over `world_size` ranks costs each rank, the way
+    `WindowExchange` does it; steady state, after the one-off layout check."""
+    regions, slot_bytes = slot_regions(layout)
+    bucket_bytes = [nbytes for _, nbytes, _ in regions.values()]
+    if gathers(bucket_bytes, slot_bytes, world_size):
+        return ring_all_reduce(world_size * slot_bytes, world_size)
+    return sum((ring_all_reduce(nbytes, world_size) for nbytes in bucket_bytes), WindowCost(0, 0, 0.0))
 
 
 class WindowExchange:
@@ -70,7 +87,9 @@ class WindowExchange:
         self.world_size = group_world_size(group)
         self.rank = group_rank(group)
         self._regions, self.slot_bytes = slot_regions(layout)
-        self.gathered = group is not None and gathers(len(self._regions), self.slot_bytes, self.world_size)
+        self.gathered = group is not None and gathers(
+            [nbytes for _, nbytes, _ in self._regions.values()], self.slot_bytes, self.world_size
+        )
         self._shared_rows: dict[torch.device, torch.Tensor] = {}
 
     def new_slot(self, device: torch.device, *, pin_memory: bool = False, private_rows: bool = False) -> Slot:
