@@ -22,6 +22,8 @@ from torchtelemetry.export import RUN_LABEL
 from torchtelemetry.report import NAMESPACE
 
 SERVICES = {"prometheus", "grafana", "otel-collector", "pushgateway"}
+OPTIONAL_SERVICES = {"victoriametrics"}
+"""Started only with their profile (`docker compose --profile scale up`)."""
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +71,11 @@ def _port(endpoint: str) -> int:
 
 def test_compose_runs_the_four_services_with_pinned_images(compose: dict[str, Any]) -> None:
     services = compose["services"]
-    assert set(services) == SERVICES
+    assert set(services) == SERVICES | OPTIONAL_SERVICES
+    for name in OPTIONAL_SERVICES:
+        assert services[name]["profiles"], f"{name} must not start without its profile"
+    for name in SERVICES:
+        assert "profiles" not in services[name], f"{name} must start with `docker compose up`"
     for name, service in services.items():
         image = service["image"]
         assert re.fullmatch(r"[\w./-]+:v?\d+\.\d+\.\d+", image), (
