@@ -31,9 +31,9 @@ class TelemetryConfig:
     model FLOPs, learning rate, peak memory and the CUDA allocator's detail)."""
     max_rank_series: int = 64
     """Above this many ranks, every value per rank (step time, data wait, a `PerRankMetric`) is
-    exported as min/median/max over ranks plus the ranks holding the min and the max, as values,
-    instead of one series per rank (0: always): the series a run exports do not grow with its ranks.
-    The ranks holding the min and max step time are exported either way."""
+    exported as min/median/max over ranks (a counter: its total over ranks) instead of one series
+    per rank (0: always), so the series a run exports do not grow with its ranks. The ranks holding
+    the min and max step time are exported either way, as values."""
     flops_per_token: float | None = None
     """Model FLOPs of training on one token (forward and backward, e.g. 6 x parameters plus
     attention); exports `train/tflops_per_second` and `train/mfu` from `step(tokens=)`."""

@@ -30,7 +30,7 @@ from torchtelemetry.report._naming import (
     validate_path,
 )
 from torchtelemetry.report._publisher import WindowPublisher, describe_with_signals
-from torchtelemetry.report._ranks import RANK_LABEL, RANK_STATISTICS, RankSeriesLimit
+from torchtelemetry.report._ranks import RankSeriesLimit
 from torchtelemetry.report._signals import TrainingSignals, WindowTiming, signal_descriptors
 from torchtelemetry.report._totals import RunningTotals, difference
 from torchtelemetry.report._values import HistogramValue, MetricDescriptor, Scalars, ScalarValue
@@ -40,8 +40,6 @@ __all__ = [
     "RUN_FINISHED_METRIC",
     "MAX_NAME_LENGTH",
     "NAMESPACE",
-    "RANK_LABEL",
-    "RANK_STATISTICS",
     "PEAK_FLOPS",
     "STEP_METRIC",
     "HistogramValue",

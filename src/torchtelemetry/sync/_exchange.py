@@ -58,14 +58,18 @@ def slot_regions(layout: BucketLayout) -> tuple[dict[BucketKey, tuple[int, int, 
     return regions, max(offset, _ALIGN)
 
 
+def _per_bucket(bucket_bytes: list[int], world_size: int) -> WindowCost:
+    return sum((ring_all_reduce(nbytes, world_size) for nbytes in bucket_bytes), WindowCost(0, 0, 0.0))
+
+
 def gathers(bucket_bytes: list[int], slot_bytes: int, world_size: int) -> bool:
     """Whether a window of buckets of `bucket_bytes` (packed in `slot_bytes`) is ONE gathered
     all-reduce over `world_size` ranks: when that takes less time than one all-reduce per bucket
     (by the cost model) and its buffer is at most `GATHER_LIMIT_BYTES`."""
     if world_size < 2 or len(bucket_bytes) < 2 or world_size * slot_bytes > GATHER_LIMIT_BYTES:
         return False
-    per_bucket = sum((ring_all_reduce(nbytes, world_size) for nbytes in bucket_bytes), WindowCost(0, 0, 0.0))
-    return ring_all_reduce(world_size * slot_bytes, world_size).seconds() <= per_bucket.seconds()
+    gather = ring_all_reduce(world_size * slot_bytes, world_size)
+    return gather.seconds() <= _per_bucket(bucket_bytes, world_size).seconds()
 
 
 def window_cost(layout: BucketLayout, world_size: int) -> WindowCost:
@@ -75,7 +79,7 @@ def window_cost(layout: BucketLayout, world_size: int) -> WindowCost:
     bucket_bytes = [nbytes for _, nbytes, _ in regions.values()]
     if gathers(bucket_bytes, slot_bytes, world_size):
         return ring_all_reduce(world_size * slot_bytes, world_size)
-    return sum((ring_all_reduce(nbytes, world_size) for nbytes in bucket_bytes), WindowCost(0, 0, 0.0))
+    return _per_bucket(bucket_bytes, world_size)
 
 
 class WindowExchange:
