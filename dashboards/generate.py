@@ -284,16 +284,6 @@ def builtin_panels() -> list[dict[str, Any]]:
             targets((data_wait_share, "{{run}}")),
             thresholds=_thresholds(("green", None), ("orange", 10), ("red", 20)),
         ),
-        stat(
-            "Slowest and fastest rank",
-            "Ranks holding the longest and shortest mean step time of the latest window.",
-            "none",
-            targets(
-                (f"max by (job, run) ({selected(step_time + '_max_rank')})", "{{run}} slowest"),
-                (f"max by (job, run) ({selected(step_time + '_min_rank')})", "{{run}} fastest"),
-            ),
-            decimals=0,
-        ),
         timeseries(
             "Throughput: tokens per second",
             "Tokens per second of all ranks together, per window.",
@@ -323,7 +313,8 @@ def builtin_panels() -> list[dict[str, Any]]:
         ),
         timeseries(
             "Step time per rank",
-            "Mean host wall time of a step on each rank; a line above the others is a straggler.",
+            "Mean host wall time of a step on each rank. In synchronous training every rank waits for "
+            "the slowest one at each collective, so the lines coincide: step time cannot show stragglers.",
             "s",
             targets((selected(step_time + "_seconds"), "{{run}} rank {{rank}}")),
         ),
@@ -333,21 +324,6 @@ def builtin_panels() -> list[dict[str, Any]]:
             "series the library exports above max_rank_series ranks.",
             "s",
             spread(step_time, "seconds"),
-        ),
-        timeseries(
-            "Straggler: slowest over median step time",
-            "Slowest rank's step time over the median of all ranks; RankStraggler fires above 1.2.",
-            "none",
-            targets(
-                (
-                    f"(max by (job, run) ({selected(step_time + '_seconds')}) / quantile by (job, run) "
-                    f"(0.5, {selected(step_time + '_seconds')})) or (max by (job, run) "
-                    f"({selected(step_time + '_max_seconds')}) / max by (job, run) "
-                    f"({selected(step_time + '_median_seconds')}))",
-                    "{{run}}",
-                )
-            ),
-            threshold_line=1.2,
         ),
         timeseries(
             "Learning rate",
@@ -556,7 +532,7 @@ def build() -> dict[str, Any]:
     return {
         "uid": "torchtelemetry-training",
         "title": "torchtelemetry: training",
-        "description": "Training signals of torchtelemetry runs: progress, throughput, MFU, stragglers, "
+        "description": "Training signals of torchtelemetry runs: progress, throughput, MFU, step time, "
         "data wait, memory, and every gauge, counter and histogram of the run's own metric tree.",
         "tags": ["torchtelemetry", "training"],
         "editable": False,

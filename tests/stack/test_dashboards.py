@@ -144,12 +144,17 @@ def test_panels_query_only_what_the_library_emits(path: Path) -> None:
         )
 
 
+NOT_SHOWN = frozenset({"torchtelemetry_train_step_time_min_rank", "torchtelemetry_train_step_time_max_rank"})
+"""Exported but not shown: in synchronous training every rank's step time is the slowest rank's, so
+the ranks holding the longest and shortest one are noise (docs/stack.md)."""
+
+
 def test_dashboards_show_everything_the_library_emits() -> None:
     """Built-in signals in fixed panels; each tree's own metrics in the panels repeated for them."""
     by_name = {
         path.name: set().union(*map(queried_metrics, _expanded_queries(d))) for path, d in DASHBOARDS.items()
     }
-    training = {min(sample_names(d)) for d in training_descriptors()}
+    training = {min(sample_names(d)) for d in training_descriptors()} - NOT_SHOWN
     assert training <= by_name["training.json"], sorted(training - by_name["training.json"])
     health = {min(sample_names(d)) for d in health_descriptors()}
     assert health <= by_name["exporter-health.json"], sorted(health - by_name["exporter-health.json"])
@@ -169,6 +174,16 @@ def test_discovery_variables_list_exactly_the_trees_own_metrics(tree: str) -> No
     variables = _variables(DASHBOARDS[DASHBOARD_DIR / "training.json"])
     listed = {name: discovered(variables[name], _run_names(tree)) for name in DISCOVERY_VARIABLES}
     assert listed == own_names(tree)
+
+
+def test_no_panel_ranks_step_times_or_divides_them_into_a_straggler_ratio() -> None:
+    """Synchronous training makes every rank's step time the slowest rank's (docs/stack.md)."""
+    for dashboard in DASHBOARDS.values():
+        for panel in panels(dashboard):
+            assert "straggler" not in panel["title"].lower(), panel["title"]
+            for target in panel["targets"]:
+                assert not queried_metrics(target["expr"]) & NOT_SHOWN, panel["title"]
+                assert "step_time" not in target["expr"] or "/" not in target["expr"], panel["title"]
 
 
 def test_fixed_panels_are_only_for_the_built_in_signals() -> None:
