@@ -21,7 +21,7 @@ from typing import Any
 
 OUT = Path(__file__).resolve().parent / "training.json"
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
-SELECTION = '{job=~"$job", run=~"$run"}'
+SELECTION = '{job=~"$job", run=~"$run", route=~"$route"}'
 HIDDEN_PARTS = ("total", "bucket", "sum", "count")
 """Sample-name endings of counters and histograms: the gauge variable never lists them."""
 
@@ -58,7 +58,7 @@ def builtin_names() -> list[str]:
 
 
 def selected(name: str) -> str:
-    """`name` restricted to the selected jobs and runs."""
+    """`name` restricted to the selected jobs and runs, as they reached Prometheus by the selected route."""
     return name + SELECTION
 
 
@@ -463,8 +463,24 @@ def _query_variable(name: str, label: str, definition: str, **options: Any) -> d
     } | options
 
 
+def route_variable(metric: str) -> dict[str, Any]:
+    """One route at a time: a run that reaches Prometheus by two routes (the scrape endpoint and the
+    Pushgateway) is two copies of the same series, which no panel may add up."""
+    return _query_variable(
+        "route",
+        "Route",
+        f'label_values({metric}{{job=~"$job", run=~"$run"}}, route)',
+        includeAll=False,
+        multi=False,
+        sort=1,
+        current={},
+        description="How the run reached Prometheus (scrape, pushgateway, otlp): each route carries "
+        "the whole run, so the panels show one route at a time.",
+    )
+
+
 def _discovery_variable(name: str, label: str, pattern: str, regex: str) -> dict[str, Any]:
-    definition = f'label_values({{__name__=~"{pattern}", job=~"$job", run=~"$run"}}, __name__)'
+    definition = f'label_values({{__name__=~"{pattern}", {SELECTION[1:-1]}}}, __name__)'
     return _query_variable(
         name,
         label,
@@ -514,6 +530,7 @@ def templating() -> dict[str, Any]:
                 sort=2,
                 current={},
             ),
+            route_variable("torchtelemetry_train_step"),
             _discovery_variable(
                 "gauge", "Gauge", "torchtelemetry_.+", f"/^(?!(?:{builtin})$)(?!.*_(?:{hidden})$)(.+)$/"
             ),

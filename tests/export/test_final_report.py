@@ -80,9 +80,9 @@ def test_close_says_it_waits_and_returns_once_a_scrape_read_the_final_report(cap
         body = http_get(url).decode()
         closing.join(30)
     assert not closing.is_alive(), "close() returned once the final report was scraped"
-    assert 'torchtelemetry_train_step{run="waits"} 2.0' in body
-    assert 'torchtelemetry_tokens_total{run="waits"} 20.0' in body
-    assert 'torchtelemetry_run_finished_timestamp_seconds{run="waits"}' in body
+    assert 'torchtelemetry_train_step{route="scrape",run="waits"} 2.0' in body
+    assert 'torchtelemetry_tokens_total{route="scrape",run="waits"} 20.0' in body
+    assert 'torchtelemetry_run_finished_timestamp_seconds{route="scrape",run="waits"}' in body
     assert f"waiting up to 60 s (linger_s) for a scrape of the final report at {url}" in caplog.text
 
 
@@ -101,7 +101,7 @@ def test_the_pushgateway_keeps_the_final_report_marked_finished(
     assert {"job": "torchtelemetry", "run": run_id} in pushgateway.groups()
     body = http_get(f"{pushgateway.url}/metrics").decode()
     assert (
-        f'torchtelemetry_run_finished_timestamp_seconds{{instance="",job="torchtelemetry",run="{run_id}"}}'
+        f'torchtelemetry_run_finished_timestamp_seconds{{instance="",job="torchtelemetry",route="pushgateway",run="{run_id}"}}'
         in body
     )
     assert _reaches(prometheus, "torchtelemetry_train_step", run_id, lambda step: step == STEPS - 1)

@@ -228,8 +228,8 @@ def test_new_names_are_described_on_the_exporter_threads(caplog: pytest.LogCaptu
     assert "extra/bad name" not in kinds and "extra/bad name" not in recorder.reports[-1][1]
     assert len([r for r in caplog.records if "bad name" in r.getMessage()]) == 1
     body = http_get(prometheus.url).decode()
-    assert 'torchtelemetry_extra_lr{run="hub-run"} 0.01' in body
-    assert 'torchtelemetry_extra_grad_bucket{le="+Inf",run="hub-run"} 3.0' in body
+    assert 'torchtelemetry_extra_lr{route="scrape",run="hub-run"} 0.01' in body
+    assert 'torchtelemetry_extra_grad_bucket{le="+Inf",route="scrape",run="hub-run"} 3.0' in body
     assert hub.health()["prometheus"].errors == 0
     hub.close(30)
 

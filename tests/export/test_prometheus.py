@@ -332,7 +332,7 @@ def test_port_none_registers_in_the_callers_registry() -> None:
     exporter = PrometheusExporter(port=None, registry=registry)
     exporter.describe(DESCRIPTORS, RUN)
     exporter.export(3, sample_report(3), 1.0)
-    assert b'torchtelemetry_train_loss{run="run-1"} 1.5' in generate_latest(registry)
+    assert b'torchtelemetry_train_loss{route="scrape",run="run-1"} 1.5' in generate_latest(registry)
     exporter.close()
     assert b"torchtelemetry" not in generate_latest(registry)
 
@@ -402,7 +402,7 @@ def test_a_series_keeps_its_last_value_when_a_report_does_not_carry_it() -> None
     exporter.export(10, {"train/loss": 1.5}, 100.0)
     exporter.export(10, {"eval/loss": 2.5}, 101.0)  # a framework's own log at the same step
     text = generate_latest(registry).decode()
-    assert 'torchtelemetry_train_loss{run="r"} 1.5' in text
-    assert 'torchtelemetry_eval_loss{run="r"} 2.5' in text
-    assert 'torchtelemetry_last_update_timestamp_seconds{run="r"} 101.0' in text
+    assert 'torchtelemetry_train_loss{route="scrape",run="r"} 1.5' in text
+    assert 'torchtelemetry_eval_loss{route="scrape",run="r"} 2.5' in text
+    assert 'torchtelemetry_last_update_timestamp_seconds{route="scrape",run="r"} 101.0' in text
     exporter.close()

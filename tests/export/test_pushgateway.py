@@ -43,7 +43,7 @@ def test_gloo_run_pushed_and_scraped_through_the_gateway(
     # close() pushed the final report once more, marked finished, and the gateway keeps it.
     assert groups_of(pushgateway, run_id) == [{"job": "torchtelemetry", "run": run_id}]
     assert (
-        f'torchtelemetry_run_finished_timestamp_seconds{{instance="",job="torchtelemetry",run="{run_id}"}}'
+        f'torchtelemetry_run_finished_timestamp_seconds{{instance="",job="torchtelemetry",route="pushgateway",run="{run_id}"}}'
         in (http_get(f"{pushgateway.url}/metrics").decode())
     )
 
@@ -60,9 +60,9 @@ def test_group_key_and_keep_on_close(pushgateway: PushgatewayServer) -> None:
     (group,) = groups_of(pushgateway, RUN.run_id)
     assert group == {"job": "trainer", "node": "n1", "run": RUN.run_id}
     body = http_get(f"{pushgateway.url}/metrics").decode()
-    assert 'torchtelemetry_train_step{instance="",job="trainer",node="n1",run="run-1"} 4' in body
+    assert 'torchtelemetry_train_step{instance="",job="trainer",node="n1",route="pushgateway",run="run-1"} 4' in body
     assert (
-        'torchtelemetry_grad_norm_bucket{instance="",job="trainer",node="n1",run="run-1",le="+Inf"} 10'
+        'torchtelemetry_grad_norm_bucket{instance="",job="trainer",node="n1",route="pushgateway",run="run-1",le="+Inf"} 10'
         in body
     )
 

@@ -120,7 +120,7 @@ def test_mutual_tls_refuses_clients_without_a_trusted_certificate(tmp_path: Path
                 return response.read()
 
         body = scrape(client_cert, client_key).decode()
-        assert 'torchtelemetry_train_loss{run="tls"} 0.5' in body
+        assert 'torchtelemetry_train_loss{route="scrape",run="tls"} 0.5' in body
         for cert, key in ((None, None), (stranger_cert, stranger_key)):
             with pytest.raises(OSError):  # handshake refused (ssl.SSLError / connection reset)
                 scrape(cert, key)
@@ -283,7 +283,8 @@ def test_pushgateway_credentials_in_the_url_are_basic_auth_and_never_logged(
         health = hub.health()
         assert (health["pushgateway"].exported_reports, health["wrong"].errors) == (1, 1)
         body = gateway.get("/metrics").decode()
-        assert 'torchtelemetry_train_loss{instance="",job="torchtelemetry",run="basic-auth"} 0.25' in body
+        labels = 'instance="",job="torchtelemetry",route="pushgateway",run="basic-auth"'
+        assert f"torchtelemetry_train_loss{{{labels}}} 0.25" in body
         with pytest.raises(urllib.error.HTTPError, match="401"):
             http_get(f"{gateway.url}/metrics")  # the gateway really requires the credentials
         hub.close(10)

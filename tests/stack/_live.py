@@ -4,13 +4,15 @@ runs them (a Prometheus server, or a store that speaks its API, such as Victoria
 from __future__ import annotations
 
 import json
+import re
 import time
 import urllib.parse
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import Any
 
-from tests.servers import http_get, wait_for
+from tests.servers import http_get, query, wait_for
 from tests.stack._stack import (
     DISCOVERY_VARIABLES,
     cuda_only_names,
@@ -44,31 +46,60 @@ def discovered_in(url: str, variable: dict[str, Any], values: dict[str, str]) ->
     return discovered(variable, label_values(url, "__name__", substitute(selector, values)))
 
 
-def panel_queries_without_data(
-    url: str, tree: str, jobs: Sequence[str], run_id: str, rate_interval: str
-) -> list[str]:
-    """Check every dashboard against the query API at `url` for run `run_id` of `TREES[tree]`
-    exported under each of `jobs`: the job and run variables list them, the discovery variables
-    list exactly the tree's own metrics; return each panel query (variables substituted, a repeated
-    panel once per value) that returned no data, CUDA-only ones left out."""
-    missing: list[str] = []
+@dataclass
+class DashboardCheck:
+    """What `check_dashboards` found wrong."""
+
+    missing: list[str] = field(default_factory=list)
+    """Panel queries that returned no data."""
+    added_up: list[str] = field(default_factory=list)
+    """Panel queries whose result is not what the selected route's copy of the run alone gives."""
+
+
+def check_dashboards(
+    url: str,
+    tree: str,
+    copies: Mapping[str, str],
+    run_id: str,
+    rate_interval: str,
+    *,
+    instances: Mapping[str, str] | None = None,
+    settled: Callable[[], float] | None = None,
+) -> DashboardCheck:
+    """Check every dashboard against the query API at `url` for run `run_id` of `TREES[tree]`, which
+    reached it by each route of `copies` (route -> the job it carries there): the job, run and route
+    variables list them, the discovery variables list exactly the tree's own metrics, and each panel
+    query (variables substituted, a repeated panel once per value) returns data, CUDA-only ones left
+    out. With `instances` (route -> the `instance` its copy came from), each query must also give,
+    at the moment `settled()` returns, exactly what the same query over that one copy gives: no panel
+    adds up copies of the run."""
+    check = DashboardCheck()
     for path, dashboard in dashboards().items():
         variables = {v["name"]: v for v in dashboard["templating"]["list"]}
         selector, label = variable_query(variables["job"])
         listed_jobs = label_values(url, label, selector)
-        assert set(jobs) <= listed_jobs, (path.name, listed_jobs)
+        assert set(copies.values()) <= listed_jobs, (path.name, listed_jobs)
         selector, label = variable_query(variables["run"])
         runs = label_values(url, label, substitute(selector, {"job": variables["job"]["allValue"]}))
         assert run_id in runs, (path.name, runs)
-        for job in jobs:
-            values = {"datasource": "prometheus", "job": job, "run": run_id, "__rate_interval": rate_interval}
+        selector, label = variable_query(variables["route"])
+        routes = label_values(url, label, substitute(selector, {"job": ".*", "run": run_id}))
+        assert routes == set(copies), (path.name, routes)
+        for route, job in copies.items():
+            values = {
+                "datasource": "prometheus",
+                "job": job,
+                "run": run_id,
+                "route": route,
+                "__rate_interval": rate_interval,
+            }
             listed = {
                 name: discovered_in(url, variables[name], values)
                 for name in DISCOVERY_VARIABLES
                 if name in variables
             }
             if listed:
-                assert listed == own_names(tree), (path.name, job, listed)
+                assert listed == own_names(tree), (path.name, route, listed)
             for panel in panels(dashboard):
                 repeat = panel.get("repeat")
                 for value in sorted(listed[repeat]) if repeat else [None]:
@@ -76,13 +107,29 @@ def panel_queries_without_data(
                         expr = substitute(target["expr"], values | ({repeat: value} if repeat else {}))
                         if queried_metrics(expr) <= cuda_only_names():
                             continue  # the CUDA allocator's detail: a CPU run has none
+                        where = f"{path.name} / {panel['title']} / {target['refId']} ({route})"
                         try:
                             wait_for(url, expr, timeout_s=10)
                         except TimeoutError:
-                            missing.append(
-                                f"{path.name} / {panel['title']} / {target['refId']} ({job}): {expr}"
-                            )
-    return missing
+                            check.missing.append(f"{where}: {expr}")
+                            continue
+                        if instances is None or settled is None:
+                            continue
+                        at = settled()
+                        shown = _result(url, expr, at)
+                        alone = _result(url, _pinned(expr, instances[route]), at)
+                        if shown != alone:
+                            check.added_up.append(f"{where}: {shown}, the {route} copy alone: {alone}")
+    return check
+
+
+def _result(url: str, expr: str, at: float) -> dict[tuple[tuple[str, str], ...], float]:
+    return {tuple(sorted(sample.labels.items())): sample.value for sample in query(url, expr, at=at)}
+
+
+def _pinned(expr: str, instance: str) -> str:
+    """`expr` (route substituted) restricted further to the one target that route's copy came from."""
+    return re.sub(r'route=~"([^"]*)"', rf'route=~"\1", instance="{instance}"', expr)
 
 
 def wait_for_ranks(ranks: Future[Any], url: str, expr: str, timeout_s: float = 120.0) -> None:

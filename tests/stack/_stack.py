@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 
 from torchtelemetry.demo import build_metrics
-from torchtelemetry.export import HEALTH_DESCRIPTORS, RUN_LABEL, MetricDescriptor
+from torchtelemetry.export import HEALTH_DESCRIPTORS, ROUTE_LABEL, RUN_LABEL, MetricDescriptor
 from torchtelemetry.metric import MetricKind
 from torchtelemetry.report import (
     LAST_UPDATE_METRIC,
@@ -156,7 +156,7 @@ def emitted_names() -> frozenset[str]:
 @cache
 def emitted_labels() -> frozenset[str]:
     """Every label a series of the library can carry, once Prometheus has scraped it."""
-    labels = {RUN_LABEL, "le", *TARGET_LABELS}
+    labels = {RUN_LABEL, ROUTE_LABEL, "le", *TARGET_LABELS}
     labels.update(prometheus_label_name(d.label_name) for d in all_descriptors() if d.label_name)
     return frozenset(labels)
 

@@ -18,7 +18,7 @@ from tests.stack._stack import (
     dashboards,
     load_yaml,
 )
-from torchtelemetry.export import RUN_LABEL
+from torchtelemetry.export import ROUTE_LABEL, ROUTES, RUN_LABEL
 from torchtelemetry.report import NAMESPACE
 
 SERVICES = {"prometheus", "grafana", "otel-collector", "pushgateway"}
@@ -170,13 +170,16 @@ def test_collector_wires_otlp_through_processors_to_prometheus(collector: dict[s
 
 
 def test_collector_names_match_the_library(collector: dict[str, Any]) -> None:
-    """Namespace + unit/`_total` suffixes give the library's Prometheus names; the run id becomes `run`."""
+    """Namespace + unit/`_total` suffixes give the library's Prometheus names; the run id becomes `run`,
+    and every series says it came by OTLP (`route`, as the scrape endpoint and the Pushgateway say theirs)."""
     prometheus = collector["exporters"]["prometheus"]
     assert prometheus["namespace"] == NAMESPACE
     assert prometheus.get("add_metric_suffixes", True) is True
     assert prometheus["resource_to_telemetry_conversion"]["enabled"] is True
     actions = collector["processors"]["resource"]["attributes"]
     assert {"key": RUN_LABEL, "from_attribute": "service.instance.id", "action": "insert"} in actions
+    assert {"key": ROUTE_LABEL, "value": "otlp", "action": "insert"} in actions
+    assert "otlp" in ROUTES
 
 
 def test_collector_ports_are_published(compose: dict[str, Any], collector: dict[str, Any]) -> None:

@@ -116,15 +116,26 @@ def test_every_variable_used_is_defined(path: Path) -> None:
     dashboard = DASHBOARDS[path]
     defined = [variable["name"] for variable in dashboard["templating"]["list"]]
     discovery = list(DISCOVERY_VARIABLES) if path.name == "training.json" else []
-    assert defined == ["datasource", "job", "run", *discovery]
+    assert defined == ["datasource", "job", "run", "route", *discovery]
     used = variables_used(json.dumps(dashboard["panels"]))
     used |= variables_used(json.dumps(dashboard["templating"]))
     assert used - GRAFANA_GLOBAL_VARIABLES <= set(defined), sorted(
         used - GRAFANA_GLOBAL_VARIABLES - set(defined)
     )
-    assert {"datasource", "job", "run"} <= used
+    assert {"datasource", "job", "run", "route"} <= used
     for query in _queries(dashboard):
         assert "$job" in query and "$run" in query, f"{query!r} ignores the job/run selection"
+        assert query.count("$route") == query.count("$run"), f"{query!r}: a selector ignores the route"
+
+
+@pytest.mark.parametrize("path", list(DASHBOARDS), ids=_ids)
+def test_one_route_at_a_time(path: Path) -> None:
+    """A run can reach Prometheus by several routes at once (scrape endpoint and Pushgateway): each is
+    a whole copy of the run, so the route is a single-valued variable every selector respects."""
+    route = _variables(DASHBOARDS[path])["route"]
+    assert route["multi"] is False and route["includeAll"] is False
+    assert route["definition"].endswith(", route)")
+    assert "$job" in route["definition"] and "$run" in route["definition"]
 
 
 @pytest.mark.parametrize("path", list(DASHBOARDS), ids=_ids)

@@ -24,7 +24,7 @@ import pytest
 
 from tests.distributed import free_port, run_ranks
 from tests.servers import PrometheusServer, PushgatewayServer, VictoriaMetricsServer
-from tests.stack._live import panel_queries_without_data, wait_for_ranks
+from tests.stack._live import check_dashboards, wait_for_ranks
 from tests.stack._stack import PROMETHEUS_DIR, TREES, feed, load_yaml
 from torchtelemetry.report import NAMESPACE
 
@@ -136,7 +136,7 @@ def _compare(
 ) -> tuple[int, set]:
     """Check every sample of `job` against the report of the step the same scrape carried; returns
     the samples compared and the steps seen."""
-    own_labels = {"__name__", "job", "instance", "run", "cluster"}
+    own_labels = {"__name__", "job", "instance", "run", "route", "cluster"}
     namespace = f"{NAMESPACE}_"  # not the Pushgateway's own push_time_seconds
     series = [
         s for s in stored if s["metric"]["job"] == job and s["metric"]["__name__"].startswith(namespace)
@@ -208,8 +208,12 @@ def test_a_two_rank_run_through_a_prometheus_agent_reads_back_exactly_from_victo
                     wait_for_ranks(
                         ranks, url, f"count(torchtelemetry_train_step_time_seconds{{{selector}}}) == 2"
                     )
-                missing = panel_queries_without_data(url, TREE, [SCRAPE_JOB, PUSHED_JOB], run_id, "4s")
-                assert not missing, "panel queries without data in VictoriaMetrics:\n" + "\n".join(missing)
+                check = check_dashboards(
+                    url, TREE, {"scrape": SCRAPE_JOB, "pushgateway": PUSHED_JOB}, run_id, "4s"
+                )
+                assert not check.missing, "panel queries without data in VictoriaMetrics:\n" + "\n".join(
+                    check.missing
+                )
             finally:
                 stop.touch()
             descriptors = ranks.result()[0]

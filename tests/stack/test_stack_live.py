@@ -1,13 +1,16 @@
 """Every dashboard query and alert rule against a real Prometheus that scraped a real 2-rank run,
 once for each metric tree in `TREES` (the demo's and one that shares no name with it).
 
-The run exports through both routes the stack offers to Prometheus: the scrape
-endpoint (`PrometheusExporter`, job "trainer") and the Pushgateway
-(`PushgatewayExporter`, scraped with the repository's `honor_labels` job, so
-the series keep the pushed job "torchtelemetry"). The discovery variables, read
-from Prometheus, must list exactly the tree's own metrics, and each panel query,
-with its variables substituted as Grafana would (a repeated panel once per value),
-must return data on both routes.
+The run exports through both routes the stack offers to Prometheus at once, as
+exporters/prometheus/prometheus-host.yml scrapes them: the scrape endpoint
+(`PrometheusExporter`, job "torchtelemetry") and the Pushgateway
+(`PushgatewayExporter`, scraped with the repository's `honor_labels` job, so the
+series keep the pushed job, "torchtelemetry" too). The two copies of the run differ
+only in `instance` and `route`. The discovery variables, read from Prometheus, must
+list exactly the tree's own metrics; each panel query, with its variables substituted
+as Grafana would (a repeated panel once per value), must return data on each route,
+and exactly what the copy of that route alone gives: the totals a stat panel shows are
+the run's true totals, never the sum of two copies.
 """
 
 from __future__ import annotations
@@ -16,18 +19,31 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tests.distributed import free_port, run_ranks
 from tests.servers import PrometheusServer, PushgatewayServer, QueryError, query
-from tests.stack._live import panel_queries_without_data, wait_for_ranks
-from tests.stack._stack import PROMETHEUS_CONFIG, TREES, alert_rules, feed, load_yaml
+from tests.stack._live import check_dashboards, wait_for_ranks
+from tests.stack._stack import (
+    PROMETHEUS_HOST_CONFIG,
+    TREES,
+    alert_rules,
+    dashboards,
+    feed,
+    load_yaml,
+    panels,
+    substitute,
+)
 
 WORLD_SIZE = 2
-PUSHED_JOB = "torchtelemetry"
-"""`PushgatewayExporter`'s default job, kept by `honor_labels`."""
-SCRAPE_JOB = "trainer"
+JOB = "torchtelemetry"
+"""`PushgatewayExporter`'s default job (kept by `honor_labels`), and the shipped scrape job's name."""
+ROUTES = ("scrape", "pushgateway")
+TOKENS, SAMPLES = 8 * 16, 8
+"""Per rank and step: what `_train` feeds `step()`."""
+SETTLED_SCRAPES = 3
 RUN_LIMIT_S = 150.0
 """The ranks stop on their own after this long, should the test never tell them to."""
 
@@ -66,12 +82,46 @@ def _train(
             with telemetry.data_wait():
                 time.sleep(0.002)
             feed(tree, metrics, generator)
-            telemetry.step(step, tokens=8 * 16, samples=8, learning_rate=1e-3 / (1 + step))
+            telemetry.step(step, tokens=TOKENS, samples=SAMPLES, learning_rate=1e-3 / (1 + step))
             time.sleep(0.02 * (1 + rank))  # rank 1 is the slower one
             step += 1
     finally:
         telemetry.close()
     return step
+
+
+def _settled(prometheus: PrometheusServer) -> float:
+    """A recent moment whose scrapes Prometheus has ingested whole (it keeps ingesting the present)."""
+    return time.time() - SETTLED_SCRAPES * prometheus.scrape_interval_s
+
+
+def _panel_expr(dashboard: dict[str, Any], title: str) -> str:
+    (panel,) = [panel for panel in panels(dashboard) if panel["title"] == title]
+    (target,) = panel["targets"]
+    return target["expr"]
+
+
+def _check_totals(url: str, values: dict[str, str], at: float) -> list[str]:
+    """The stat panels' totals against what the run fed up to the step of the report they show."""
+    selector = f'job="{values["job"]}", run="{values["run"]}", route="{values["route"]}"'
+    (step,) = query(url, f"torchtelemetry_train_step{{{selector}}}", at=at)
+    steps = step.value + 1  # the report of step s covers steps 0..s
+    expected = {
+        "Tokens seen": [steps * TOKENS * WORLD_SIZE],
+        "Samples seen": [steps * SAMPLES * WORLD_SIZE],
+    }
+    wrong = []
+    for dashboard in dashboards().values():
+        for title, truth in expected.items():
+            if not any(panel["title"] == title for panel in panels(dashboard)):
+                continue
+            shown = [
+                sample.value
+                for sample in query(url, substitute(_panel_expr(dashboard, title), values), at=at)
+            ]
+            if shown != truth:
+                wrong.append(f"{title} ({values['route']}): {shown}, fed {truth} by step {step.value:.0f}")
+    return wrong
 
 
 @pytest.mark.slow
@@ -80,11 +130,11 @@ def test_every_panel_and_alert_on_a_real_two_rank_run(
     tmp_path: Path, prometheus: PrometheusServer, pushgateway: PushgatewayServer, tree: str
 ) -> None:
     run_id, port, stop_file = f"stack-{tree}-{uuid.uuid4().hex[:8]}", free_port(), tmp_path / "stop"
-    (pushgateway_job,) = [
-        j for j in load_yaml(PROMETHEUS_CONFIG)["scrape_configs"] if j["job_name"] == "pushgateway"
-    ]
-    prometheus.scrape(SCRAPE_JOB, [f"127.0.0.1:{port}"])
-    prometheus.scrape("pushgateway", [pushgateway.address], honor_labels=pushgateway_job["honor_labels"])
+    jobs = {job["job_name"]: job for job in load_yaml(PROMETHEUS_HOST_CONFIG)["scrape_configs"]}
+    gateway_job = "pushgateway"
+    assert {JOB, gateway_job} <= set(jobs), "the shipped config scrapes both routes"
+    prometheus.scrape(JOB, [f"127.0.0.1:{port}"], honor_labels=jobs[JOB].get("honor_labels", False))
+    prometheus.scrape(gateway_job, [pushgateway.address], honor_labels=jobs[gateway_job]["honor_labels"])
     prometheus.start()
     url = prometheus.url
     rate_interval = f"{4 * round(prometheus.scrape_interval_s)}s"  # Grafana: 4 x the scrape interval
@@ -93,21 +143,47 @@ def test_every_panel_and_alert_on_a_real_two_rank_run(
             run_ranks, _train, WORLD_SIZE, tree, port, pushgateway.url, run_id, str(stop_file), timeout_s=240
         )
         try:
-            for job in (SCRAPE_JOB, PUSHED_JOB):
+            instances = {}
+            for route in ROUTES:
                 # Health gauges appear from the second report on; then every series exists.
-                selector = f'job="{job}", run="{run_id}"'
+                selector = f'job="{JOB}", run="{run_id}", route="{route}"'
                 wait_for_ranks(
                     ranks, url, f"torchtelemetry_exporter_last_success_timestamp_seconds{{{selector}}}"
                 )
                 wait_for_ranks(
                     ranks, url, f"count(torchtelemetry_train_step_time_seconds{{{selector}}}) == 2"
                 )
+                # Queries are evaluated a few scrapes in the past, where every copy is ingested
+                # whole: wait until every series has been there that long.
+                wait_for_ranks(
+                    ranks,
+                    url,
+                    f"count_over_time(torchtelemetry_exporter_last_success_timestamp_seconds{{{selector}}}[1m])"
+                    f" >= {SETTLED_SCRAPES * 2}",
+                )
+                (step,) = query(url, f"torchtelemetry_train_step{{{selector}}}")
+                instances[route] = step.labels.get("instance", "")
+            assert instances["scrape"] != instances["pushgateway"], "two copies of the run, one per target"
 
-            missing = panel_queries_without_data(url, tree, [SCRAPE_JOB, PUSHED_JOB], run_id, rate_interval)
-            assert not missing, "panel queries without data:\n" + "\n".join(missing)
+            copies = dict.fromkeys(ROUTES, JOB)
+            check = check_dashboards(
+                url,
+                tree,
+                copies,
+                run_id,
+                rate_interval,
+                instances=instances,
+                settled=lambda: _settled(prometheus),
+            )
+            assert not check.missing, "panel queries without data:\n" + "\n".join(check.missing)
+            wrong = check.added_up
+            for route in ROUTES:
+                values = {"job": JOB, "run": run_id, "route": route, "__rate_interval": rate_interval}
+                wrong += _check_totals(url, values, _settled(prometheus))
+            assert not wrong, "panels adding up copies of the run:\n" + "\n".join(wrong)
 
             per_rank = query(
-                url, f'torchtelemetry_train_step_time_seconds{{job="{SCRAPE_JOB}", run="{run_id}"}}'
+                url, f'torchtelemetry_train_step_time_seconds{{job="{JOB}", run="{run_id}", route="scrape"}}'
             )
             assert sorted(sample.labels["rank"] for sample in per_rank) == ["0", "1"]
 

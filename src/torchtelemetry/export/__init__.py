@@ -6,7 +6,7 @@ The values a report carries (`HistogramValue`, `MetricDescriptor`, `Scalars`) co
 
 from torchtelemetry.export._base import BaseExporter, ExportFailed
 from torchtelemetry.export._console import ConsoleExporter
-from torchtelemetry.export._exposition import RUN_LABEL
+from torchtelemetry.export._exposition import ROUTE_LABEL, ROUTES, RUN_LABEL
 from torchtelemetry.export._health import HEALTH_DESCRIPTORS, ExporterHealth
 from torchtelemetry.export._histograms import histogram_edges
 from torchtelemetry.export._hub import ExportHub, NullHub
@@ -24,6 +24,8 @@ from torchtelemetry.report import HistogramValue, MetricDescriptor, Scalars, Sca
 
 __all__ = [
     "HEALTH_DESCRIPTORS",
+    "ROUTES",
+    "ROUTE_LABEL",
     "RUN_ID_ENV",
     "RUN_LABEL",
     "BaseExporter",

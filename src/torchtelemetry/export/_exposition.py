@@ -2,8 +2,8 @@
 
 `PrometheusCollector` turns the latest report into metric families (gauges,
 counters with `_total`, real histograms with cumulative `le` buckets, one series
-per label value, a `run` label on every series and never the step as a label);
-the scrape endpoint and the Pushgateway exporter both expose it.
+per label value, `run` and `route` labels on every series and never the step as a
+label); the scrape endpoint and the Pushgateway exporter both expose it.
 """
 
 from __future__ import annotations
@@ -30,10 +30,16 @@ from torchtelemetry.report import (
     prometheus_name,
 )
 
-__all__ = ["RUN_LABEL", "PrometheusCollector", "import_prometheus_client"]
+__all__ = ["ROUTES", "ROUTE_LABEL", "RUN_LABEL", "PrometheusCollector", "import_prometheus_client"]
 
 RUN_LABEL = "run"
 """Label carrying `RunInfo.run_id` on every series."""
+ROUTE_LABEL = "route"
+"""Label naming the way a series reached Prometheus, on every series: one Prometheus can hold the same
+run by several routes (the scrape endpoint and the Pushgateway), and the dashboards show one at a time."""
+ROUTES = ("scrape", "pushgateway", "otlp")
+"""Values of `ROUTE_LABEL`: `PrometheusExporter`, `PushgatewayExporter`, and the OpenTelemetry
+Collector of exporters/otel-collector (which inserts it as a resource attribute)."""
 
 
 def import_prometheus_client() -> Any:
@@ -58,11 +64,15 @@ class PrometheusCollector:
     builds the families of a new report and swaps them in under a lock. A series keeps its
     last reported value until a report carries it again (a report of a framework's own logs
     does not hide the collected metrics). `set_finished()` adds the run's finished marker;
-    `wait_for_scrape()` waits until a `collect()` has read the latest report.
+    `wait_for_scrape()` waits until a `collect()` has read the latest report. Every series
+    carries `run` (the run id) and `route` (which exporter exposes it: one of `ROUTES`).
     """
 
-    def __init__(self, namespace: str = NAMESPACE) -> None:
+    def __init__(self, route: str, namespace: str = NAMESPACE) -> None:
+        if route not in ROUTES:
+            raise ValueError(f"PrometheusCollector: route must be one of {ROUTES}, got {route!r}")
         self._core = import_prometheus_client().metrics_core
+        self._route = route
         self._namespace = namespace
         self._lock = threading.Lock()
         self._scraped = threading.Condition(self._lock)
@@ -173,7 +183,7 @@ class PrometheusCollector:
         """Sample names and labels that would clash in the exposition, beyond family-name collisions."""
         owners: dict[str, list[str]] = {}
         for path, entry in [*self._fixed.items(), *series.items()]:
-            if entry.label in (RUN_LABEL, "le"):
+            if entry.label in (RUN_LABEL, ROUTE_LABEL, "le"):
                 raise NameCollisionError(
                     f"Prometheus: metric {path!r} has label {entry.descriptor.label_name!r}, which maps to "
                     f"{entry.label!r}, a label the exporter sets itself; choose another label_name"
@@ -189,8 +199,8 @@ class PrometheusCollector:
             )
 
     def _gauge_family(self, series: _Series, run: str, value: float) -> Any:
-        family = self._core.GaugeMetricFamily(series.name, series.help, labels=[RUN_LABEL])
-        family.add_metric([run], value)
+        family = self._core.GaugeMetricFamily(series.name, series.help, labels=[RUN_LABEL, ROUTE_LABEL])
+        family.add_metric([run, self._route], value)
         return family
 
     def _family(self, series: _Series, run: str, value: Any) -> Any:
@@ -198,8 +208,10 @@ class PrometheusCollector:
         if kind is MetricKind.HISTOGRAM:
             if not isinstance(value, HistogramValue):
                 raise TypeError(f"a histogram takes a HistogramValue, got {type(value).__name__}")
-            family = self._core.HistogramMetricFamily(series.name, series.help, labels=[RUN_LABEL])
-            family.add_metric([run], _buckets(value), value.sum)
+            family = self._core.HistogramMetricFamily(
+                series.name, series.help, labels=[RUN_LABEL, ROUTE_LABEL]
+            )
+            family.add_metric([run, self._route], _buckets(value), value.sum)
             return family
         family_type = (
             self._core.CounterMetricFamily if kind is MetricKind.COUNTER else self._core.GaugeMetricFamily
@@ -207,14 +219,14 @@ class PrometheusCollector:
         if isinstance(value, Mapping):
             if series.label is None:
                 raise TypeError("a value per label needs a descriptor with label_name")
-            family = family_type(series.name, series.help, labels=[RUN_LABEL, series.label])
+            family = family_type(series.name, series.help, labels=[RUN_LABEL, ROUTE_LABEL, series.label])
             for label_value, entry in value.items():
-                family.add_metric([run, str(label_value)], float(entry))
+                family.add_metric([run, self._route, str(label_value)], float(entry))
             return family
         if isinstance(value, HistogramValue):
             raise TypeError(f"a HistogramValue for a {kind.value}")
-        family = family_type(series.name, series.help, labels=[RUN_LABEL])
-        family.add_metric([run], float(value))
+        family = family_type(series.name, series.help, labels=[RUN_LABEL, ROUTE_LABEL])
+        family.add_metric([run, self._route], float(value))
         return family
 
 

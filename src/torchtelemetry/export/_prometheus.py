@@ -93,7 +93,7 @@ class PrometheusExporter(BaseExporter):
             "client_capath": client_capath,
             "client_auth_required": client_auth_required,
         }
-        self._collector = PrometheusCollector(namespace)
+        self._collector = PrometheusCollector("scrape", namespace)
         self._registered = False
         self._server: ScrapeServer | None = None
 

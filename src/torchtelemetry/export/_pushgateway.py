@@ -9,7 +9,12 @@ from typing import Any
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 from torchtelemetry.export._base import BaseExporter, ExportFailed
-from torchtelemetry.export._exposition import RUN_LABEL, PrometheusCollector, import_prometheus_client
+from torchtelemetry.export._exposition import (
+    ROUTE_LABEL,
+    RUN_LABEL,
+    PrometheusCollector,
+    import_prometheus_client,
+)
 from torchtelemetry.export._protocol import RunInfo
 from torchtelemetry.report import NAMESPACE, MetricDescriptor, Scalars
 
@@ -50,11 +55,11 @@ class PushgatewayExporter(BaseExporter):
             )
         if not job:
             raise ValueError("PushgatewayExporter.job: must be a non-empty string")
-        reserved = {"job", RUN_LABEL} & set(grouping_key or {})
+        reserved = {"job", RUN_LABEL, ROUTE_LABEL} & set(grouping_key or {})
         if reserved:
             raise ValueError(
                 f"PushgatewayExporter.grouping_key: {sorted(reserved)} are set by the exporter "
-                "(job= and the run id); pass job= instead or leave them out"
+                "(job=, the run id and the route); pass job= instead or leave them out"
             )
         if timeout_s <= 0:
             raise ValueError(f"PushgatewayExporter.timeout_s: must be positive, got {timeout_s}")
@@ -67,7 +72,7 @@ class PushgatewayExporter(BaseExporter):
         self.timeout_s = timeout_s
         self._extra_key = {str(k): str(v) for k, v in (grouping_key or {}).items()}
         self._grouping_key: dict[str, str] | None = None
-        self._collector = PrometheusCollector(namespace)
+        self._collector = PrometheusCollector("pushgateway", namespace)
         self._registry = self._client.CollectorRegistry()
         self._registry.register(self._collector)
         self._pending = False
