@@ -197,8 +197,22 @@ def panels(dashboard: dict[str, Any]) -> Iterator[dict[str, Any]]:
         yield from panel.get("panels", [])
 
 
-def alert_rules() -> list[dict[str, Any]]:
+def rules() -> list[dict[str, Any]]:
+    """Every rule of alerts.yml: alerts and the recording rules they read."""
     return [rule for group in load_yaml(ALERTS)["groups"] for rule in group["rules"]]
+
+
+def alert_rules() -> list[dict[str, Any]]:
+    return [rule for rule in rules() if "alert" in rule]
+
+
+def recording_rules() -> dict[str, str]:
+    """Recorded name -> expression."""
+    return {rule["record"]: rule["expr"] for rule in rules() if "record" in rule}
+
+
+RECORDED_LABELS = frozenset({"metric"})
+"""Labels the recording rules add (`torchtelemetry:loss` names each loss by `metric`)."""
 
 
 def substitute(expr: str, values: dict[str, str], *, keep_others: bool = False) -> str:

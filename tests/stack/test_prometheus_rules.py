@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -16,16 +17,21 @@ from tests.stack._stack import (
     PROMETHEUS_CONFIG,
     PROMETHEUS_DIR,
     PROMETHEUS_HOST_CONFIG,
+    RECORDED_LABELS,
+    STACK_DOC,
     alert_rules,
     emitted_labels,
     emitted_names,
     load_yaml,
     queried_labels,
     queried_metrics,
+    recording_rules,
+    rules,
 )
 from torchtelemetry import PrometheusExporter, Telemetry, WeightedMeanMetric
 
 PROMTOOL = shutil.which("promtool")
+FINISHED = "torchtelemetry_run_finished_timestamp_seconds"
 needs_promtool = pytest.mark.skipif(
     PROMTOOL is None, reason="promtool not installed (apt-get install prometheus)"
 )
@@ -63,9 +69,9 @@ def test_a_real_prometheus_outside_docker_scrapes_the_trainer_and_loads_every_al
     try:
         with _ShippedConfigPrometheus(tmp_path, config) as prometheus:
             assert prometheus.wait_for('torchtelemetry_train_step{job="torchtelemetry", run="host"}')
-            rules = json.loads(http_get(f"{prometheus.url}/api/v1/rules"))["data"]["groups"]
-            loaded = {rule["name"] for group in rules for rule in group["rules"]}
-            assert loaded == {rule["alert"] for rule in alert_rules()}
+            groups = json.loads(http_get(f"{prometheus.url}/api/v1/rules"))["data"]["groups"]
+            loaded = {rule["name"] for group in groups for rule in group["rules"]}
+            assert loaded == {rule.get("alert") or rule["record"] for rule in rules()}
     finally:
         telemetry.close()
 
@@ -85,7 +91,7 @@ class _ShippedConfigPrometheus(PrometheusServer):
 def test_promtool_accepts_the_rules() -> None:
     result = _promtool("check", "rules", str(ALERTS))
     assert result.returncode == 0, result.stdout + result.stderr
-    assert f"{len(alert_rules())} rules found" in result.stdout
+    assert f"{len(rules())} rules found" in result.stdout
 
 
 @needs_promtool
@@ -113,12 +119,12 @@ def test_the_required_alerts_exist() -> None:
     by_name = {rule["alert"]: rule["expr"] for rule in alert_rules()}
     assert "torchtelemetry_last_update_timestamp_seconds" in by_name["TrainingStalled"]
     assert "torchtelemetry_train_step" in queried_metrics(by_name["TrainingStepNotAdvancing"])
-    assert "torchtelemetry_train_loss" in queried_metrics(by_name["LossNotFinite"])
+    assert "torchtelemetry:loss" in by_name["LossNotFinite"]
     assert "torchtelemetry_exporter_errors_total" in queried_metrics(by_name["ExportErrorsRising"])
     assert {
         "torchtelemetry_train_data_wait_share_percent",
         "torchtelemetry_train_data_wait_share_max_percent",
-    } == queried_metrics(by_name["DataWaitHigh"])
+    } == queried_metrics(by_name["DataWaitHigh"]) - {FINISHED}
     assert "torchtelemetry_train_memory_alloc_retries_total" in queried_metrics(
         by_name["AllocatorRetriesRising"]
     )
@@ -135,13 +141,115 @@ def test_no_alert_watches_step_time_across_ranks() -> None:
 
 
 @pytest.mark.parametrize("rule", alert_rules(), ids=lambda rule: rule["alert"])
+def test_every_alert_leaves_finished_runs_alone_and_fires_once_per_run(rule: dict) -> None:
+    expr = " ".join(rule["expr"].split())
+    assert expr.endswith(f"unless on (job, run) {FINISHED}"), f"{rule['alert']}: {expr}"
+    assert re.search(r"^(time\(\) - )?\(?\s*(max|count) by \(job, run\b", expr), (
+        f"{rule['alert']} must aggregate the routes' copies of a run by (job, run, ...): {expr}"
+    )
+
+
+@needs_promtool
+def test_the_finished_twins_in_the_rule_tests_fire_without_their_marker(tmp_path: Path) -> None:
+    """Every alert's unit tests hold a run whose telemetry was closed (the run-finished marker) and
+    that stays quiet; without its marker, the same run fires: the marker is what keeps it quiet."""
+    tests = load_yaml(ALERTS_TEST)
+    finished_runs = set()
+    for case in tests["tests"]:
+        kept = []
+        for series in case["input_series"]:
+            if series["series"].startswith(FINISHED):
+                finished_runs.add(re.search(r'run="([^"]+)"', series["series"]).group(1))
+            else:
+                kept.append(series)
+        case["input_series"] = kept
+    (tmp_path / ALERTS.name).write_text(ALERTS.read_text())
+    (tmp_path / "unfinished_test.yml").write_text(json.dumps(tests))
+    result = subprocess.run(
+        [PROMTOOL, "test", "rules", "unfinished_test.yml"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert result.returncode != 0, "without their markers the finished runs must fire"
+    runs = "|".join(map(re.escape, finished_runs))
+    for rule in alert_rules():
+        assert re.search(
+            rf'alertname="{rule["alert"]}"[^}}]*run="(?:{runs})"', result.stdout + result.stderr
+        ), f"{rule['alert']}: no finished run in its tests would fire without the marker"
+
+
+def test_loss_not_finite_watches_every_loss_and_the_hugging_face_trainers() -> None:
+    (expr,) = recording_rules().values()
+    (pattern,) = re.findall(r'__name__=~"([^"]+)"', expr)
+    watched = ["torchtelemetry_train_loss", "torchtelemetry_val_loss", "torchtelemetry_hf_loss"]
+    watched += ["torchtelemetry_lightning_train_loss", "torchtelemetry_loss"]
+    assert all(re.fullmatch(pattern, name) for name in watched)
+    ignored = ["torchtelemetry_train_loss_total", "torchtelemetry_train_loss_bucket", "torchtelemetry_lossy"]
+    assert not any(re.fullmatch(pattern, name) for name in ignored)
+
+
+@needs_promtool
+def test_the_documented_rule_points_loss_not_finite_at_a_loss_of_another_name(tmp_path: Path) -> None:
+    """docs/stack.md's rule file, as printed, makes LossNotFinite watch `train/nll`."""
+    (snippet,) = re.findall(r"```yaml\n(# my-losses.yml\n.*?)```", STACK_DOC.read_text(), re.DOTALL)
+    (tmp_path / "my-losses.yml").write_text(snippet)
+    (tmp_path / ALERTS.name).write_text(ALERTS.read_text())
+    alert = {
+        "severity": "critical",
+        "job": "trainer",
+        "run": "nll",
+        "metric": "torchtelemetry_train_nll",
+    }
+    annotations = {
+        "summary": "Run nll: torchtelemetry_train_nll is NaN or infinite",
+        "description": "torchtelemetry_train_nll of run nll (job trainer) is not finite.",
+    }
+    test = {
+        "rule_files": [ALERTS.name, "my-losses.yml"],
+        "evaluation_interval": "15s",
+        "tests": [
+            {
+                "interval": "1m",
+                "input_series": [
+                    {
+                        "series": 'torchtelemetry_train_nll{job="trainer", run="nll"}',
+                        "values": "2.5 2.4 NaN NaN",
+                    },
+                    {
+                        "series": 'torchtelemetry_train_nll{job="trainer", run="ok"}',
+                        "values": "2.5 2.4 2.3 2.2",
+                    },
+                ],
+                "alert_rule_test": [
+                    {"eval_time": "1m", "alertname": "LossNotFinite", "exp_alerts": []},
+                    {
+                        "eval_time": "3m",
+                        "alertname": "LossNotFinite",
+                        "exp_alerts": [
+                            {
+                                "exp_labels": alert,
+                                "exp_annotations": annotations,
+                            }
+                        ],
+                    },
+                ],
+            }
+        ],
+    }
+    (tmp_path / "test.yml").write_text(json.dumps(test))
+    result = subprocess.run(
+        [PROMTOOL, "test", "rules", "test.yml"], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("rule", alert_rules(), ids=lambda rule: rule["alert"])
 def test_alerts_query_only_what_the_library_emits(rule: dict) -> None:
     metrics = queried_metrics(rule["expr"])
     assert metrics, f"{rule['alert']} queries no torchtelemetry metric"
     assert metrics <= emitted_names(), f"{rule['alert']}: not emitted: {sorted(metrics - emitted_names())}"
     labels = queried_labels(rule["expr"])
-    assert labels <= emitted_labels(), (
-        f"{rule['alert']}: labels never set: {sorted(labels - emitted_labels())}"
+    assert labels <= emitted_labels() | RECORDED_LABELS, (
+        f"{rule['alert']}: labels never set: {sorted(labels - emitted_labels() - RECORDED_LABELS)}"
     )
     for field in ("severity",):
         assert rule["labels"][field] in ("warning", "critical")
