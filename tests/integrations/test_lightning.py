@@ -14,7 +14,8 @@ from tests.distributed import run_ranks
 
 L = pytest.importorskip("lightning.pytorch")
 
-from torchtelemetry import JsonlExporter, MaxMetric, SumMetric  # noqa: E402
+from tests.servers import http_get  # noqa: E402
+from torchtelemetry import JsonlExporter, MaxMetric, PrometheusExporter, SumMetric  # noqa: E402
 from torchtelemetry.integrations import LightningTelemetryCallback, LightningTelemetryLogger  # noqa: E402
 
 STEPS = 6
@@ -112,7 +113,7 @@ def test_ddp_run_exports_exact_global_values_with_one_collective_per_window(tmp_
         assert values["train/examples"] == 2 * 3 * EVERY * (index + 1)
         assert values["train/learning_rate"] == pytest.approx(0.05)
         # What the module logged with self.log on rank 0, at the last batch of the window.
-        assert values["lightning_loss"] == pytest.approx(ranks[0]["losses"][window][-1], rel=1e-6)
+        assert values["lightning/lightning_loss"] == pytest.approx(ranks[0]["losses"][window][-1], rel=1e-6)
 
     # Eight metrics (loss, examples, max error, five built-in signals) in two buckets (SUM and MAX,
     # float64), gathered in one all-reduce per collection, plus one layout check on the collector's
@@ -191,7 +192,7 @@ def test_collections_stay_on_the_grid_across_epoch_ends_and_self_log_rides_in_th
     assert [r["values"]["train/examples"] for r in reports if "train/examples" in r["values"]] == [
         3.0 * step for step in collected
     ]
-    logged = [r for r in reports if "lightning_loss" in r["values"]]
+    logged = [r for r in reports if "lightning/lightning_loss" in r["values"]]
     assert [r["step"] for r in logged] == [3, 6, 9, 12]
     assert all("train/loss" in r["values"] for r in logged), "self.log values ride in that step's report"
 
@@ -202,3 +203,117 @@ def test_a_torchrun_launch_the_trainer_does_not_match_is_an_error(tmp_path, monk
     callback = LightningTelemetryCallback({"train/examples": SumMetric(kind="counter")}, [])
     with pytest.raises(RuntimeError, match=r"WORLD_SIZE=2 processes but the Trainer runs 1"):
         _single_process_fit(callback, 2, tmp_path)
+
+
+class CommonNames(TinyRegression):
+    """Logs under a name a LightningModule often uses, which is also the callback's own loss: as
+    `train_loss` it is torchtelemetry_train_loss in Prometheus, as `train/loss` the same path."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name
+
+    def training_step(self, batch, batch_idx):
+        out = super().training_step(batch, batch_idx)
+        self.log(self.name, 2 * out["loss"])
+        return out
+
+
+class RecordingLogger(L.loggers.Logger):
+    """What Lightning hands its loggers, for comparison."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.logged: list[dict[str, float]] = []
+
+    @property
+    def name(self) -> str:
+        return "recording"
+
+    @property
+    def version(self) -> str:
+        return "0"
+
+    def log_metrics(self, metrics, step=None) -> None:
+        self.logged.append(dict(metrics))
+
+    def log_hyperparams(self, params, *args, **kwargs) -> None:
+        pass
+
+
+class Scrape(L.Callback):
+    """Reads the scrape endpoint at the end of training, before the telemetry closes."""
+
+    def __init__(self, exporter: PrometheusExporter) -> None:
+        self.exporter = exporter
+        self.body = ""
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.body = http_get(self.exporter.url).decode()
+
+
+@pytest.mark.parametrize("name", ["train_loss", "train/loss"])
+def test_self_log_names_pass_through_unchanged_under_the_lightning_prefix(tmp_path, name: str) -> None:
+    """`self.log("train_loss")` / `self.log("train/loss")` and Lightning's `epoch` keep their values
+    under lightning/, next to the callback's own train/loss, on every exporter: none is replaced or
+    dropped."""
+    path = tmp_path / "telemetry.jsonl"
+    prometheus = PrometheusExporter(port=0)
+    callback = LightningTelemetryCallback(
+        {"train/examples": SumMetric(kind="counter")}, [JsonlExporter(path), prometheus], every=EVERY
+    )
+    recording, scrape = RecordingLogger(), Scrape(prometheus)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=STEPS,
+        log_every_n_steps=EVERY,
+        callbacks=[callback, scrape],
+        logger=[LightningTelemetryLogger(callback), recording],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    model = CommonNames(name)
+    trainer.fit(model)
+
+    names = (name, "epoch")
+    assert recording.logged and all(set(names) <= set(logged) for logged in recording.logged)
+    reports = [r["values"] for r in _reports(path) if f"lightning/{name}" in r["values"]]
+    assert [{n: values[f"lightning/{n}"] for n in names} for values in reports] == [
+        {n: pytest.approx(logged[n], rel=1e-6) for n in names} for logged in recording.logged
+    ]
+    for values, step in zip(reports, range(EVERY, STEPS + 1, EVERY), strict=True):
+        losses = model.losses[step - EVERY : step]
+        assert values["train/loss"] == pytest.approx(sum(losses) / len(losses), rel=1e-6), "the callback's"
+        assert values[f"lightning/{name}"] == pytest.approx(2 * losses[-1], rel=1e-6), "the module's"
+    assert prometheus.errors == 0, "no name collides in the Prometheus exposition"
+    for series in (
+        "torchtelemetry_lightning_train_loss",
+        "torchtelemetry_lightning_epoch",
+        "torchtelemetry_train_loss",
+    ):
+        assert f"{series}{{" in scrape.body, series
+
+
+def test_a_log_prefix_that_collides_with_the_runs_metrics_is_refused_at_set_up(tmp_path) -> None:
+    for prefix, match in (
+        ("", "must not be empty"),
+        ("train/", r"already has metrics there \(\[.*'train/examples'"),
+    ):
+        callback = LightningTelemetryCallback({"train/examples": SumMetric(kind="counter")}, [], every=EVERY)
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=1,
+            max_steps=2,
+            callbacks=[callback],
+            logger=LightningTelemetryLogger(callback, prefix=prefix),
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=tmp_path,
+        )
+        with pytest.raises(ValueError, match=match):
+            trainer.fit(TinyRegression())
+        assert callback.telemetry is None

@@ -12,13 +12,16 @@ import torch
 
 from torchtelemetry._optional import import_optional
 from torchtelemetry.export import Exporter, RunInfo
-from torchtelemetry.integrations._torchtitan import TelemetryMetricLogger
+from torchtelemetry.integrations._torchtitan import TelemetryMetricLogger, check_log_prefix
 from torchtelemetry.metric import Metric, WeightedMeanMetric, metric_leaves
 from torchtelemetry.telemetry import Telemetry, TelemetryConfig
 
 pl = import_optional("lightning.pytorch", "lightning", "LightningTelemetryCallback")
 
-__all__ = ["LightningTelemetryCallback", "LightningTelemetryLogger"]
+__all__ = ["LIGHTNING_PREFIX", "LightningTelemetryCallback", "LightningTelemetryLogger"]
+
+LIGHTNING_PREFIX = "lightning/"
+"""Where `LightningTelemetryLogger` puts what the LightningModule logs (`self.log`)."""
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +117,17 @@ class LightningTelemetryCallback(pl.Callback):
         if self._every_from_trainer:
             config = config.replace(every=max(trainer.log_every_n_steps, 1))
         self.telemetry = Telemetry(self._tree, self.exporters, config)
+        try:
+            for telemetry_logger in trainer.loggers:
+                if (
+                    isinstance(telemetry_logger, LightningTelemetryLogger)
+                    and telemetry_logger.callback is self
+                ):
+                    check_log_prefix(telemetry_logger.prefix, self.telemetry, "LightningTelemetryLogger")
+        except ValueError:
+            telemetry, self.telemetry = self.telemetry, None
+            telemetry.close()  # every rank fails the same check: the close is collective on all of them
+            raise
         self.global_step = trainer.global_step
         if self._pending_state is not None:
             self.telemetry.load_state_dict(self._pending_state)
@@ -174,12 +188,18 @@ class LightningTelemetryLogger(pl.loggers.Logger):
     become the run config when the callback builds the run at `setup`; ones
     logged later are reported in a warning, since the exporters have started.
 
+    Every logged name keeps its own value under `prefix` (`self.log("train_loss")` is
+    `lightning/train_loss`, `self.log("train/loss")` `lightning/train/loss`, Lightning's
+    `epoch` `lightning/epoch`), so it never collides with the callback's metrics (its
+    `train/loss`) or the built-in signals. The callback's `setup` raises `ValueError` when
+    the prefix is empty or a metric of the run is named under it.
+
     Args:
         callback: the callback whose `Telemetry` exports the values.
         prefix: prepended to every logged name.
     """
 
-    def __init__(self, callback: LightningTelemetryCallback, *, prefix: str = "") -> None:
+    def __init__(self, callback: LightningTelemetryCallback, *, prefix: str = LIGHTNING_PREFIX) -> None:
         super().__init__()
         self.callback = callback
         self.prefix = prefix

@@ -16,7 +16,7 @@ import torch
 from torchtelemetry.report import ScalarValue
 from torchtelemetry.telemetry import Telemetry
 
-__all__ = ["TelemetryMetricLogger"]
+__all__ = ["TelemetryMetricLogger", "check_log_prefix"]
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +85,28 @@ class TelemetryMetricLogger:
         if name not in self._skipped:
             self._skipped.add(name)
             logger.warning("TelemetryMetricLogger: %r skipped: %s", name, reason)
+
+
+def check_log_prefix(prefix: str, telemetry: Telemetry, owner: str) -> None:
+    """Raise `ValueError` unless `prefix` keeps a framework's own log names apart from the run's metrics.
+
+    A framework logs names of its own choosing (`train_loss`, `train/loss`, `epoch`, the Hugging Face
+    Trainer's `train_samples_per_second`), some of which the run already exports (the callback's
+    `train/loss`, the built-in `train/samples_per_second`). Under a prefix no metric of the run uses,
+    they can never collide, so nothing is replaced or dropped while training.
+    """
+    if not prefix.strip("/"):
+        raise ValueError(
+            f"{owner}.prefix: must not be empty (got {prefix!r}): the framework's log names would share the "
+            "run's namespace (its `train_loss` is the metric train/loss in Prometheus); keep the default or "
+            "pass another, e.g. prefix='trainer/'"
+        )
+    taken = sorted(d.name for d in telemetry.descriptors if d.name.startswith(prefix))
+    if taken:
+        raise ValueError(
+            f"{owner}.prefix: {prefix!r} is where the framework's own logs go, but the run already has "
+            f"metrics there ({taken}); rename them or pass another prefix"
+        )
 
 
 def _scalar(value: Any) -> ScalarValue | None:
