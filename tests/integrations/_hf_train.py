@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 import os
 import sys
+import urllib.request
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
-from torchtelemetry import JsonlExporter, MaxMetric, SumMetric, WeightedMeanMetric
+from torchtelemetry import JsonlExporter, MaxMetric, PrometheusExporter, SumMetric, WeightedMeanMetric
 from torchtelemetry.integrations import TrainerTelemetryCallback
 
 STEPS = 6
@@ -28,7 +29,9 @@ class TokenDataset(torch.utils.data.Dataset):
         return len(self.ids)
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[index], "labels": self.ids[index]}
+        labels = self.ids[index].clone()
+        labels[0] = -100  # predicts nothing: kept out of the Trainer's token count (num_items_in_batch)
+        return {"input_ids": self.ids[index], "labels": labels}
 
 
 def main(out: Path) -> None:
@@ -54,10 +57,13 @@ def main(out: Path) -> None:
             records.append(
                 {"sum": detached.sum().item(), "count": detached.numel(), "max": detached.max().item()}
             )
-        return token_loss.mean()
+        # The Trainer multiplies the loss by the number of processes (it expects a sum over the step's
+        # label tokens on every process, num_items_in_batch): a local mean would be logged twice too big.
+        return token_loss.sum() / num_items_in_batch
 
+    prometheus = PrometheusExporter(port=0)
     callback = TrainerTelemetryCallback(
-        metrics, [JsonlExporter(out / f"telemetry-rank{rank}.jsonl")], run_id="hf-test"
+        metrics, [JsonlExporter(out / f"telemetry-rank{rank}.jsonl"), prometheus], run_id="hf-test"
     )
     args = TrainingArguments(
         output_dir=str(out / "trainer"),
@@ -66,7 +72,7 @@ def main(out: Path) -> None:
         per_device_eval_batch_size=2,
         logging_steps=LOGGING_STEPS,
         learning_rate=1e-3,
-        lr_scheduler_type="constant",
+        lr_scheduler_type="linear",  # a new learning rate every step
         save_strategy="no",
         report_to="none",
         use_cpu=True,
@@ -85,8 +91,16 @@ def main(out: Path) -> None:
     trainer.add_callback(callback)
     trainer.train()
     eval_metrics = trainer.evaluate()
+    callback.telemetry.flush()
+    scraped = urllib.request.urlopen(prometheus.url).read().decode() if prometheus.url else ""
     callback.close()
-    result = {"records": records, "log_history": trainer.state.log_history, "eval": eval_metrics}
+    result = {
+        "records": records,
+        "log_history": trainer.state.log_history,
+        "eval": eval_metrics,
+        "scraped": scraped,
+        "prometheus_errors": prometheus.errors,
+    }
     (out / f"rank{rank}.json").write_text(json.dumps(result))
 
 

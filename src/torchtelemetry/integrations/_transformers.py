@@ -5,15 +5,20 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import torch
+
 from torchtelemetry._optional import import_optional
 from torchtelemetry.export import Exporter
-from torchtelemetry.integrations._torchtitan import TelemetryMetricLogger
+from torchtelemetry.integrations._torchtitan import TelemetryMetricLogger, check_log_prefix
 from torchtelemetry.metric import metric_leaves
 from torchtelemetry.telemetry import Telemetry, TelemetryConfig
 
 transformers = import_optional("transformers", "transformers", "TrainerTelemetryCallback")
 
-__all__ = ["TrainerTelemetryCallback"]
+__all__ = ["HF_PREFIX", "TrainerTelemetryCallback"]
+
+HF_PREFIX = "hf/"
+"""Where `TrainerTelemetryCallback` puts the Trainer's own logs (`hf/loss`, `hf/train_runtime`, ...)."""
 
 
 class TrainerTelemetryCallback(transformers.TrainerCallback):
@@ -32,9 +37,15 @@ class TrainerTelemetryCallback(transformers.TrainerCallback):
     `logging_steps` / `logging_strategy`) it schedules one coalesced collection
     of all metrics, without waiting. The Trainer's own logs (`on_log`, and
     evaluation metrics from `on_evaluate`) reach the exporters too, in the same
-    report as that step's collection. Only world process zero exports.
-    `on_train_end` exports the last partial window and flushes the exporters;
-    they stay open for later `evaluate()` logs until `close()`.
+    report as that step's collection, each under `prefix` with its value unchanged
+    (`hf/loss`, `hf/learning_rate`, `hf/eval_loss`, and the end-of-training summary
+    `hf/train_runtime`, `hf/train_samples_per_second`, ...), so no name of the Trainer
+    can collide with the run's metrics or the built-in signals (`train/samples_per_second`);
+    `on_train_begin` raises `ValueError` when the prefix is empty or a metric is named under
+    it. The built-in `train/learning_rate` is the learning rate the Trainer logs for the
+    step: the one the optimizer step used, read before the scheduler steps. Only world
+    process zero exports. `on_train_end` exports the last partial window and flushes the
+    exporters; they stay open for later `evaluate()` logs until `close()`.
 
     Args:
         metrics: torchtelemetry metrics by name, updated by the training code.
@@ -51,7 +62,7 @@ class TrainerTelemetryCallback(transformers.TrainerCallback):
         exporters: Sequence[Exporter] | str = (),
         config: TelemetryConfig | None = None,
         *,
-        prefix: str = "",
+        prefix: str = HF_PREFIX,
         **fields: Any,
     ) -> None:
         if "every" in fields:
@@ -68,7 +79,7 @@ class TrainerTelemetryCallback(transformers.TrainerCallback):
         """The run's `Telemetry` from `on_train_begin` until `close()`."""
         self._logs: TelemetryMetricLogger | None = None
         self._last_log: tuple[int, dict[str, Any]] = (-1, {})
-        self._reports_learning_rate = False
+        self._learning_rate: float | None = None
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Build the `Telemetry` on every process (binding the collector is collective)."""
@@ -80,16 +91,30 @@ class TrainerTelemetryCallback(transformers.TrainerCallback):
             run_config={**args.to_sanitized_dict(), **self.config.run_config},
         )
         self.telemetry = Telemetry(self.metrics, self.exporters, config)
+        try:
+            check_log_prefix(self.prefix, self.telemetry, "TrainerTelemetryCallback")
+        except ValueError:
+            self.close()  # every process fails the same check: the close is collective on all of them
+            raise
         self._logs = TelemetryMetricLogger(self.telemetry, prefix=self.prefix)
 
-    def on_step_end(
-        self, args: Any, state: Any, control: Any, lr_scheduler: Any = None, **kwargs: Any
+    def on_optimizer_step(
+        self,
+        args: Any,
+        state: Any,
+        control: Any,
+        lr_scheduler: Any = None,
+        optimizer: Any = None,
+        **kwargs: Any,
     ) -> None:
+        """Read the learning rate the step used, before the scheduler steps (what the Trainer logs)."""
+        self._learning_rate = _learning_rate(lr_scheduler, optimizer)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """`Telemetry.step`; one collection when the Trainer is about to log (every process)."""
         if self.telemetry is None:
             return
-        learning_rate = _learning_rate(lr_scheduler)
-        self._reports_learning_rate = learning_rate is not None and self.telemetry.config.signals
+        learning_rate, self._learning_rate = self._learning_rate, None
         self.telemetry.step(state.global_step, learning_rate=learning_rate)
         if control.should_log:
             self.telemetry.schedule_collection()
@@ -102,15 +127,18 @@ class TrainerTelemetryCallback(transformers.TrainerCallback):
     def on_log(
         self, args: Any, state: Any, control: Any, logs: Mapping[str, Any] | None = None, **kwargs: Any
     ) -> None:
-        """Export the Trainer's logs from world process zero, with the collection of this step.
+        """Export the Trainer's logs (under `prefix`) from world process zero, with this step's collection.
 
-        Its `learning_rate` is left out when the built-in `train/learning_rate` signal reports it.
+        They are read from the Trainer's own record of them (`state.log_history`): callbacks called
+        earlier may change `logs` (the Trainer's `PrinterCallback` pops `total_flos`).
         """
-        if self._logs is not None and logs:
-            if self._reports_learning_rate:
-                logs = {key: value for key, value in logs.items() if key != "learning_rate"}
-            self._logs.log(logs, state.global_step)
-            self._last_log = (state.global_step, dict(logs))
+        if self._logs is None or not logs:
+            return
+        record = state.log_history[-1] if state.log_history else {}
+        if record.get("step") == state.global_step and all(record.get(k) == v for k, v in logs.items()):
+            logs = {key: value for key, value in record.items() if key != "step"}
+        self._logs.log(logs, state.global_step)
+        self._last_log = (state.global_step, dict(logs))
 
     def on_evaluate(
         self, args: Any, state: Any, control: Any, metrics: Mapping[str, Any] | None = None, **kwargs: Any
@@ -139,11 +167,19 @@ class TrainerTelemetryCallback(transformers.TrainerCallback):
             telemetry.close()
 
 
-def _learning_rate(lr_scheduler: Any) -> float | None:
-    if lr_scheduler is None:
-        return None
+def _learning_rate(lr_scheduler: Any, optimizer: Any) -> float | None:
+    """The scheduler's last learning rate, else the optimizer's (ReduceLROnPlateau), as the Trainer reads."""
     try:
-        lr = lr_scheduler.get_last_lr()[0]
-    except (AttributeError, IndexError, RuntimeError):
+        if lr_scheduler is not None and not isinstance(
+            lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau
+        ):
+            lr = lr_scheduler.get_last_lr()[0]
+        elif optimizer is not None:
+            lr = optimizer.param_groups[0]["lr"]
+        else:
+            return None
+    except (AttributeError, IndexError, KeyError, RuntimeError, AssertionError):
         return None
-    return lr if isinstance(lr, float) else None
+    if isinstance(lr, torch.Tensor):
+        lr = lr.item()
+    return float(lr) if isinstance(lr, (float, int)) else None
