@@ -9,6 +9,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.servers import PrometheusServer, binary, http_get
 from tests.stack._stack import (
@@ -57,21 +58,52 @@ def test_promtool_accepts_the_config_for_a_prometheus_outside_docker() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def _documented_additions() -> dict:
+    """The `rule_files` and `scrape_configs` entries docs/stack.md tells a Prometheus owner to add."""
+    section = STACK_DOC.read_text().split("## Prometheus outside Docker", 1)[1].split("\n## ", 1)[0]
+    (snippet,) = re.findall(r"```yaml\n(.*?)```", section, re.DOTALL)
+    return yaml.safe_load(snippet)
+
+
+def test_the_documented_jobs_are_the_shipped_host_config() -> None:
+    added = _documented_additions()
+    host = load_yaml(PROMETHEUS_HOST_CONFIG)
+    own = [job for job in host["scrape_configs"] if job["job_name"] != "prometheus"]
+    assert sorted(added["scrape_configs"], key=str) == sorted(own, key=str)
+    assert (
+        "cp exporters/prometheus/prometheus-host.yml /etc/prometheus/prometheus.yml"
+        not in STACK_DOC.read_text()
+    )
+
+
 @pytest.mark.skipif(binary("prometheus") is None, reason="prometheus not installed")
-def test_a_real_prometheus_outside_docker_scrapes_the_trainer_and_loads_every_alert(tmp_path) -> None:
+def test_an_existing_prometheus_with_the_documented_additions_scrapes_the_trainer(tmp_path) -> None:
+    """A Prometheus owner's config keeps its own job and rules and gains the trainer's routes and alerts."""
     exporter = PrometheusExporter(port=0)
     telemetry = Telemetry({"train": {"loss": WeightedMeanMetric()}}, [exporter], every=1, run_id="host")
     telemetry.step(0)
     telemetry.flush()
-    # The shipped file, with the trainer's port as it is in this test.
-    config = PROMETHEUS_HOST_CONFIG.read_text().replace("127.0.0.1:9464", f"127.0.0.1:{exporter.port}")
-    (tmp_path / "alerts.yml").write_text(ALERTS.read_text())
+    own_rules = {"groups": [{"name": "mine", "rules": [{"record": "mine:up", "expr": "up"}]}]}
+    (tmp_path / "mine.yml").write_text(yaml.safe_dump(own_rules))
+    existing = {
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "rule_files": ["mine.yml"],
+        "scrape_configs": [{"job_name": "mine", "static_configs": [{"targets": ["127.0.0.1:1"]}]}],
+    }
+    added = yaml.safe_dump(_documented_additions()).replace("127.0.0.1:9464", f"127.0.0.1:{exporter.port}")
+    additions = yaml.safe_load(added)
+    config = {**existing, **{key: existing[key] + additions[key] for key in ("rule_files", "scrape_configs")}}
+    (tmp_path / "torchtelemetry-alerts.yml").write_text(ALERTS.read_text())  # the documented cp
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
+    checked = _promtool("check", "config", str(tmp_path / "prometheus.yml"))
+    assert checked.returncode == 0, checked.stdout + checked.stderr
     try:
-        with _ShippedConfigPrometheus(tmp_path, config) as prometheus:
+        with _ShippedConfigPrometheus(tmp_path, yaml.safe_dump(config)) as prometheus:
             assert prometheus.wait_for('torchtelemetry_train_step{job="torchtelemetry", run="host"}')
+            assert prometheus.wait_for('up{job="mine"}'), "the owner's own job is still there"
             groups = json.loads(http_get(f"{prometheus.url}/api/v1/rules"))["data"]["groups"]
             loaded = {rule["name"] for group in groups for rule in group["rules"]}
-            assert loaded == {rule.get("alert") or rule["record"] for rule in rules()}
+            assert loaded == {"mine:up"} | {rule.get("alert") or rule["record"] for rule in rules()}
     finally:
         telemetry.close()
 

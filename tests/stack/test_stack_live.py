@@ -131,7 +131,7 @@ def test_every_panel_and_alert_on_a_real_two_rank_run(
 ) -> None:
     run_id, port, stop_file = f"stack-{tree}-{uuid.uuid4().hex[:8]}", free_port(), tmp_path / "stop"
     jobs = {job["job_name"]: job for job in load_yaml(PROMETHEUS_HOST_CONFIG)["scrape_configs"]}
-    gateway_job = "pushgateway"
+    gateway_job = "torchtelemetry-pushgateway"
     assert {JOB, gateway_job} <= set(jobs), "the shipped config scrapes both routes"
     prometheus.scrape(JOB, [f"127.0.0.1:{port}"], honor_labels=jobs[JOB].get("honor_labels", False))
     prometheus.scrape(gateway_job, [pushgateway.address], honor_labels=jobs[gateway_job]["honor_labels"])
