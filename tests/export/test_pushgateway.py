@@ -60,10 +60,13 @@ def test_group_key_and_keep_on_close(pushgateway: PushgatewayServer) -> None:
     (group,) = groups_of(pushgateway, RUN.run_id)
     assert group == {"job": "trainer", "node": "n1", "run": RUN.run_id}
     body = http_get(f"{pushgateway.url}/metrics").decode()
-    assert 'torchtelemetry_train_step{instance="",job="trainer",node="n1",route="pushgateway",run="run-1"} 4' in body
     assert (
-        'torchtelemetry_grad_norm_bucket{instance="",job="trainer",node="n1",route="pushgateway",run="run-1",le="+Inf"} 10'
+        'torchtelemetry_train_step{instance="",job="trainer",node="n1",route="pushgateway",run="run-1"} 4'
         in body
+    )
+    assert (
+        'torchtelemetry_grad_norm_bucket{instance="",job="trainer",node="n1",route="pushgateway",run="run-1",'
+        'le="+Inf"} 10' in body
     )
 
 

@@ -13,7 +13,7 @@ from torchtelemetry.export._hub import ExportHub, NullHub
 from torchtelemetry.export._jsonl import JsonlExporter
 from torchtelemetry.export._mlflow import MLflowExporter
 from torchtelemetry.export._otel import OTelExporter
-from torchtelemetry.export._prometheus import PrometheusExporter
+from torchtelemetry.export._prometheus import UNKNOWN_INTERVAL_S, PrometheusExporter, final_scrape_due
 from torchtelemetry.export._protocol import RUN_ID_ENV, Exporter, ExporterStartError, ExportResult, RunInfo
 from torchtelemetry.export._pushgateway import PushgatewayExporter
 from torchtelemetry.export._registry import available_exporters, exporter_class, exporters_from_spec
@@ -28,6 +28,7 @@ __all__ = [
     "ROUTE_LABEL",
     "RUN_ID_ENV",
     "RUN_LABEL",
+    "UNKNOWN_INTERVAL_S",
     "BaseExporter",
     "ConsoleExporter",
     "ExportHub",
@@ -53,5 +54,6 @@ __all__ = [
     "available_exporters",
     "exporter_class",
     "exporters_from_spec",
+    "final_scrape_due",
     "histogram_edges",
 ]

@@ -8,7 +8,9 @@ label); the scrape endpoint and the Pushgateway exporter both expose it.
 
 from __future__ import annotations
 
+import collections
 import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +33,9 @@ from torchtelemetry.report import (
 )
 
 __all__ = ["ROUTES", "ROUTE_LABEL", "RUN_LABEL", "PrometheusCollector", "import_prometheus_client"]
+
+_SCRAPES_KEPT = 9
+"""Delivered scrapes remembered, for the scrape cadence."""
 
 RUN_LABEL = "run"
 """Label carrying `RunInfo.run_id` on every series."""
@@ -81,6 +86,7 @@ class PrometheusCollector:
         self._reading = threading.local()
         self.scrapes = 0
         """`collect()` calls so far (scrapes of the endpoint, pushes to a gateway)."""
+        self._delivered_at: collections.deque[float] = collections.deque(maxlen=_SCRAPES_KEPT)
         self._series: dict[str, _Series] = {}
         self._run_id: str | None = None
         self._families: list[Any] = []
@@ -166,7 +172,13 @@ class PrometheusCollector:
         self._reading.generation = None
         with self._scraped:
             self._scraped_generation = max(self._scraped_generation, generation)
+            self._delivered_at.append(time.monotonic())
             self._scraped.notify_all()
+
+    def delivered_at(self) -> list[float]:
+        """`time.monotonic()` of the latest scrapes sent whole (at most the last few), oldest first."""
+        with self._lock:
+            return list(self._delivered_at)
 
     def clear(self) -> None:
         """Forget every reported value."""
