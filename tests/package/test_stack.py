@@ -77,8 +77,8 @@ def test_flags_move_the_scrape_targets_outside_the_compose_stack(tmp_path: Path)
         prometheus_configs(repository)["exporters/prometheus/prometheus-host.yml"]
     ) | {
         "torchtelemetry": ["node7:9500"],
-        "pushgateway": ["gw:9092"],
-        "otel-collector": ["col:18889"],
+        "torchtelemetry-pushgateway": ["gw:9092"],
+        "torchtelemetry-otel-collector": ["col:18889"],
     }
     for name in files.keys() - configs.keys():
         assert files[name] == repository[name], f"{name} changed although it is no Prometheus config"
