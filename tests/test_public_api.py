@@ -26,6 +26,7 @@ PUBLIC = [
     "PerRankMetric",
     "PrometheusExporter",
     "PushgatewayExporter",
+    "StopOnSignal",
     "SumMetric",
     "Telemetry",
     "TelemetryConfig",

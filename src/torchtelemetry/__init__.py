@@ -35,6 +35,7 @@ from torchtelemetry.metric import (
     WeightedMeanMetric,
     sync_metrics,
 )
+from torchtelemetry.stop import StopOnSignal
 from torchtelemetry.telemetry import Telemetry, TelemetryStartupError
 
 __all__ = [
@@ -55,6 +56,7 @@ __all__ = [
     "PerRankMetric",
     "PrometheusExporter",
     "PushgatewayExporter",
+    "StopOnSignal",
     "SumMetric",
     "Telemetry",
     "TelemetryConfig",

@@ -1,10 +1,9 @@
-"""One rank's training loop: DDP training, metric updates, `Telemetry`, a Ctrl-C all ranks agree on."""
+"""One rank's training loop: DDP training, metric updates, `Telemetry`, a Ctrl-C all ranks agree on
+(`StopOnSignal`)."""
 
 from __future__ import annotations
 
-import signal
 import time
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -58,14 +57,12 @@ def train(config: DemoConfig, rank: int, world_size: int, device: torch.device) 
     )
     if rank == 0:
         print_banner(config, telemetry, world_size, device)
-    stop = _StopFlag()
+    stop = tt.StopOnSignal(every=config.every)
     progress = progress_bar(config, enabled=rank == 0)
     last_step = -1
-    status = 0
     try:
         for step in range(config.steps):
-            if step % config.every == 0 and stop.agreed(device):
-                status = INTERRUPTED_EXIT_CODE
+            if stop.agreed():
                 break
             learning_rate = learning_rate_at(config, step)
             result = train_step(ddp, optimizer, synthetic_batch(generator, config, device), learning_rate)
@@ -80,6 +77,7 @@ def train(config: DemoConfig, rank: int, world_size: int, device: torch.device) 
         telemetry.close()
         if progress is not None:
             progress.close()
+    status = INTERRUPTED_EXIT_CODE if stop.signum is not None else 0
     if rank == 0:
         print_summary(telemetry, last_step, status)
     return status
@@ -91,22 +89,3 @@ def _agree_on_run_id(run_id: str | None, device: torch.device) -> str:
     chosen = [RunInfo.create(run_id).run_id if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(chosen, src=0, device=device)
     return str(chosen[0])
-
-
-class _StopFlag:
-    """Ctrl-C sets a flag; ranks agree on it every `every` steps so they all stop at the same step."""
-
-    def __init__(self) -> None:
-        self.requested = False
-        self._previous = signal.signal(signal.SIGINT, self._on_signal)
-
-    def _on_signal(self, signum: int, frame: Any) -> None:
-        self.requested = True
-
-    def agreed(self, device: torch.device) -> bool:
-        flag = torch.tensor([1.0 if self.requested else 0.0], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
-
-    def restore(self) -> None:
-        signal.signal(signal.SIGINT, self._previous)
