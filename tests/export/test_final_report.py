@@ -182,6 +182,13 @@ def test_the_pushgateway_keeps_the_final_report_marked_finished(
         prometheus, "torchtelemetry_tokens_total", run_id, lambda total: total == STEPS * TOKENS_PER_STEP
     )
     assert _reaches(prometheus, "torchtelemetry_run_finished_timestamp_seconds", run_id, lambda at: at > 0)
+    # The closed run's health, as the gateway keeps it: every report exported, none one short.
+    exported = telemetry.hub.health()["pushgateway"].exported_reports
+    assert exported == 5  # windows ending at 1, 3, 5, 7 and the partial one at 8
+    assert (
+        f'torchtelemetry_exporter_exported_reports_total{{exporter="pushgateway",instance="",job="torchtelemetry",'
+        f'route="pushgateway",run="{run_id}"}} {exported}' in body
+    )
 
 
 def test_keep_on_close_false_deletes_the_group(pushgateway: PushgatewayServer) -> None:

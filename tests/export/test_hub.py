@@ -108,7 +108,8 @@ def test_fan_out_health_and_close(tmp_path: Path) -> None:
     assert [step for step, _ in recorder.reports] == [1, 2, 3, 4, 5]
     # The hub's health travels with every report, as counters labelled by exporter.
     step, last = recorder.reports[-1]
-    assert last["exporter/exported_reports"]["recorder"] == 4.0  # as of this report: 4 exported before it
+    # A report counts itself where it arrives: the last one says all 5 arrived (not 4 forever).
+    assert last["exporter/exported_reports"]["recorder"] == 5.0
     assert last["exporter/errors"] == {"jsonl": 0.0, "recorder": 0.0}
     described = {d.name: d for d in recorder.described[0]}
     assert described["exporter/exported_reports"].kind is MetricKind.COUNTER

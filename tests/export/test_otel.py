@@ -240,7 +240,7 @@ def test_two_ranks_export_exact_global_values(protocol, http_receiver, grpc_rece
     }
     assert len(starts) == 1  # cumulative series keep one start time
     health = metrics_by_name(received[-1].request)["exporter.exported_reports"].sum.data_points
-    assert {attributes(p.attributes)["exporter"]: p.as_double for p in health} == {"otlp": 2.0}
+    assert {attributes(p.attributes)["exporter"]: p.as_double for p in health} == {"otlp": 3.0}
 
 
 # -- configuration ----------------------------------------------------------------------

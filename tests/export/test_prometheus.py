@@ -170,7 +170,7 @@ def check_observations(result: dict[str, Any]) -> None:
             assert seen[key] == value, (step, key)
     last_updates = [o["last_update"] for o in observed]
     assert last_updates == sorted(last_updates)
-    assert [o["reports_total"] for o in observed] == [0.0, 1.0, 2.0]  # health as of each report
+    assert [o["reports_total"] for o in observed] == [1.0, 2.0, 3.0]  # each report counts itself
     assert "step" not in observed[-1]["label_names"]
     assert {"run", "rank", "exporter", "le"} <= set(observed[-1]["label_names"])
     assert result["health"].exported_reports == STEPS and result["health"].errors == 0

@@ -53,7 +53,7 @@ def test_two_ranks_event_files_hold_exact_values_buckets_and_config(tmp_path: Pa
     assert [e.value for e in scalars["tokens"]] == [values["tokens"] for values in expected]  # running totals
     for rank in ("0", "1"):
         assert [e.value for e in scalars[f"step_time/rank_{rank}"]] == [0.25 * (int(rank) + 1)] * 3
-    assert [e.value for e in scalars["exporter/exported_reports/exporter_tensorboard"]] == [0.0, 1.0, 2.0]
+    assert [e.value for e in scalars["exporter/exported_reports/exporter_tensorboard"]] == [1.0, 2.0, 3.0]
 
     histograms = events.Histograms("grad_norm")
     assert [(h.step, h.wall_time) for h in histograms] == list(zip(STEPS, TIMESTAMPS, strict=True))

@@ -101,23 +101,32 @@ def _panel_expr(dashboard: dict[str, Any], title: str) -> str:
     return target["expr"]
 
 
+EXPORTER_OF_ROUTE = {"scrape": "prometheus", "pushgateway": "pushgateway"}
+
+
 def _check_totals(url: str, values: dict[str, str], at: float) -> list[str]:
-    """The stat panels' totals against what the run fed up to the step of the report they show."""
+    """The stat panels' totals against what the run fed up to the step of the report they show:
+    tokens and samples, and the reports exported by the exporter of the route (every report is a
+    window of `every=2` steps; the report counts itself)."""
     selector = f'job="{values["job"]}", run="{values["run"]}", route="{values["route"]}"'
     (step,) = query(url, f"torchtelemetry_train_step{{{selector}}}", at=at)
     steps = step.value + 1  # the report of step s covers steps 0..s
     expected = {
         "Tokens seen": [steps * TOKENS * WORLD_SIZE],
         "Samples seen": [steps * SAMPLES * WORLD_SIZE],
+        "Reports exported": [steps / 2],
     }
+    exporter = EXPORTER_OF_ROUTE[values["route"]]
     wrong = []
     for dashboard in dashboards().values():
         for title, truth in expected.items():
             if not any(panel["title"] == title for panel in panels(dashboard)):
                 continue
+            expr = substitute(_panel_expr(dashboard, title), values)
             shown = [
                 sample.value
-                for sample in query(url, substitute(_panel_expr(dashboard, title), values), at=at)
+                for sample in query(url, expr, at=at)
+                if sample.labels.get("exporter", exporter) == exporter
             ]
             if shown != truth:
                 wrong.append(f"{title} ({values['route']}): {shown}, fed {truth} by step {step.value:.0f}")

@@ -54,9 +54,10 @@ class _Barrier:
 class ExporterQueue:
     """One exporter behind a bounded queue, exported on its own named daemon thread.
 
-    `extra_values` is called on the thread before each export; its values (the hub's health
-    metrics) join the report. Counters and histograms reach the exporter in the temporality it
-    prefers (`preferred_temporality`; a bad declaration raises `ValueError` here).
+    `extra_values(name)` is called on the thread before each export, with this exporter's name;
+    its values (the hub's health metrics) join the report. Counters and histograms reach the
+    exporter in the temporality it prefers (`preferred_temporality`; a bad declaration raises
+    `ValueError` here).
     """
 
     def __init__(
@@ -65,7 +66,7 @@ class ExporterQueue:
         *,
         run: RunInfo,
         queue_size: int,
-        extra_values: Callable[[], Scalars] = dict,
+        extra_values: Callable[[str], Scalars] = lambda name: {},
     ) -> None:
         self.exporter = exporter
         self.name = exporter.name
@@ -206,7 +207,7 @@ class ExporterQueue:
                     return
 
     def _export(self, report: _Report) -> None:
-        scalars = self._converter.convert({**report.scalars, **self._extra_values()}, report.window)
+        scalars = self._converter.convert({**report.scalars, **self._extra_values(self.name)}, report.window)
         try:
             result = self.exporter.export(report.step, scalars, report.timestamp)
         except Exception as error:
