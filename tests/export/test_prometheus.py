@@ -406,3 +406,37 @@ def test_a_series_keeps_its_last_value_when_a_report_does_not_carry_it() -> None
     assert 'torchtelemetry_eval_loss{route="scrape",run="r"} 2.5' in text
     assert 'torchtelemetry_last_update_timestamp_seconds{route="scrape",run="r"} 101.0' in text
     exporter.close()
+
+
+@pytest.mark.parametrize(
+    ("accept", "openmetrics"),
+    [
+        ("application/openmetrics-text; version=0.0.1,text/plain;version=0.0.4;q=0.5,*/*;q=0.1", True),
+        ("application/openmetrics-text", True),
+        ("application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5", True),
+        ("text/plain;version=0.0.4", False),
+        ("*/*", False),
+    ],
+    ids=["prometheus-2.30", "bare", "prometheus-2.42", "text", "any"],
+)
+def test_the_endpoint_answers_an_openmetrics_accept_in_openmetrics(accept: str, openmetrics: bool) -> None:
+    """Any `application/openmetrics-text` entry gets OpenMetrics (the draft version 0.0.1 that
+    Prometheus before 2.31 asks for got the classic text format)."""
+    import urllib.request
+
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families as openmetrics_families
+
+    exporter = PrometheusExporter(port=0)
+    exporter.describe([MetricDescriptor("tokens", MetricKind.COUNTER)], RunInfo(run_id="om"))
+    exporter.export(3, {"tokens": 12.0}, 1.0)
+    try:
+        request = urllib.request.Request(exporter.url, headers={"Accept": accept})
+        with urllib.request.urlopen(request, timeout=10) as response:
+            content_type, body = response.headers["Content-Type"], response.read().decode()
+    finally:
+        exporter.close(5)
+    assert content_type.startswith("application/openmetrics-text") is openmetrics, content_type
+    assert body.endswith("# EOF\n") is openmetrics
+    parse = openmetrics_families if openmetrics else text_string_to_metric_families
+    samples = {sample.name: sample.value for family in parse(body) for sample in family.samples}
+    assert samples["torchtelemetry_tokens_total"] == 12.0

@@ -32,7 +32,15 @@ from torchtelemetry.report import (
     prometheus_name,
 )
 
-__all__ = ["ROUTES", "ROUTE_LABEL", "RUN_LABEL", "PrometheusCollector", "import_prometheus_client"]
+__all__ = [
+    "ROUTES",
+    "ROUTE_LABEL",
+    "RUN_LABEL",
+    "PrometheusCollector",
+    "import_prometheus_client",
+    "openmetrics_accept",
+    "openmetrics_handler",
+]
 
 _SCRAPES_KEPT = 9
 """Delivered scrapes remembered, for the scrape cadence."""
@@ -52,6 +60,37 @@ def import_prometheus_client() -> Any:
     for module in ("prometheus_client.metrics_core", "prometheus_client.utils"):
         import_optional(module, "prometheus", "the Prometheus exporters")
     return import_optional("prometheus_client", "prometheus", "the Prometheus exporters")
+
+
+def openmetrics_accept(header: str) -> str:
+    """`header` with every `application/openmetrics-text` entry asking for version 1.0.0.
+
+    prometheus_client serves OpenMetrics 1.0.0 only for an entry naming that version (or none):
+    `application/openmetrics-text; version=0.0.1`, which Prometheus before 2.31 and other scrapers
+    send, got the classic text format. 0.0.1 is the draft name of the same format, so every
+    OpenMetrics entry is answered in it; other entries and the order are kept.
+    """
+    entries = []
+    for entry in header.split(","):
+        media, *params = (part.strip() for part in entry.split(";"))
+        if media.lower() == "application/openmetrics-text":
+            params = ["version=1.0.0", *(p for p in params if not p.lower().startswith("version="))]
+        entries.append(";".join([media, *params]))
+    return ",".join(entries)
+
+
+def openmetrics_handler(handler: type) -> type:
+    """prometheus_client's WSGI request handler class `handler`, answering any OpenMetrics `Accept`
+    in OpenMetrics (`openmetrics_accept`)."""
+
+    class OpenMetricsHandler(handler):  # type: ignore[misc, valid-type]
+        def get_environ(self) -> dict[str, Any]:
+            environ = super().get_environ()
+            if environ.get("HTTP_ACCEPT"):
+                environ["HTTP_ACCEPT"] = openmetrics_accept(environ["HTTP_ACCEPT"])
+            return environ
+
+    return OpenMetricsHandler
 
 
 @dataclass(frozen=True, slots=True)

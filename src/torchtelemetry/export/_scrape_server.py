@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from torchtelemetry.export._base import LogThrottle
-from torchtelemetry.export._exposition import import_prometheus_client
+from torchtelemetry.export._exposition import import_prometheus_client, openmetrics_handler
 
 __all__ = ["DEFAULT_IDLE_TIMEOUT_S", "DEFAULT_MAX_CONNECTIONS", "HANDLER_THREAD_PREFIX", "ScrapeServer"]
 
@@ -67,6 +67,7 @@ class ScrapeServer:
         self._server.process_request = self._admit
         self._server.process_request_thread = self._serve
         self._server.handle_error = self._handle_error
+        self._server.RequestHandlerClass = openmetrics_handler(self._server.RequestHandlerClass)
         self._server.block_on_close = False  # close() joins the handler threads itself, under its deadline
 
     @property
