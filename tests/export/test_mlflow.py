@@ -6,6 +6,7 @@ import itertools
 import json
 import logging
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -71,7 +72,7 @@ def test_two_ranks_one_run_with_every_step_value_and_timestamp(store: str) -> No
     logged("tokens", [values["tokens"] for values in expected])  # counters: running totals
     logged("step_time/rank_0", [0.25] * 3)
     logged("step_time/rank_1", [0.5] * 3)
-    logged("exporter/exported_reports/exporter_mlflow", [0.0, 1.0, 2.0])
+    logged("exporter/exported_reports/exporter_mlflow", [1.0, 2.0, 3.0])
     # histograms: each interval's count, sum and mean
     totals = [NO_HISTOGRAM] + [values["grad_norm"] for values in expected]
     counts = [float(now["count"] - then["count"]) for then, now in itertools.pairwise(totals)]
@@ -95,16 +96,34 @@ def test_a_restarted_job_resumes_its_run_and_adds_only_new_params(store: str) ->
     assert [step for step, _, _ in history(store, run.info.run_id, "train/loss")] == [1, 2, 3, 4]
 
 
-def test_the_tracking_store_is_only_reached_off_the_training_thread(tmp_path: Path, caplog) -> None:
+def test_a_new_local_store_drops_no_report_while_mlflow_creates_it(tmp_path: Path) -> None:
+    """A fresh SQLite store takes MLflow's migrations (seconds): made as the exporter starts, not by
+    the first export while the loop runs on and the queue overflows (reports were dropped)."""
+    metrics = {"train": {"loss": tt.WeightedMeanMetric()}}
+    uri = f"sqlite:///{tmp_path / 'fresh.db'}"
+    exporter = tt.MLflowExporter(uri, experiment_name="fresh")
+    telemetry = tt.Telemetry(metrics, [exporter], every=1, queue_size=8, run_id="fresh", signals=False)
+    assert exporter.run_id is not None, "the store and the run exist once the Telemetry is built"
+    for step in range(12):  # 12 reports in 0.6 s: more than the queue holds while a store is created
+        metrics["train"]["loss"].update(torch.tensor([float(step)]))
+        telemetry.step(step)
+        time.sleep(0.05)  # the step's work
+    telemetry.close()
+    health = telemetry.hub.health()["mlflow"]
+    assert (health.exported_reports, health.dropped_reports, health.errors) == (12, 0, 0)
+    assert [step for step, _, _ in history(uri, exporter.run_id, "train/loss")] == list(range(12))
+
+
+def test_a_local_store_that_cannot_open_yet_is_retried_by_each_export(tmp_path: Path, caplog) -> None:
     blocker = tmp_path / "later"
     blocker.write_text("a file where the store's directory should be: the store cannot open yet")
     database = blocker / "mlflow.db"
     exporter = MLflowExporter(f"sqlite:///{database}", experiment_name="late")
     with caplog.at_level(logging.ERROR):
-        exporter.describe([LOSS], RunInfo(run_id="late"))  # what the training thread does
-        assert caplog.text == "" and exporter.run_id is None
+        exporter.describe([LOSS], RunInfo(run_id="late"))  # starts: tries the local store, logs
+        assert "cannot start an MLflow run" in caplog.text and "each export tries again" in caplog.text
+        assert exporter.run_id is None
         assert exporter.export(1, {"train/loss": 1.0}, 1.0) is ExportResult.FAILURE  # the exporter's thread
-    assert "cannot start an MLflow run" in caplog.text
     assert not exporter.force_flush()
     blocker.unlink()  # the store can open now: the next export makes the run
     assert exporter.export(2, {"train/loss": 2.0}, 2.0) is ExportResult.SUCCESS

@@ -43,18 +43,21 @@ class MLflowExporter(BaseExporter):
     name is `run_name`, else the run id; the `RunInfo` config updated with `config` becomes the
     run's params (values longer than MLflow's 6000 characters are cut, with a warning).
 
-    Nothing talks to MLflow on the training thread: the client, the experiment and the run are
-    made by the first export, on the exporter's thread, and retried by each export until they
-    exist, so an unreachable server costs failed (counted) exports, never training time. How
+    A tracking server is never contacted on the training thread: the client, the experiment and the
+    run are made by the first export, on the exporter's thread, and retried by each export until
+    they exist, so an unreachable server costs failed (counted) exports, never training time. How
     long one attempt may take is MLflow's own setting (`MLFLOW_HTTP_REQUEST_TIMEOUT`,
-    `MLFLOW_HTTP_REQUEST_MAX_RETRIES`). Each value becomes one metric at the report's step and
-    timestamp; a value per label one metric per label (`train/step_time/rank_0`). MLflow has
-    no histograms: the exporter prefers deltas for them (`preferred_temporality`), and each
-    histogram becomes the window's `<path>/count`, `<path>/sum` and `<path>/mean` (no mean in
-    a window without values). Counters stay running totals. The run ends (`FINISHED`) on close.
-    Keys are checked (`TrackerKeys`): a histogram's `<path>/count` against a metric `<path>/count`
-    raises `NameCollisionError` in `describe`; a label value sanitized into a key another label value
-    already has is left out of every report, logged, and the report counted as failed.
+    `MLFLOW_HTTP_REQUEST_MAX_RETRIES`). A local store (`sqlite:`, `file:` or a path) is made when
+    the exporter starts instead, as `Telemetry` is built: creating a SQLite store runs MLflow's
+    migrations (seconds), and reports that piled up meanwhile were dropped from a full queue. Each
+    value becomes one metric at the report's step and timestamp; a value per label one metric per
+    label (`train/step_time/rank_0`). MLflow has no histograms: the exporter prefers deltas for them
+    (`preferred_temporality`), and each histogram becomes the window's `<path>/count`, `<path>/sum`
+    and `<path>/mean` (no mean in a window without values). Counters stay running totals. The run
+    ends (`FINISHED`) on close. Keys are checked (`TrackerKeys`): a histogram's `<path>/count`
+    against a metric `<path>/count` raises `NameCollisionError` in `describe`; a label value
+    sanitized into a key another label value already has is left out of every report, logged, and
+    the report counted as failed.
     """
 
     preferred_temporality: ClassVar[Mapping[MetricKind, Temporality]] = {
@@ -91,8 +94,19 @@ class MLflowExporter(BaseExporter):
         self._keys.describe(descriptors)
 
     def _start(self, run: RunInfo) -> None:
-        """Only remember the run: the first export reaches the tracking store, off the training thread."""
+        """Remember the run; make a local store's run now (a tracking server's: at the first export)."""
         self._info = run
+        if not _is_local(self.tracking_uri):
+            return
+        try:
+            self._ensure_run()
+        except ExportFailed as error:
+            logger.error(
+                "MLflowExporter %r: %s (%s); each export tries again",
+                self.name,
+                error,
+                error.__cause__,
+            )
 
     def _export(self, step: int, scalars: Scalars, timestamp: float) -> None:
         """`log_batch` of every value at `step` and `timestamp` (in chunks of MLflow's 1000 metrics)."""
@@ -204,6 +218,12 @@ class MLflowExporter(BaseExporter):
                     yield field_key(key, "mean"), value.sum / value.count
             else:
                 yield key, value
+
+
+def _is_local(tracking_uri: str) -> bool:
+    """A store on this machine's disk (`sqlite:`, `file:`, a bare path), not a tracking server."""
+    scheme = tracking_uri.partition(":")[0].lower() if ":" in tracking_uri else ""
+    return scheme in ("", "sqlite", "file") or len(scheme) == 1  # a Windows drive letter
 
 
 def _quoted(text: str) -> str:
