@@ -22,9 +22,9 @@ from torchtelemetry.export import (
     MetricDescriptor,
     RunInfo,
     TensorBoardExporter,
-    histogram_edges,
 )
 from torchtelemetry.metric import MetricKind
+from torchtelemetry.report import NameCollisionError
 
 event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
 
@@ -57,17 +57,19 @@ def test_two_ranks_event_files_hold_exact_values_buckets_and_config(tmp_path: Pa
 
     histograms = events.Histograms("grad_norm")
     assert [(h.step, h.wall_time) for h in histograms] == list(zip(STEPS, TIMESTAMPS, strict=True))
-    edges = histogram_edges(BINS)
     totals = [NO_HISTOGRAM] + [values["grad_norm"] for values in expected]
-    for (before, now), event in zip(itertools.pairwise(totals), histograms, strict=True):
+    for index, ((before, now), event) in enumerate(zip(itertools.pairwise(totals), histograms, strict=True)):
         histogram = event.histogram_value
-        # the interval's exact buckets: upper limits are the bounds, then the drawn last edge
-        assert list(histogram.bucket_limit) == [*BINS, edges[-1]]
-        assert list(histogram.bucket) == [a - b for a, b in zip(now["counts"], before["counts"], strict=True)]
-        assert histogram.num == now["count"] - before["count"]
-        assert histogram.sum == pytest.approx(now["sum"] - before["sum"])
-        assert (histogram.min, histogram.max) == (edges[0], edges[-1])
-        assert math.isnan(histogram.sum_squares)  # not tracked: not invented
+        window = [a - b for a, b in zip(now["counts"], before["counts"], strict=True)]
+        # the interval's exact buckets between the bounds, and nothing drawn where no edge is known:
+        # the open outer buckets are scalars of their own
+        assert (histogram.min, list(histogram.bucket_limit)) == (BINS[0], BINS[1:])
+        assert list(histogram.bucket) == window[1:-1]
+        assert histogram.num == sum(window[1:-1])
+        assert math.isnan(histogram.sum) and math.isnan(histogram.sum_squares)  # not tracked: not invented
+        assert scalars["grad_norm/underflow"][index].value == window[0]
+        assert scalars["grad_norm/overflow"][index].value == window[-1]
+    assert sum(window[0] + window[-1] for window in _windows(totals)) > 0, "the outer buckets are used"
 
     (text,) = events.Tensors("run/config/text_summary")
     markdown = text.tensor_proto.string_val[0].decode()
@@ -104,13 +106,16 @@ def test_values_per_label_and_histograms_written_directly(tmp_path: Path) -> Non
     assert exporter.force_flush()  # on disk before close
     events = read_events(tmp_path)
     (histogram,) = events.Histograms("grad")
-    assert list(histogram.histogram_value.bucket) == [2.0, 0.0, 5.0, 1.0]
-    assert list(histogram.histogram_value.bucket_limit) == [-1.0, 0.0, 4.0, 8.0]
-    assert (histogram.histogram_value.min, histogram.histogram_value.num) == (-2.0, 8.0)
+    assert list(histogram.histogram_value.bucket) == [0.0, 5.0]  # (-1, 0] and (0, 4]
+    assert list(histogram.histogram_value.bucket_limit) == [0.0, 4.0]
+    assert (histogram.histogram_value.min, histogram.histogram_value.max) == (-1.0, 4.0)
+    assert histogram.histogram_value.num == 5.0
     assert {tag: events.Scalars(tag)[0].value for tag in events.Tags()["scalars"]} == {
         "perf/step_time/rank_0": 0.5,
         "perf/step_time/rank_1": 0.75,
         "queue/host_node-1_8080": 3.0,  # a label value cannot add path segments or odd characters
+        "grad/underflow": 2.0,  # at or below -1: no edge is known for them, so they are counted apart
+        "grad/overflow": 1.0,  # above 4
     }
     exporter.close()
 
@@ -161,3 +166,16 @@ def test_constructor_writes_nothing(tmp_path: Path) -> None:
     assert exporter.export(1, {"x": 1.0}, 0.0) is ExportResult.FAILURE
     exporter.close()
     assert not (tmp_path / "tb").exists()
+
+
+def _windows(totals: list[dict]) -> list[list[float]]:
+    return [
+        [a - b for a, b in zip(now["counts"], before["counts"], strict=True)]
+        for before, now in itertools.pairwise(totals)
+    ]
+
+
+def test_a_metric_named_like_a_histograms_outer_bucket_is_a_collision(tmp_path: Path) -> None:
+    descriptors = [MetricDescriptor("grad", MetricKind.HISTOGRAM), MetricDescriptor("grad/overflow")]
+    with pytest.raises(NameCollisionError, match="grad/overflow"):
+        TensorBoardExporter(tmp_path).describe(descriptors, RunInfo(run_id="clash"))

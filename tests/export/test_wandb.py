@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 
 from tests.distributed import run_ranks
-from tests.export.test_otel import BINS, STEPS, expected_values, global_report, make_metrics, update_window
+from tests.export.test_otel import STEPS, expected_values, global_report, make_metrics, update_window
 from tests.export.trackers import export_label_clashes
 from tests.receivers import WandbRunLog, find_wandb_logs, wait_for_wandb_logs
 from torchtelemetry.export import (
+    DrawnHistogram,
     ExportHub,
     ExportResult,
     HistogramValue,
@@ -20,7 +21,7 @@ from torchtelemetry.export import (
     NullHub,
     RunInfo,
     WandbExporter,
-    histogram_edges,
+    drawn_histogram,
 )
 from torchtelemetry.metric import MetricKind
 from torchtelemetry.report import describe_metrics
@@ -100,14 +101,14 @@ def test_two_ranks_offline_run_holds_every_step_and_value(tmp_path):
         assert row["step_time/rank_1"] == expected["step_time"]["1"]
         histogram = row["grad_norm"]
         assert histogram["_type"] == "histogram"
-        before = (
-            expected_values(2, window)["grad_norm"]["counts"] if window else [0] * len(histogram["values"])
-        )
-        # the report holds running totals; W&B gets this interval's distribution
-        assert histogram["values"] == [
-            now - then for now, then in zip(expected["grad_norm"]["counts"], before, strict=True)
-        ]
-        assert histogram["bins"] == histogram_edges(BINS) == [0.0, 0.5, 1.0, 2.0, 3.0]
+        now = expected["grad_norm"]["counts"]
+        before = expected_values(2, window)["grad_norm"]["counts"] if window else [0] * len(now)
+        # the report holds running totals; W&B gets this interval's distribution between the bounds,
+        # and the open outer buckets' counts beside it (no made-up edge for them)
+        counts = [a - b for a, b in zip(now, before, strict=True)]
+        assert histogram["values"] == counts[1:-1]
+        assert histogram["bins"] == [0.5, 1.0, 2.0]
+        assert (row["grad_norm/underflow"], row["grad_norm/overflow"]) == (counts[0], counts[-1])
         assert row["exporter/exported_reports/exporter_wandb"] == window + 1  # health, counting itself
     assert log.summary["train/loss"] == {"min": min(losses)}
     assert log.summary["tokens"] == {"max": expected_values(2, len(STEPS))["tokens"]}
@@ -136,11 +137,13 @@ def test_out_of_order_steps_are_dropped_and_counted_and_a_repeated_step_merges(w
     assert log.history[1]["eval/loss"] == 7.0, "a second report at the same step joins its row"
 
 
-def test_histogram_edges():
-    assert histogram_edges([0.5, 1.0, 2.0]) == [0.0, 0.5, 1.0, 2.0, 3.0]
-    assert histogram_edges([1.0]) == [0.0, 1.0, 2.0]
-    assert histogram_edges([-3.0]) == [-6.0, -3.0, 0.0]
-    assert histogram_edges([0.0]) == [-1.0, 0.0, 1.0]
+def test_drawn_histogram_makes_up_no_edge():
+    value = HistogramValue(bounds=(0.5, 1.0, 2.0, 4.0), counts=(1.0, 2.0, 3.0, 4.0, 5.0), sum=0.0, count=15.0)
+    assert drawn_histogram(value) == DrawnHistogram(
+        edges=(0.5, 1.0, 2.0, 4.0), counts=(2.0, 3.0, 4.0), underflow=1.0, overflow=5.0
+    )
+    single = HistogramValue(bounds=(1.0,), counts=(3.0, 4.0), sum=0.0, count=7.0)
+    assert drawn_histogram(single) == DrawnHistogram(edges=(1.0,), counts=(), underflow=3.0, overflow=4.0)
 
 
 def test_histogram_and_label_values_are_logged_exactly(wandb_dir):
@@ -155,8 +158,9 @@ def test_histogram_and_label_values_are_logged_exactly(wandb_dir):
     assert exporter.export(2, scalars, 0.0) is ExportResult.SUCCESS
     exporter.close()
     (row,) = _only_log(wandb_dir).history
-    assert row["grad"]["values"] == [2, 0, 5, 1]
-    assert row["grad"]["bins"] == [-2.0, -1.0, 0.0, 4.0, 8.0]
+    assert row["grad"]["values"] == [0, 5]  # (-1, 0] and (0, 4]
+    assert row["grad"]["bins"] == [-1.0, 0.0, 4.0]
+    assert (row["grad/underflow"], row["grad/overflow"]) == (2.0, 1.0)  # at or below -1, above 4
     assert (row["train/step_time/rank_0"], row["train/step_time/rank_1"]) == (0.5, 0.75)
 
 

@@ -8,7 +8,7 @@ from torchtelemetry.export._base import BaseExporter, ExportFailed
 from torchtelemetry.export._console import ConsoleExporter
 from torchtelemetry.export._exposition import ROUTE_LABEL, ROUTES, RUN_LABEL
 from torchtelemetry.export._health import HEALTH_DESCRIPTORS, ExporterHealth
-from torchtelemetry.export._histograms import histogram_edges
+from torchtelemetry.export._histograms import OUTER_BUCKET_FIELDS, DrawnHistogram, drawn_histogram
 from torchtelemetry.export._hub import ExportHub, NullHub
 from torchtelemetry.export._jsonl import JsonlExporter
 from torchtelemetry.export._mlflow import MLflowExporter
@@ -24,6 +24,7 @@ from torchtelemetry.report import HistogramValue, MetricDescriptor, Scalars, Sca
 
 __all__ = [
     "HEALTH_DESCRIPTORS",
+    "OUTER_BUCKET_FIELDS",
     "ROUTES",
     "ROUTE_LABEL",
     "RUN_ID_ENV",
@@ -31,6 +32,7 @@ __all__ = [
     "UNKNOWN_INTERVAL_S",
     "BaseExporter",
     "ConsoleExporter",
+    "DrawnHistogram",
     "ExportHub",
     "ExportFailed",
     "ExportResult",
@@ -52,8 +54,8 @@ __all__ = [
     "Temporality",
     "WandbExporter",
     "available_exporters",
+    "drawn_histogram",
     "exporter_class",
     "exporters_from_spec",
     "final_scrape_due",
-    "histogram_edges",
 ]

@@ -1,23 +1,43 @@
-"""Drawing a histogram in a tracker: finite edges for the open outer buckets (W&B, TensorBoard)."""
+"""Drawing a histogram in a tracker without inventing edges (W&B, TensorBoard).
+
+A histogram's first bucket is (-inf, b0] and its last (b_last, +inf): no finite edge is true for
+them, and drawing the last as wide as its neighbour made up a bucket (4, 6] for values that may lie
+anywhere above 4. Trackers draw the buckets between the bounds, exactly, and log the two open
+buckets' counts as scalars of their own: `<path>/underflow` (values at or below the first bound)
+and `<path>/overflow` (values above the last).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from dataclasses import dataclass
 
-__all__ = ["histogram_edges"]
+from torchtelemetry.report import HistogramValue
+
+__all__ = ["OUTER_BUCKET_FIELDS", "DrawnHistogram", "drawn_histogram"]
+
+OUTER_BUCKET_FIELDS = ("underflow", "overflow")
+"""Key suffixes (`<path>/underflow`, `<path>/overflow`) of the open buckets' counts."""
 
 
-def histogram_edges(bounds: Sequence[float]) -> list[float]:
-    """Bin edges from upper bounds; the two open outer buckets get finite edges.
+@dataclass(frozen=True, slots=True)
+class DrawnHistogram:
+    """What a tracker draws of a histogram, and the counts it logs beside it."""
 
-    Trackers draw bins between finite edges, but the first bucket is (-inf, b0] and
-    the last (b_last, +inf). Each outer bucket is drawn as wide as its
-    neighbour: `b0 - (b1 - b0)` and `b_last + (b_last - b_before_last)`; with a
-    single bound `b`, both are `max(|b|, 1)` wide. Counts are never moved, only
-    the outer edges are chosen.
-    """
-    if len(bounds) >= 2:
-        first, last = bounds[1] - bounds[0], bounds[-1] - bounds[-2]
-    else:
-        first = last = max(abs(bounds[0]), 1.0)
-    return [bounds[0] - first, *bounds, bounds[-1] + last]
+    edges: tuple[float, ...]
+    """The histogram's bounds: finite, and true edges of every drawn bucket."""
+    counts: tuple[float, ...]
+    """Values in each bucket between two bounds (`len(edges) - 1`; none for a single bound)."""
+    underflow: float
+    """Values at or below the first bound (the open first bucket)."""
+    overflow: float
+    """Values above the last bound (the open last bucket)."""
+
+
+def drawn_histogram(value: HistogramValue) -> DrawnHistogram:
+    """The buckets between `value`'s bounds, and the counts of its two open outer buckets."""
+    return DrawnHistogram(
+        edges=tuple(value.bounds),
+        counts=tuple(value.counts[1:-1]),
+        underflow=value.counts[0],
+        overflow=value.counts[-1],
+    )

@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 
 from torchtelemetry._optional import import_optional
 from torchtelemetry.export._base import BaseExporter, ExportFailed
-from torchtelemetry.export._histograms import histogram_edges
+from torchtelemetry.export._histograms import OUTER_BUCKET_FIELDS, drawn_histogram
 from torchtelemetry.export._protocol import RunInfo
 from torchtelemetry.export._temporality import Temporality
 from torchtelemetry.metric import MetricKind
@@ -34,9 +34,10 @@ class TensorBoardExporter(BaseExporter):
     (tag `run/config`). Each value becomes a scalar (TensorBoard stores float32) at the report's
     step and collection time; a value per label one scalar per label (`train/step_time/rank_0`).
     The exporter prefers deltas for histograms (`preferred_temporality`), so each histogram is the window's
-    distribution, written with its exact buckets (`add_histogram_raw`); its `min` and `max`
-    are the drawn outer edges of the open first and last buckets (see `histogram_edges`), and
-    its `sum_squares` is NaN: the library tracks neither extremes nor squares. Counters stay
+    distribution, written with its exact buckets between the bounds (`add_histogram_raw`, `min` and
+    `max` the first and last bound), and the open outer buckets' counts as the scalars
+    `<path>/underflow` and `<path>/overflow` (`drawn_histogram`: no edge is made up for them);
+    `sum` and `sum_squares` are NaN, since the library does not track them for the drawn part. Counters stay
     running totals. Events are written by the writer's own thread; `force_flush` and `close`
     wait for them to reach the file. A label value sanitized into the tag of another label value
     (`a/b` and `a_b`) is left out, logged, and the report counted as failed (`TrackerKeys`).
@@ -67,7 +68,9 @@ class TensorBoardExporter(BaseExporter):
         """Directory of the event files (`runs/<run id>` once started when None was given)."""
         self._flush_secs = flush_secs
         self._max_queue = max_queue
-        self._keys = TrackerKeys(f"TensorBoardExporter {name!r}")
+        self._keys = TrackerKeys(
+            f"TensorBoardExporter {name!r}", histogram_fields=OUTER_BUCKET_FIELDS, histogram_key=True
+        )
         self._writer: Any = None
 
     def _describe(self, descriptors: Sequence[MetricDescriptor], run: RunInfo) -> None:
@@ -103,6 +106,11 @@ class TensorBoardExporter(BaseExporter):
             for tag, value in keyed:
                 if isinstance(value, HistogramValue):
                     _add_histogram(writer, tag, value, step, timestamp)
+                    drawn = drawn_histogram(value)
+                    for field in OUTER_BUCKET_FIELDS:
+                        writer.add_scalar(
+                            self._keys.field_key(tag, field), getattr(drawn, field), step, walltime=timestamp
+                        )
                 else:
                     writer.add_scalar(tag, value, step, walltime=timestamp)
         except Exception as error:
@@ -124,17 +132,19 @@ class TensorBoardExporter(BaseExporter):
 
 
 def _add_histogram(writer: Any, tag: str, value: HistogramValue, step: int, timestamp: float) -> None:
-    """One histogram with its exact buckets: upper limits are the bounds, then the drawn last edge."""
-    edges = histogram_edges(value.bounds)
+    """The buckets between the bounds, exactly (none to draw for a single bound)."""
+    drawn = drawn_histogram(value)
+    if not drawn.counts:
+        return
     writer.add_histogram_raw(
         tag,
-        min=edges[0],
-        max=edges[-1],
-        num=value.count,
-        sum=value.sum,
+        min=drawn.edges[0],
+        max=drawn.edges[-1],
+        num=sum(drawn.counts),
+        sum=math.nan,
         sum_squares=math.nan,
-        bucket_limits=[*value.bounds, edges[-1]],
-        bucket_counts=list(value.counts),
+        bucket_limits=list(drawn.edges[1:]),
+        bucket_counts=list(drawn.counts),
         global_step=step,
         walltime=timestamp,
     )

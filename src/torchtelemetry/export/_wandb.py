@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 
 from torchtelemetry._optional import import_optional
 from torchtelemetry.export._base import BaseExporter, ExportFailed
-from torchtelemetry.export._histograms import histogram_edges
+from torchtelemetry.export._histograms import OUTER_BUCKET_FIELDS, drawn_histogram
 from torchtelemetry.export._protocol import RunInfo
 from torchtelemetry.export._temporality import Temporality
 from torchtelemetry.metric import MetricKind
@@ -41,9 +41,11 @@ class WandbExporter(BaseExporter):
     ("min", "max", "mean", "last", "first", "none", or a comma-separated mix),
     e.g. `{"train/loss": "min"}`. The exporter prefers deltas for histograms
     (`preferred_temporality`), so each becomes a `wandb.Histogram` of the exact
-    bucket counts since the previous report (see `histogram_edges`) and W&B's
-    histogram panels show each window's distribution; counters stay running
-    totals. Per-label values become one key per label (`train/step_time/rank_0`); a label value
+    counts since the previous report of the buckets between its bounds, and W&B's
+    histogram panels show each window's distribution; the open outer buckets' counts
+    are `<path>/underflow` and `<path>/overflow` (`drawn_histogram`: no edge is made
+    up for them); counters stay running totals. Per-label values become one key per label
+    (`train/step_time/rank_0`); a label value
     sanitized into the key of another label value (`a/b` and `a_b`) is left out, logged, and the
     report counted as failed (`TrackerKeys`).
     Credentials stay with W&B: nothing from the settings or environment is logged.
@@ -94,7 +96,9 @@ class WandbExporter(BaseExporter):
         }
         self._config = dict(config or {})
         self._summaries = dict(summaries or {})
-        self._keys = TrackerKeys(f"WandbExporter {name!r}")
+        self._keys = TrackerKeys(
+            f"WandbExporter {name!r}", histogram_fields=OUTER_BUCKET_FIELDS, histogram_key=True
+        )
         self._run: Any = None
         self._owns_run = False
         self._last_step: int | None = None
@@ -194,8 +198,12 @@ class WandbExporter(BaseExporter):
         row: dict[str, Any] = {}
         for key, value in keyed:
             if isinstance(value, HistogramValue):
-                counts = [int(count) if float(count).is_integer() else count for count in value.counts]
-                row[key] = self._wandb.Histogram(np_histogram=(counts, histogram_edges(value.bounds)))
+                drawn = drawn_histogram(value)
+                if drawn.counts:
+                    counts = [int(count) if float(count).is_integer() else count for count in drawn.counts]
+                    row[key] = self._wandb.Histogram(np_histogram=(counts, list(drawn.edges)))
+                for field in OUTER_BUCKET_FIELDS:
+                    row[self._keys.field_key(key, field)] = getattr(drawn, field)
             else:
                 row[key] = value
         return row

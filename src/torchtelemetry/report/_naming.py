@@ -162,16 +162,21 @@ class TrackerKeys:
 
     A path is its key, a value per label one key per label (`tracker_label_name`), and with
     `histogram_fields` (MLflow: "count", "sum", "mean") a histogram one key per field
-    (`train/h/count`). `describe` raises `NameCollisionError` listing every key two metrics
-    would share (a histogram's `x/count` and a metric `x/count`). Label values are only known
-    per report: the first label value (or metric) to take a key keeps it for the run; a later
-    label value that sanitizes to the same key (`a/b` after `a_b`) is left out of every report,
-    logged once naming both, and listed by `keyed()` so that the exporter counts the report as failed.
+    (`train/h/count`), besides its own key if `histogram_key` (W&B and TensorBoard draw it and log its
+    open outer buckets as `train/h/underflow` and `train/h/overflow`). `describe` raises
+    `NameCollisionError` listing every key two metrics would share (a histogram's `x/count` and a
+    metric `x/count`). Label values are only known per report: the first label value (or metric) to
+    take a key keeps it for the run; a later label value that sanitizes to the same key (`a/b` after
+    `a_b`) is left out of every report, logged once naming both, and listed by `keyed()` so that the
+    exporter counts the report as failed.
     """
 
-    def __init__(self, backend: str, histogram_fields: Sequence[str] = ()) -> None:
+    def __init__(
+        self, backend: str, histogram_fields: Sequence[str] = (), *, histogram_key: bool = False
+    ) -> None:
         self.backend = backend
         self._histogram_fields = tuple(histogram_fields)
+        self._histogram_key = histogram_key
         self._descriptors: dict[str, MetricDescriptor] = {}
         self._owners: dict[str, str] = {}  # key -> what it means: a path, or a path and label value
         self._refused: set[str] = set()
@@ -214,7 +219,8 @@ class TrackerKeys:
         key = tracker_name(descriptor)
         histogram = isinstance(value, HistogramValue) or descriptor.kind is MetricKind.HISTOGRAM
         if histogram and self._histogram_fields:
-            return [self.field_key(key, field) for field in self._histogram_fields]
+            fields = [self.field_key(key, field) for field in self._histogram_fields]
+            return [key, *fields] if self._histogram_key else fields
         return [key]
 
     def _claim(self, key: str, owner: str, left_out: list[str]) -> bool:
