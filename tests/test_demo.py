@@ -22,6 +22,9 @@ from tests.servers import PrometheusServer
 pytestmark = pytest.mark.timeout(300)
 
 BATCH, SEQ, RANKS = 16, 32, 2
+FLOPS_PER_TOKEN = 6 * 71_104 + 12 * 2 * 64 * SEQ
+"""torchtitan's estimate for the demo's model: 6 x its 71,104 parameters outside the embeddings, plus
+12 x 2 layers x width 64 x the sequence length for attention."""
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 
 
@@ -92,6 +95,12 @@ def test_demo_exports_exact_values_to_every_backend(tmp_path: Path) -> None:
             assert values["train/grad_norm"]["count"] == (line["step"] + 1) * RANKS
             assert sum(values["train/grad_norm"]["counts"]) == (line["step"] + 1) * RANKS
             assert set(values["train/step_time"]) == {"0", "1"}
+            # every panel a CPU can fill has data: data wait (each rank's batch) and model TFLOP/s
+            assert set(values["train/data_wait"]) == set(values["train/data_wait_share"]) == {"0", "1"}
+            assert values["train/tflops_per_second"] == pytest.approx(
+                FLOPS_PER_TOKEN * values["train/tokens_per_second"] / RANKS / 1e12, rel=1e-9
+            )
+            assert "train/mfu" not in values  # no peak FLOP/s is known for a CPU
         losses = [line["values"]["train/loss"] for line in lines]
         assert losses[-1] < losses[0] * 0.8, losses
 

@@ -21,6 +21,7 @@ from torchtelemetry.demo._exporters import build_exporters
 from torchtelemetry.demo._model import (
     TinyLM,
     build_metrics,
+    flops_per_token,
     learning_rate_at,
     synthetic_batch,
     train_step,
@@ -48,6 +49,7 @@ def train(config: DemoConfig, rank: int, world_size: int, device: torch.device) 
         exporters,
         every=config.every,
         run_id=run_id,
+        flops_per_token=flops_per_token(model, config.seq_len),  # TFLOP/s (and MFU on a known GPU)
         run_config={
             "steps": config.steps,
             "world_size": world_size,
@@ -65,7 +67,9 @@ def train(config: DemoConfig, rank: int, world_size: int, device: torch.device) 
             if stop.agreed():
                 break
             learning_rate = learning_rate_at(config, step)
-            result = train_step(ddp, optimizer, synthetic_batch(generator, config, device), learning_rate)
+            with telemetry.data_wait():  # what a DataLoader's next() is in a real loop
+                batch = synthetic_batch(generator, config, device)
+            result = train_step(ddp, optimizer, batch, learning_rate)
             update_metrics(metrics, result)
             telemetry.step(step, tokens=result.tokens, samples=config.batch_size, learning_rate=learning_rate)
             last_step = step

@@ -15,6 +15,7 @@ __all__ = [
     "StepResult",
     "TinyLM",
     "build_metrics",
+    "flops_per_token",
     "learning_rate_at",
     "synthetic_batch",
     "train_step",
@@ -40,6 +41,15 @@ class TinyLM(nn.Module):
         hidden = self.embed(tokens) + self.position[: tokens.shape[1]]
         size = tokens.shape[1]
         return self.head(self.encoder(hidden, mask=self.mask[:size, :size], is_causal=True))
+
+
+def flops_per_token(model: TinyLM, seq_len: int) -> float:
+    """Training FLOPs per token, torchtitan's estimate (`get_num_flop_per_token`): 6 x the parameters
+    outside the embeddings, plus 12 x layers x width x sequence length for the attention scores."""
+    params = sum(
+        p.numel() for name, p in model.named_parameters() if not name.startswith(("embed.", "position"))
+    )
+    return float(6 * params + 12 * len(model.encoder.layers) * model.embed.embedding_dim * seq_len)
 
 
 def synthetic_batch(generator: torch.Generator, config: DemoConfig, device: torch.device) -> torch.Tensor:
