@@ -2,7 +2,7 @@
 `exporters/prometheus/prometheus-agent.yml`, remote-written to a real VictoriaMetrics, read back.
 
 Both routes of the agent config carry the run: its `torchtelemetry` job scrapes rank 0's
-`PrometheusExporter`, its `pushgateway` job (honor_labels) a Pushgateway that rank 0's
+`PrometheusExporter`, its `torchtelemetry-pushgateway` job (honor_labels) a Pushgateway that rank 0's
 `PushgatewayExporter` pushes to under the job "pushed". While the ranks train, every dashboard
 variable and panel query runs against VictoriaMetrics' Prometheus query API; after the run, every
 sample VictoriaMetrics stored for it is compared with the report rank 0 wrote to JSONL at the same
@@ -88,7 +88,7 @@ def _train(
 def _agent(workdir: Path, trainer: str, gateway: str, store: VictoriaMetricsServer) -> PrometheusServer:
     """Prometheus in agent mode running the shipped config, its targets and URL pointed at the test's."""
     config = load_yaml(AGENT_CONFIG)
-    targets = {"pushgateway": gateway, SCRAPE_JOB: trainer}
+    targets = {"torchtelemetry-pushgateway": gateway, SCRAPE_JOB: trainer}
     agent = PrometheusServer(workdir, agent=True, external_labels=config["global"].get("external_labels"))
     for job in config["scrape_configs"]:
         agent.scrape(job["job_name"], [targets[job["job_name"]]], honor_labels=job.get("honor_labels", False))
