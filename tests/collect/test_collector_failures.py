@@ -63,18 +63,17 @@ def _mismatch_rank(rank: int, world_size: int) -> dict[str, Any]:
     metrics: dict[str, tt.Metric] = {"loss": tt.WeightedMeanMetric()}
     if rank == 1:
         metrics["extra"] = tt.MaxMetric()
-    collector = AsyncMetricCollector(metrics, timeout_s=TIMEOUT_S).bind()
-    metrics["loss"].update(torch.tensor(1.0))
-    collector.schedule_collection()
-    outcome = _collect_outcome(collector)
-    collector.unbind()
-    return outcome
+    started = time.monotonic()
+    try:
+        AsyncMetricCollector(metrics, timeout_s=TIMEOUT_S).bind()
+    except LayoutMismatchError as error:  # at bind(), which may block, not in a window
+        return {"message": str(error), "elapsed_s": time.monotonic() - started}
+    return {"message": None}
 
 
-def test_ranks_with_different_metric_sets_fail_with_a_layout_mismatch_on_every_rank() -> None:
+def test_ranks_with_different_metric_sets_fail_at_bind_with_a_layout_mismatch_on_every_rank() -> None:
     for rank, outcome in enumerate(run_ranks(_mismatch_rank, 2, timeout_s=120)):
-        assert outcome["type"] == "CollectionError", f"rank {rank}: {outcome}"
-        assert outcome["cause"] == LayoutMismatchError.__name__
+        assert outcome["message"] is not None, f"rank {rank}: bind() accepted different metric sets"
         assert "ranks hold different metric sets" in outcome["message"]
         assert "extra.extremum" in outcome["message"]
         assert outcome["elapsed_s"] < NOT_A_HANG_S

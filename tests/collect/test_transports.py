@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import pytest
@@ -13,7 +12,7 @@ from torch.utils import _pytree as pytree
 import torchtelemetry as tt
 from tests.collect.test_collector import assert_same, expected_window, feed_window, make_metrics
 from tests.distributed import run_ranks
-from tests.sync.collectives import CollectiveCounter
+from tests.sync.collectives import CollectiveCounter, CollectiveRecorder
 from torchtelemetry.collect import AsyncMetricCollector, CollectionError, WindowPlan, to_python
 from torchtelemetry.metric import metric_leaves
 from torchtelemetry.sync import window_cost
@@ -61,7 +60,7 @@ def _collective_count_rank(rank: int, world_size: int) -> dict[str, Any]:
     expected_large = _blocking_results(large)
     with AsyncMetricCollector(large, timeout_s=60) as collector:
         collector.schedule_collection()
-        collector.collect_results()  # the first window also checks the layout
+        collector.collect_results()
         refill = _large_metrics(rank)
         for name, metric in large.items():
             metric.load_state_dict(refill[name].state_dict())
@@ -86,9 +85,8 @@ def test_a_mixed_window_is_one_collective_while_small_and_one_per_bucket_above()
     for rank, outcome in enumerate(run_ranks(_collective_count_rank, 2, timeout_s=240)):
         for window, result in enumerate(outcome["windows"]):
             assert_same(result, expected_window(window, 2), f"rank {rank} window {window}")
-        # The first window also checks that the ranks agree on the layout; then one all-reduce each.
-        assert outcome["calls"][0] == {"all_reduce": 2}
-        assert outcome["calls"][1:] == [{"all_reduce": 1}] * 3
+        # bind() checked that the ranks agree on the layout: every window is one all-reduce.
+        assert outcome["calls"] == [{"all_reduce": 1}] * 4
         assert_same(outcome["blocking"], expected_window(0, 2))
         assert outcome["blocking_calls"] == {"all_reduce": 1}
         assert_same(outcome["large"], outcome["expected_large"])
@@ -101,35 +99,28 @@ def test_a_mixed_window_is_one_collective_while_small_and_one_per_bucket_above()
 def _device_transport_rank(rank: int, world_size: int) -> dict[str, Any]:
     from torch.distributed.distributed_c10d import _world
 
-    calls: list[tuple[Any, str]] = []
-    real_all_reduce = dist.all_reduce
-
-    def recording_all_reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        calls.append((kwargs.get("group"), threading.current_thread().name))
-        return real_all_reduce(tensor, *args, **kwargs)
-
     groups_before = len(_world.pg_map)
-    dist.all_reduce = recording_all_reduce
-    try:
-        metrics = make_metrics(rank, world_size)
-        results = []
-        with AsyncMetricCollector(metrics, transport="device", timeout_s=60) as collector:
-            groups_while_bound = len(_world.pg_map) - groups_before
-            for window in range(5):
-                feed_window(metrics, rank, window)
-                collector.schedule_collection()
-                if collector.pending > 2:  # windows in flight while the next ones are scheduled
-                    results.append(collector.collect_results())
-            results.extend(collector.collect_results() for _ in range(collector.pending))
-            in_use = collector.transport_in_use()
-    finally:
-        dist.all_reduce = real_all_reduce
+    metrics = make_metrics(rank, world_size)
+    results = []
+    with (
+        CollectiveRecorder() as calls,
+        AsyncMetricCollector(metrics, transport="device", timeout_s=60) as collector,
+    ):
+        groups_while_bound = len(_world.pg_map) - groups_before
+        for window in range(5):
+            feed_window(metrics, rank, window)
+            collector.schedule_collection()
+            if collector.pending > 2:  # windows in flight while the next ones are scheduled
+                results.append(collector.collect_results())
+        results.extend(collector.collect_results() for _ in range(collector.pending))
+        in_use = collector.transport_in_use()
     return {
         "results": results,
         "in_use": in_use,
         "groups_while_bound": groups_while_bound,
-        "threads": sorted({thread for _, thread in calls}),
-        "on_the_training_group": all(group is None or group is dist.group.WORLD for group, _ in calls),
+        "threads": sorted({call.thread for call in calls}),
+        "names": sorted({call.name for call in calls}),
+        "on_the_training_group": all(call.group in (None, dist.group.WORLD) for call in calls),
         "num_calls": len(calls),
     }
 
@@ -139,9 +130,10 @@ def test_device_transport_issues_on_the_training_thread_and_group() -> None:
         assert outcome["in_use"] == "device"
         for window, result in enumerate(outcome["results"]):
             assert_same(result, expected_window(window, 2), f"rank {rank} window {window}")
-        assert outcome["threads"] == ["MainThread"]
+        assert outcome["threads"] == ["MainThread"]  # every collective, the layout check at bind included
         assert outcome["on_the_training_group"] and outcome["groups_while_bound"] == 0
-        assert outcome["num_calls"] == 1 + 5  # the layout check, then one collective per window
+        assert outcome["names"] == ["all_reduce"]
+        assert outcome["num_calls"] == 1 + 5  # the layout check at bind, then one collective per window
 
 
 # -- each rank's step rides in the payload -----------------------------------------------------

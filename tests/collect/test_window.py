@@ -169,7 +169,7 @@ def test_sync_and_compute_is_exact_with_one_collective_on_4_ranks() -> None:
 
 
 class OffsetCounts(tt.Metric):
-    """A custom compute() using a tensor constant kept on another device than the window's state."""
+    """A custom compute() using a tensor constant that cannot reach the window's device."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -180,7 +180,24 @@ class OffsetCounts(tt.Metric):
         return self.counts.value + self.offset
 
 
+class MisshapenCounts(tt.Metric):
+    """A custom compute() that fails on the window's state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts = tt.MetricAccumulator(torch.zeros(2), "sum")
+
+    def compute(self) -> torch.Tensor:
+        return self.counts.value + torch.ones(3)
+
+
 def test_a_custom_compute_that_fails_on_the_window_device_names_the_metric() -> None:
-    expected = r"shifted: OffsetCounts.compute\(\) failed on the window's state on cpu"
+    expected = r"shifted: MisshapenCounts.compute\(\) failed on the window's state on cpu"
     with pytest.raises(RuntimeError, match=expected):
-        tt.sync_and_compute({"shifted": OffsetCounts()})
+        tt.sync_and_compute({"shifted": MisshapenCounts()})
+
+
+def test_a_tensor_attribute_that_cannot_reach_the_window_device_names_the_metric() -> None:
+    expected = r"offset: OffsetCounts's tensor attributes cannot be copied to cpu, where its compute\(\) runs"
+    with pytest.raises(RuntimeError, match=expected):
+        tt.sync_and_compute({"offset": OffsetCounts()})

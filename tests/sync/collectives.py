@@ -1,14 +1,15 @@
-"""Count calls to torch.distributed collectives and the bytes a process writes to its sockets
-(used inside rank functions and by bench/)."""
+"""Count or record calls to torch.distributed collectives, and the bytes a process writes to its
+sockets (used inside rank functions and by bench/)."""
 
 from __future__ import annotations
 
 import collections
 import functools
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch.distributed as dist
 
@@ -110,3 +111,57 @@ def measure_traffic(counter: CollectiveCounter, block: Callable[[], None], repea
         writes=writes,
         payload=(written_after - written) / repeats - GLOO_HEADER_BYTES * writes,
     )
+
+
+class Call(NamedTuple):
+    """One collective: its name, the `group=` it was given, that group's backend then, the thread."""
+
+    name: str
+    group: Any
+    backend: str
+    thread: str
+
+
+class CollectiveRecorder:
+    """`with CollectiveRecorder() as calls:` records every torch.distributed collective issued in the
+    block, from any thread, as a `Call`; a collective that calls another counts once.
+
+    Wraps the functions both where user code reaches them (`torch.distributed.<name>`) and where
+    torch.distributed's own helpers do (`torch.distributed.distributed_c10d.<name>`).
+    """
+
+    def __init__(self) -> None:
+        self.calls: list[Call] = []
+        self._inside = threading.local()
+        self._originals: list[tuple[Any, str, Any]] = []
+
+    def __enter__(self) -> list[Call]:
+        from torch.distributed import distributed_c10d
+
+        for module in (dist, distributed_c10d):
+            for name in COLLECTIVES:
+                original = getattr(module, name, None)
+                if original is not None:
+                    self._originals.append((module, name, original))
+                    setattr(module, name, self._wrap(name, original))
+        return self.calls
+
+    def __exit__(self, *exc: object) -> None:
+        for module, name, original in reversed(self._originals):
+            setattr(module, name, original)
+        self._originals.clear()
+
+    def _wrap(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def recorded(*args: Any, **kwargs: Any) -> Any:
+            if getattr(self._inside, "depth", 0) == 0:
+                group = kwargs.get("group")
+                backend = str(dist.get_backend(group)) if dist.is_initialized() else ""
+                self.calls.append(Call(name, group, backend, threading.current_thread().name))
+            self._inside.depth = getattr(self._inside, "depth", 0) + 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self._inside.depth -= 1
+
+        return recorded

@@ -3,29 +3,34 @@
 from __future__ import annotations
 
 import collections
-import datetime
+import functools
 import itertools
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
 from torchtelemetry._process import check_same_process, current_pid
+from torchtelemetry.collect._device import DeviceTransport
 from torchtelemetry.collect._executors import ThreadExecutor
 from torchtelemetry.collect._transports import (
-    HOST_TRANSPORT_LIMIT_BYTES,
+    DEFAULT_MAX_PENDING,
     CollectionError,
-    DeviceTransport,
     HostTransport,
     Plan,
     Transport,
+    TransportName,
+    check_collection_limits,
+    choose_transport,
+    dedicated_gloo_group,
 )
-from torchtelemetry.metric import layout_generation, metric_leaves
+from torchtelemetry.metric import MetricBinding, metric_leaves
 from torchtelemetry.sync import GroupLike, forget_group, group_world_size, resolve_group
 
 __all__ = ["AsyncMetricCollector", "CollectionError"]
@@ -34,13 +39,20 @@ _THREAD_PREFIX = "torchtelemetry-collector"
 _collector_ids = itertools.count()
 
 
-TransportName = Literal["host", "device", "auto"]
-
-
 @dataclass(slots=True)
 class _Window:
     index: int
     future: Future
+    then: bool
+    """Whether the future holds what a `then` callback returned (not the metrics' results)."""
+
+
+def _then(finish: Callable[[], list[Any]], then: Callable[[list[Any]], Any]) -> Any:
+    return then(finish())
+
+
+def _set_device(device: torch.device) -> None:
+    torch.cuda.set_device(device)
 
 
 class AsyncMetricCollector:
@@ -84,14 +96,11 @@ class AsyncMetricCollector:
         group: GroupLike = None,
         *,
         timeout_s: float = 300.0,
-        max_pending: int = 64,
+        max_pending: int = DEFAULT_MAX_PENDING,
         device: torch.device | str | None = None,
         transport: TransportName = "auto",
     ) -> None:
-        if timeout_s <= 0:
-            raise ValueError(f"AsyncMetricCollector: timeout_s must be positive, got {timeout_s}")
-        if max_pending < 1:
-            raise ValueError(f"AsyncMetricCollector: max_pending must be at least 1, got {max_pending}")
+        check_collection_limits("AsyncMetricCollector: ", timeout_s=timeout_s, max_pending=max_pending)
         if transport not in ("host", "device", "auto"):
             raise ValueError(
                 f"AsyncMetricCollector: transport must be 'host', 'device' or 'auto', got {transport!r}"
@@ -111,6 +120,7 @@ class AsyncMetricCollector:
         """The group windows are reduced over: a gloo group of this collector's own (host transport),
         or the resolved `group` itself (device transport)."""
         self._dedicated_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        self._binding = MetricBinding(self)
         self._pending: collections.deque[_Window] = collections.deque()
         self._windows = itertools.count()
         self._state = "new"
@@ -119,22 +129,37 @@ class AsyncMetricCollector:
     # -- life cycle -------------------------------------------------------------------
 
     def bind(self) -> AsyncMetricCollector:
-        """Prepare the worker thread, the transport (its ring of slots) and the process group.
+        """Claim the metrics; prepare the worker thread, the transport (its ring of slots) and the group.
 
-        Collective across the ranks of `group` when torch.distributed is initialized.
-        Moves the metrics to `device` if one was given, and every local state into one
-        flat buffer per bucket (values kept): capture CUDA graphs of `update()` after `bind()`.
+        Collective across the ranks of `group` when torch.distributed is initialized: creates the
+        collector's gloo group (host transport) and checks that every rank holds the same metrics
+        (a `LayoutMismatchError` on every rank if not). Moves the metrics to `device` if one was
+        given, and every local state into one flat buffer per bucket (values kept): capture CUDA
+        graphs of `update()` after `bind()`. Everything that may block happens here, so that
+        `schedule_collection()` never does.
+
+        A metric object is collected by one bound collector at a time, at one path of its tree:
+        anything else raises a `ValueError` naming the metric and both places.
         """
         if self._state == "bound":
             raise RuntimeError("AsyncMetricCollector.bind: already bound; call unbind() before binding again")
-        if self.device is not None:
-            for _, metric in self._named:
-                metric.to(self.device)
-        resolved = resolve_group(self._group, op="AsyncMetricCollector")
-        self._plan = Plan.build(self._named, group_world_size(resolved))
-        self._transport = self._make_transport(self._plan, resolved)
+        self._binding.claim(self._named, op="AsyncMetricCollector.bind")
+        try:
+            if self.device is not None:
+                for _, metric in self._named:
+                    metric.to(self.device)
+            resolved = resolve_group(self._group, op="AsyncMetricCollector")
+            self._plan = Plan.build(self._named, group_world_size(resolved))
+            self._binding.attach(self._named)
+            self._transport = self._make_transport(self._plan, resolved)
+        except BaseException:
+            self._binding.release(self._named)
+            raise
         self._windows = itertools.count()
-        self._executor = ThreadExecutor(f"{_THREAD_PREFIX}-{next(_collector_ids)}")
+        device = self._plan.device
+        # The worker waits on CUDA events: on the metrics' device, not on a context it would create on GPU 0.
+        initializer = functools.partial(_set_device, device) if device.type == "cuda" else None
+        self._executor = ThreadExecutor(f"{_THREAD_PREFIX}-{next(_collector_ids)}", initializer=initializer)
         self._state = "bound"
         return self
 
@@ -144,62 +169,39 @@ class AsyncMetricCollector:
         return "device" if isinstance(self._transport, DeviceTransport) else "host"
 
     def _make_transport(self, plan: Plan, resolved: dist.ProcessGroup | None) -> Transport:
-        choice = self.transport
-        if choice == "auto":
-            packed = sum(buffer.numel() * buffer.element_size() for buffer in plan.storage.values())
-            small = packed <= HOST_TRANSPORT_LIMIT_BYTES
-            choice = "host" if plan.device.type != "cuda" or small else "device"
-        if choice == "device":
-            if plan.device.type == "cpu" and resolved is not None and dist.get_backend(resolved) != "gloo":
-                raise ValueError(
-                    f"AsyncMetricCollector: transport='device' reduces CPU metrics on the training's "
-                    f"{dist.get_backend(resolved)} group, which cannot take CPU tensors; use "
-                    "transport='host' (or 'auto') for CPU metrics"
-                )
+        if choose_transport(self.transport, plan, resolved) == "device":
             self._bound_group = resolved  # the training's own group: no second communicator
             return DeviceTransport(plan.window, plan.storage, resolved, self.max_pending, self.timeout_s)
         self._bound_group = self._dedicated_group(resolved)
         return HostTransport(plan.window, plan.storage, self._bound_group, self.max_pending, self.timeout_s)
 
     def _current_plan(self) -> Plan:
-        """The bound plan, rebuilt (with its transport) if metrics were moved or changed their
-        accumulators since."""
+        """The bound plan, rebuilt (with its transport) if one of this collector's metrics registered,
+        replaced, dropped or moved an accumulator since (nothing else makes it stale)."""
         plan = self._plan
         assert plan is not None
-        if plan.generation != layout_generation():
+        if self._binding.stale:
             rebuilt = Plan.build(self._named, plan.window.world_size)
             if rebuilt.device != plan.device:
                 raise RuntimeError(
                     f"AsyncMetricCollector.schedule_collection: metrics moved from {plan.device} to "
                     f"{rebuilt.device} since bind(); call unbind() and bind() again"
                 )
-            # Windows in flight keep the old transport's slots; the new one gets a ring of its own.
+            self._binding.attach(self._named)
+            # Windows in flight keep the old transport's slots; the new one gets a ring of its own
+            # (and checks the new layout across the ranks: this window blocks, as bind() does).
             resolved = resolve_group(self._group, op="AsyncMetricCollector")
             self._transport = self._make_transport(rebuilt, resolved)
             plan = self._plan = rebuilt
         return plan
 
     def _dedicated_group(self, resolved: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
-        """A new gloo process group of the same ranks, for this collector only, with its timeout.
-
-        Its collectives never interleave with the training's or another
-        collector's, and gloo may be driven from the worker thread. Creating it is
-        collective over the default group: ranks first learn every rank's group (one
-        `all_gather_object`), then all of them create every group in the same order,
-        as `new_group` requires.
-        """
+        """The collector's own gloo group of `resolved`'s ranks (created once; see `dedicated_gloo_group`)."""
         if resolved is None:
             return None
         ranks = tuple(dist.get_process_group_ranks(resolved))
         if ranks not in self._dedicated_groups:
-            every_rank: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(every_rank, ranks)
-            for rank_set in sorted(set(every_rank)):
-                created = dist.new_group(
-                    ranks=list(rank_set), timeout=datetime.timedelta(seconds=self.timeout_s), backend="gloo"
-                )
-                if rank_set == ranks:
-                    self._dedicated_groups[ranks] = created
+            self._dedicated_groups[ranks] = dedicated_gloo_group(ranks, self.timeout_s)
         return self._dedicated_groups[ranks]
 
     def unbind(self, timeout_s: float | None = None) -> None:
@@ -224,7 +226,8 @@ class AsyncMetricCollector:
         assert self._executor is not None
         self._executor.shutdown(wait=wait_ok)
         self._executor = None
-        self._transport = None
+        self._transport = None  # device slots still written by a side stream wait for it (record_stream)
+        self._binding.release(self._named)
         if wait_ok:
             for pg in self._dedicated_groups.values():
                 forget_group(pg)
@@ -249,13 +252,19 @@ class AsyncMetricCollector:
         assert self._executor is not None
         return self._executor
 
-    def schedule_collection(self, *, step: int | None = None) -> None:
+    def schedule_collection(
+        self, *, step: int | None = None, then: Callable[[list[Any]], Any] | None = None
+    ) -> None:
         """Snapshot the local state, reset it in place, and collect it in the background.
 
-        Returns at once: no host sync. With the device transport the window's collective
-        is issued here, on this thread, asynchronously; otherwise none is. `step` (default:
-        the window's index since `bind()`) rides in the payload: ranks whose windows end at
-        different steps make `collect_results()` raise a `CollectionError` naming the steps.
+        Returns at once: no host sync, no allocation. With the device transport the window's
+        collective is issued here, on this thread, asynchronously; otherwise none is. `step`
+        (default: the window's index since `bind()`) rides in the payload: ranks whose windows
+        end at different steps make `collect_results()` raise a `CollectionError` naming the steps.
+
+        `then`, if given, runs on the worker thread with the window's results (one per metric, in
+        tree order) as soon as they are ready, and `collect_results()` returns what it returned:
+        work on the results that grows with the number of metrics stays off this thread.
         """
         executor = self._require_bound("schedule_collection")
         if len(self._pending) >= self.max_pending:
@@ -267,7 +276,9 @@ class AsyncMetricCollector:
         assert self._transport is not None
         index = next(self._windows)
         finish = self._transport.schedule(index, index if step is None else step, plan.reset)
-        self._pending.append(_Window(index, executor.submit(finish)))
+        if then is not None:
+            finish = functools.partial(_then, finish, then)
+        self._pending.append(_Window(index, executor.submit(finish), then is not None))
 
     def ready(self) -> bool:
         """True when the oldest scheduled window can be collected without waiting."""
@@ -285,16 +296,23 @@ class AsyncMetricCollector:
         Waits at most `timeout` seconds (default: the collector's `timeout_s`)
         and raises `CollectionError` (a RuntimeError) if the window failed or
         did not complete, e.g. because a rank never scheduled, died, or scheduled
-        a window ending at another step.
+        a window ending at another step. For a window scheduled with `then`, returns what
+        `then` returned.
         """
-        return pytree.tree_unflatten(self._next_window("collect_results", timeout), self._spec)
+        window, results = self._next_window("collect_results", timeout)
+        return results if window.then else pytree.tree_unflatten(results, self._spec)
 
     def collect_results_by_metric(self, timeout: float | None = None) -> list[tuple[str, Any]]:
         """`collect_results`, as (metric path, result) pairs in tree order."""
-        results = self._next_window("collect_results_by_metric", timeout)
+        window, results = self._next_window("collect_results_by_metric", timeout)
+        if window.then:
+            raise RuntimeError(
+                "AsyncMetricCollector.collect_results_by_metric: this window was scheduled with `then`, "
+                "which received its results; call collect_results() for what `then` returned"
+            )
         return [(name, result) for (name, _), result in zip(self._named, results, strict=True)]
 
-    def _next_window(self, op: str, timeout: float | None) -> list[Any]:
+    def _next_window(self, op: str, timeout: float | None) -> tuple[_Window, Any]:
         self._require_bound(op)
         if not self._pending:
             raise RuntimeError(
@@ -317,4 +335,4 @@ class AsyncMetricCollector:
                 error.__cause__ if isinstance(error, CollectionError) else error
             )
         self._pending.popleft()
-        return results
+        return window, results

@@ -13,7 +13,8 @@ __all__ = ["ThreadExecutor"]
 
 
 class ThreadExecutor:
-    """One named daemon thread running submitted calls in order.
+    """One named daemon thread running submitted calls in order, after `initializer` (e.g. setting
+    the thread's CUDA device).
 
     Not a `ThreadPoolExecutor`: its `submit` takes a semaphore through a Python
     `Condition`, during which a worker that just woke up takes the GIL, and the
@@ -21,17 +22,25 @@ class ThreadExecutor:
     Here `submit` is a `Future` and one `SimpleQueue.put`.
     """
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, *, initializer: Callable[[], None] | None = None) -> None:
         self._queue: queue.SimpleQueue[tuple[Future, Callable[..., Any], tuple] | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(initializer,), name=name, daemon=True)
         self._thread.start()
 
-    def _run(self) -> None:
+    def _run(self, initializer: Callable[[], None] | None) -> None:
+        failure: BaseException | None = None
+        if initializer is not None:
+            try:
+                initializer()
+            except BaseException as error:  # every call then fails with it
+                failure = error
         while (item := self._queue.get()) is not None:
             future, fn, args = item
             del item  # hold nothing of a finished window while waiting for the next
             if future.set_running_or_notify_cancel():
                 try:
+                    if failure is not None:
+                        raise failure
                     future.set_result(fn(*args))
                 except BaseException as error:  # the caller sees it from future.result()
                     future.set_exception(error)

@@ -8,45 +8,59 @@ by `WindowPlan` (batched per class, one flat result tensor, Python values at onc
 - `HostTransport` (CPU metrics; CUDA metrics whose packed state is small): the slots are host
   memory (pinned on CUDA, so the copy is non-blocking and ordered by an event). The worker thread
   waits for the event, then reduces on a gloo group of the same ranks and computes on the host.
-- `DeviceTransport` (large CUDA states): the slots live on the device and the training thread
-  itself issues the collective, inside `schedule_collection()`, on the training's own group,
-  asynchronously; on CUDA the exchange, the compute and ONE packed device-to-host copy are
-  enqueued on a side stream, and the worker only waits for the final event.
+- `DeviceTransport` (`_device.py`; large CUDA states): the slots live on the device and the
+  training thread itself issues the collective, inside `schedule_collection()`, on the training's
+  own group, asynchronously.
+
+Everything that may block (the ranks' layout check, pinned allocations, events, constants and
+custom metrics' tensor attributes copied to where the window computes) happens at `bind()`, in
+`Transport.__init__`; `schedule()` only enqueues.
 
 NCCL forbids issuing operations on independent communicators in parallel from several threads,
 so a collective on an accelerator group is only ever issued from `DeviceTransport.schedule()`,
-which runs on the thread that called `schedule_collection()`; what it hands the worker
-(`_finish_on_host`, `_read`) only waits on a Work handle or an event. The one transport whose
-worker issues collectives (`issued_by_worker = True`: `HostTransport`) is refused any group but
-a gloo one in `Transport.__init__`.
+which runs on the thread that called `schedule_collection()`. The one transport whose worker
+issues collectives (`issued_by_worker = True`: `HostTransport`) is refused any group but a gloo
+one in `Transport.__init__`.
 """
 
 from __future__ import annotations
 
+import datetime
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 
 from torchtelemetry.collect._window import WindowPlan
-from torchtelemetry.metric import Metric, MetricAccumulator, layout_generation
+from torchtelemetry.metric import Metric, MetricAccumulator
 from torchtelemetry.sync import BucketKey, LayoutMismatchError, Slot, WindowExchange
 
 __all__ = [
+    "DEFAULT_MAX_PENDING",
     "HOST_TRANSPORT_LIMIT_BYTES",
     "CollectionError",
-    "DeviceTransport",
     "Finish",
     "HostTransport",
     "Plan",
     "Transport",
+    "TransportName",
+    "check_collection_limits",
+    "choose_transport",
+    "dedicated_gloo_group",
+    "reduce_failure",
 ]
 
 HOST_TRANSPORT_LIMIT_BYTES = 1 << 20
 """`transport="auto"` moves a window of CUDA metrics through the host up to this many packed bytes."""
+
+DEFAULT_MAX_PENDING = 8
+"""Windows in flight before `collect_results()` must be called: the size of the ring of slots (on
+CUDA with the host transport, pinned host memory of this many times the packed state)."""
+
+TransportName = Literal["host", "device", "auto"]
 
 Finish = Callable[[], list[Any]]
 """The worker's part of one window: returns each metric's results as Python values."""
@@ -56,6 +70,15 @@ class CollectionError(RuntimeError):
     """A scheduled collection failed or did not complete in time."""
 
 
+def check_collection_limits(owner: str, *, timeout_s: float, max_pending: int) -> None:
+    """The one check of the collection bounds, for the collector and for `TelemetryConfig`
+    (`owner` prefixes the key in the error, e.g. "TelemetryConfig.")."""
+    if not timeout_s > 0:
+        raise ValueError(f"{owner}timeout_s must be positive, got {timeout_s}")
+    if max_pending < 1:
+        raise ValueError(f"{owner}max_pending must be at least 1, got {max_pending}")
+
+
 def reduce_failure(error: Exception, group: dist.ProcessGroup | None, timeout_s: float) -> CollectionError:
     """The error for a collective that failed: gloo / NCCL lost a peer, timed out, or a rank never joined."""
     ranks = dist.get_process_group_ranks(group) if group is not None else []
@@ -63,18 +86,6 @@ def reduce_failure(error: Exception, group: dist.ProcessGroup | None, timeout_s:
         f"the all-reduce on the collector's process group (ranks {ranks}) failed: a rank may have died or "
         f"not called schedule_collection() within timeout_s={timeout_s:g}s ({type(error).__name__}: {error})"
     )
-
-
-def _raise(error: Exception) -> list[Any]:
-    raise error
-
-
-def _wait(works: list[Any], exchange: WindowExchange, timeout_s: float) -> None:
-    try:
-        for work in works:
-            work.wait()
-    except Exception as error:
-        raise reduce_failure(error, exchange.group, timeout_s) from error
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,12 +98,14 @@ class Plan:
     """The flat buffers the accumulators keep their local state in (`MetricAccumulator.adopt`)."""
     initials: dict[BucketKey, torch.Tensor]
     """The initial states, laid out like `storage`."""
-    generation: int
-    """`layout_generation()` when built; a metric moved or re-registered since makes it stale."""
 
     @property
     def device(self) -> torch.device:
         return self.window.device
+
+    @property
+    def packed_bytes(self) -> int:
+        return sum(buffer.numel() * buffer.element_size() for buffer in self.storage.values())
 
     def reset(self) -> None:
         """Restore every local state to its initial value, in place."""
@@ -109,12 +122,52 @@ class Plan:
         accumulator: MetricAccumulator
         for accumulator, view in zip(window.accumulators, layout.views(storage), strict=False):
             accumulator.adopt(view)
-        return cls(
-            window=window,
-            storage=storage,
-            initials=layout.storage(window.initial_tensors()),
-            generation=layout_generation(),
+        return cls(window=window, storage=storage, initials=layout.storage(window.initial_tensors()))
+
+
+def choose_transport(requested: TransportName, plan: Plan, group: dist.ProcessGroup | None) -> str:
+    """ "host" or "device" for `requested` ("auto" decides by size, device and group), or a
+    `ValueError` for a device transport the group cannot run without blocking or at all."""
+    backend = None if group is None else str(dist.get_backend(group))
+    on_cuda = plan.device.type == "cuda"
+    if requested == "auto":
+        # gloo alone runs a CUDA tensor's collective on the host: its wait() would block the training thread.
+        large = plan.packed_bytes > HOST_TRANSPORT_LIMIT_BYTES
+        return "device" if on_cuda and large and backend != "gloo" else "host"
+    if requested == "device":
+        if not on_cuda and backend is not None and "gloo" not in backend:
+            raise ValueError(
+                f"AsyncMetricCollector: transport='device' reduces CPU metrics on the training's {backend} "
+                "group, which cannot take CPU tensors; use transport='host' (or 'auto') for CPU metrics"
+            )
+        if on_cuda and backend == "gloo":
+            raise ValueError(
+                "AsyncMetricCollector: transport='device' on a gloo group would block the training thread "
+                "every window (gloo waits for a CUDA tensor's collective on the host); use "
+                "transport='host' (or 'auto'), or an NCCL group"
+            )
+    return requested
+
+
+def dedicated_gloo_group(ranks: tuple[int, ...], timeout_s: float) -> dist.ProcessGroup:
+    """A new gloo process group of `ranks`, for one collector only, with its timeout.
+
+    Its collectives never interleave with the training's or another collector's, and gloo may
+    be driven from the worker thread. Creating it is collective over the default group: ranks
+    first learn every rank's group (one `all_gather_object`), then all of them create every
+    group in the same order, as `new_group` requires.
+    """
+    every_rank: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every_rank, ranks)
+    mine = None
+    for rank_set in sorted(set(every_rank)):
+        created = dist.new_group(
+            ranks=list(rank_set), timeout=datetime.timedelta(seconds=timeout_s), backend="gloo"
         )
+        if rank_set == ranks:
+            mine = created
+    assert mine is not None
+    return mine
 
 
 class Transport:
@@ -139,13 +192,20 @@ class Transport:
         self.timeout_s = timeout_s
         self._sources = [storage[key] for key in plan.layout.buckets]
         self._slots = [self._new_slot() for _ in range(ring)]
+        compute_device = self.compute_device()
+        self.exchange.verify(compute_device)  # raises LayoutMismatchError on every rank, here, at bind
+        plan.prepare(compute_device)
         self._prepare()
+
+    def compute_device(self) -> torch.device:
+        """Where the window is reduced and computed."""
+        raise NotImplementedError
 
     def _new_slot(self) -> Slot:
         raise NotImplementedError
 
     def _prepare(self) -> None:
-        """Per-transport set-up once the ring exists."""
+        """Per-transport set-up once the ring exists (at bind: may allocate and block)."""
 
     def _snapshot(self, window: int, reset: Callable[[], None]) -> Slot:
         """Copy the local storage into the window's slot (one copy per bucket), then reset it."""
@@ -160,24 +220,40 @@ class Transport:
         raise NotImplementedError
 
 
+def cuda_events(count: int, device: torch.device, *, blocking: bool) -> list[torch.cuda.Event]:
+    """`count` events, created now on `device` (a first `record` creates them); `blocking` ones make a
+    thread that waits on them sleep instead of spinning a core (`cudaEventBlockingSync`)."""
+    events = [torch.cuda.Event(blocking=blocking) for _ in range(count)]
+    for event in events:
+        event.record(torch.cuda.current_stream(device))
+    return events
+
+
 class HostTransport(Transport):
     """Host slots (pinned on CUDA) reduced by the worker on a gloo group, computed on the host."""
 
     issued_by_worker = True
 
+    def compute_device(self) -> torch.device:
+        return torch.device("cpu")
+
     def _new_slot(self) -> Slot:
         return self.exchange.new_slot(torch.device("cpu"), pin_memory=self.plan.device.type == "cuda")
+
+    def _prepare(self) -> None:
+        device = self.plan.device
+        self._copied = cuda_events(len(self._slots), device, blocking=True) if device.type == "cuda" else []
 
     def schedule(self, window: int, step: int, reset: Callable[[], None]) -> Finish:
         slot = self._snapshot(window, reset)
         copied = None
-        if self.plan.device.type == "cuda":
-            copied = torch.cuda.Event()
+        if self._copied:
+            copied = self._copied[window % len(self._copied)]
             copied.record(torch.cuda.current_stream(self.plan.device))
         return functools.partial(self._finish, slot, step, copied)
 
     def _finish(self, slot: Slot, step: int, copied: torch.cuda.Event | None) -> list[Any]:
-        """Worker thread: wait for the copy (releasing the GIL), reduce over gloo, compute on the host."""
+        """Worker thread: wait for the copy (sleeping, GIL released), reduce over gloo, compute on host."""
         if copied is not None:
             copied.synchronize()
         plan, exchange = self.plan, self.exchange
@@ -190,67 +266,3 @@ class HostTransport(Transport):
         except Exception as error:
             raise reduce_failure(error, exchange.group, self.timeout_s) from error
         return plan.results(*plan.compute(exchange.reduced(slot)))
-
-
-class DeviceTransport(Transport):
-    """Device slots reduced by the training thread on the training's own group, asynchronously."""
-
-    issued_by_worker = False
-
-    def _prepare(self) -> None:
-        plan = self.plan
-        self._stream = torch.cuda.Stream(plan.device) if plan.device.type == "cuda" else None
-        self._results: list[torch.Tensor] = []
-        """Pinned host buffers for each ring slot's packed results, allocated at the first window."""
-
-    def _new_slot(self) -> Slot:
-        return self.exchange.new_slot(self.plan.device, private_rows=True)
-
-    def schedule(self, window: int, step: int, reset: Callable[[], None]) -> Finish:
-        """Training thread: snapshot, then issue the collective here, in program order on every rank."""
-        plan, exchange = self.plan, self.exchange
-        slot = self._snapshot(window, reset)
-        plan.write_step(slot.buffers, exchange.rank, step)
-        plan.layout.negate_min_(slot.buffers)
-        try:
-            if self._stream is None:  # metrics on the CPU: the worker waits for the Work, then computes
-                return functools.partial(self._finish_on_host, slot, exchange.reduce(slot, async_op=True))
-            return self._enqueue_on_side_stream(window, slot)
-        except Exception as error:  # reported by collect_results(), like a failure on the worker
-            failure = error
-            if not isinstance(error, LayoutMismatchError):
-                failure = reduce_failure(error, exchange.group, self.timeout_s)
-                failure.__cause__ = error
-            return functools.partial(_raise, failure)
-
-    def _enqueue_on_side_stream(self, window: int, slot: Slot) -> Finish:
-        """Training thread, CUDA: the collective, the compute and one packed copy to pinned memory, all
-        enqueued on the side stream after the snapshot; nothing waits on the host."""
-        plan, exchange = self.plan, self.exchange
-        snapshot = torch.cuda.Event()
-        snapshot.record(torch.cuda.current_stream(plan.device))
-        with torch.cuda.stream(self._stream):
-            self._stream.wait_event(snapshot)
-            works = exchange.reduce(slot, async_op=True)
-            for work in works:
-                work.wait()  # the side stream waits for the collective; the host does not
-            flat, layout = plan.compute(exchange.reduced(slot))
-            if not self._results or self._results[0].shape != flat.shape:
-                self._results = [
-                    torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True) for _ in self._slots
-                ]
-            host = self._results[window % len(self._slots)]
-            host.copy_(flat, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(self._stream)
-        return functools.partial(self._read, host, layout, done)
-
-    def _finish_on_host(self, slot: Slot, works: list[Any]) -> list[Any]:
-        """Worker thread: wait for the Work issued by the training thread, then compute."""
-        _wait(works, self.exchange, self.timeout_s)
-        return self.plan.results(*self.plan.compute(self.exchange.reduced(slot)))
-
-    def _read(self, host: torch.Tensor, layout: Any, done: torch.cuda.Event) -> list[Any]:
-        """Worker thread: wait for the packed results (releasing the GIL) and read them."""
-        done.synchronize()
-        return self.plan.results(host, layout)

@@ -12,10 +12,10 @@ that reduce different windows raise instead of mixing them.
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 import operator
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,21 +29,13 @@ from torchtelemetry.metric import (
     MetricAccumulator,
     ReduceOp,
     batched_rule,
-    layout_generation,
-    metric_leaves,
+    same_layout,
+    state_layout,
     window_state,
 )
-from torchtelemetry.sync import (
-    BucketKey,
-    BucketLayout,
-    GroupLike,
-    Slot,
-    WindowExchange,
-    group_world_size,
-    resolve_group,
-)
+from torchtelemetry.sync import BucketKey, BucketLayout
 
-__all__ = ["STEPS_ENTRY", "WindowMismatchError", "WindowPlan", "sync_and_compute"]
+__all__ = ["STEPS_ENTRY", "WindowMismatchError", "WindowPlan"]
 
 STEPS_ENTRY = "<window>.steps"
 """The layout entry in which each rank writes its step (its own slot of a world-sized vector)."""
@@ -97,10 +89,28 @@ def _builder(spec: pytree.TreeSpec) -> Callable[[list[Any]], Any]:
     """A fast `tree_unflatten` for the specs results have most: a leaf, or a dict of leaves."""
     if spec.is_leaf():
         return _ONE_LEAF
-    if spec.type is dict and all(child.is_leaf() for child in spec.children()):
+    # Every child a leaf: one node and one leaf each (TreeSpec.children() is torch >= 2.10 only).
+    if spec.type is dict and spec.num_nodes == spec.num_leaves + 1 == spec.num_children + 1:
         keys = tuple(spec.context)
         return lambda leaves: dict(zip(keys, leaves, strict=True))
     return functools.partial(pytree.tree_unflatten, treespec=spec)
+
+
+def _with_tensors_on(metric: Metric, device: torch.device) -> Metric:
+    """`metric`, or a shallow copy whose tensor attributes (those `Metric.to()` moves) are copied to
+    `device`: a custom `compute()` on another device than the metric's reads these copies. The copy
+    shares the metric's accumulators, so it reads the window's state through `value`."""
+    moved = {
+        attr: value.to(device)
+        for attr, value in vars(metric).items()
+        if isinstance(value, torch.Tensor) and value.device != device
+    }
+    if not moved:
+        return metric
+    twin = copy.copy(metric)
+    for attr, value in moved.items():
+        object.__setattr__(twin, attr, value)
+    return twin
 
 
 def _nested(values: list, shape: tuple[int, ...]) -> Any:
@@ -166,7 +176,31 @@ class WindowPlan:
             group.blocks.append(_Block(attr, key, start, shape, math.prod(shape)))
         self._steps_at = self.layout.offset(len(entries))
         self.world_size = world_size
-        self.generation = layout_generation()
+        self._state_layout = state_layout(self._registered())
+        self._custom_on: dict[torch.device, list[tuple[int, Metric]]] = {}
+
+    def _registered(self) -> list[MetricAccumulator]:
+        return [acc for _, metric in self.named for acc in metric.accumulators.values()]
+
+    def unchanged(self) -> bool:
+        """Whether every metric still holds the accumulators (and local tensors) this plan was built on."""
+        return same_layout(self._state_layout, state_layout(self._registered()))
+
+    def prepare(self, device: torch.device) -> None:
+        """Make now (blocking is fine: at bind) what computing on `device` needs from the metrics:
+        batched constants (histogram bounds) and custom metrics' tensor attributes on `device`."""
+        for group in self._groups:
+            group.constants_on(device)
+        prepared = []
+        for position, metric in self._custom:
+            try:
+                prepared.append((position, _with_tensors_on(metric, device)))
+            except RuntimeError as error:
+                raise RuntimeError(
+                    f"{self.named[position][0]}: {type(metric).__name__}'s tensor attributes cannot be "
+                    f"copied to {device}, where its compute() runs ({error})"
+                ) from error
+        self._custom_on[device] = prepared
 
     def local_tensors(self) -> list[torch.Tensor]:
         """Each entry's local state, in layout entry order (the steps entry: zeros)."""
@@ -212,9 +246,11 @@ class WindowPlan:
             leaves, spec = pytree.tree_flatten(results)
             pieces.append((group.positions, _builder(spec), [place(leaf, k) for leaf in leaves]))
         if self._custom:
+            if device not in self._custom_on:
+                self.prepare(device)
             views = self.layout.views(buffers)
             with window_state({id(acc): view for acc, view in zip(self.accumulators, views, strict=False)}):
-                for position, metric in self._custom:
+                for position, metric in self._custom_on[device]:
                     leaves, spec = pytree.tree_flatten(self._custom_compute(position, metric, device))
                     pieces.append(
                         ([position], _builder(spec), [place(_batch_of_one(leaf), 1) for leaf in leaves])
@@ -287,47 +323,3 @@ class WindowPlan:
 
 def _batch_of_one(leaf: Any) -> Any:
     return leaf.unsqueeze(0) if isinstance(leaf, torch.Tensor) else leaf
-
-
-@dataclass(frozen=True, slots=True)
-class _Prepared:
-    plan: WindowPlan
-    exchange: WindowExchange
-    slot: Slot
-    targets: list[torch.Tensor]
-    spec: Any
-    leaves: tuple[Any, ...]
-    """The PyTree's leaves, kept alive so that the ids in the cache key stay theirs."""
-
-
-_PREPARED: OrderedDict[tuple, _Prepared] = OrderedDict()
-_MAX_PREPARED = 16
-
-
-def sync_and_compute(metrics: Any, group: GroupLike = None) -> Any:
-    """Reduce `metrics` (a Metric or a PyTree of them) across `group` and return their results now.
-
-    The blocking one-call path, e.g. for evaluation loops: every state in one packed slot, one
-    collective while the payload is small (see `WindowExchange`), built-in metrics computed in
-    batches, one host copy, results as Python scalars and lists in the structure of the tree.
-    Reads the local states without changing them.
-    """
-    resolved = resolve_group(group, op="sync_and_compute")
-    leaves, spec = pytree.tree_flatten(metrics)
-    key = (None if resolved is None else resolved.group_name, *map(id, leaves))
-    prepared = _PREPARED.get(key)
-    if prepared is None or prepared.plan.generation != layout_generation() or prepared.spec != spec:
-        plan = WindowPlan(metric_leaves(metrics, op="sync_and_compute"), group_world_size(resolved))
-        exchange = WindowExchange(plan.layout, resolved)
-        slot = exchange.new_slot(plan.device)
-        prepared = _Prepared(plan, exchange, slot, plan.layout.views(slot.buffers), spec, tuple(leaves))
-        _PREPARED[key] = prepared
-        while len(_PREPARED) > _MAX_PREPARED:
-            _PREPARED.popitem(last=False)
-    _PREPARED.move_to_end(key)
-    plan, exchange, slot = prepared.plan, prepared.exchange, prepared.slot
-    torch._foreach_copy_(prepared.targets, plan.local_tensors())
-    plan.layout.negate_min_(slot.buffers)
-    exchange.reduce(slot)
-    flat, layout = plan.compute(exchange.reduced(slot))
-    return pytree.tree_unflatten(plan.results(flat.cpu(), layout), spec)

@@ -4,7 +4,8 @@ from torchtelemetry.metric._accumulator import (
     DEFAULT_STATE_DTYPE,
     MetricAccumulator,
     ReduceOp,
-    layout_generation,
+    same_layout,
+    state_layout,
     window_state,
 )
 from torchtelemetry.metric._aggregation import (
@@ -16,6 +17,7 @@ from torchtelemetry.metric._aggregation import (
 )
 from torchtelemetry.metric._base import Metric, MetricKind, NanPolicy
 from torchtelemetry.metric._batched import BatchedRule, batched_rule
+from torchtelemetry.metric._binding import MetricBinding
 from torchtelemetry.metric._classification import AccuracyMetric, BinaryAUROCMetric, ConfusionMatrixMetric
 from torchtelemetry.metric._histogram import HistogramMetric
 from torchtelemetry.metric._reshard import gather_local_states, restore_local_states
@@ -32,6 +34,7 @@ __all__ = [
     "MaxMetric",
     "Metric",
     "MetricAccumulator",
+    "MetricBinding",
     "MetricKind",
     "MinMetric",
     "NanPolicy",
@@ -42,10 +45,11 @@ __all__ = [
     "WeightedMeanMetric",
     "batched_rule",
     "gather_local_states",
-    "layout_generation",
     "metric_leaves",
     "named_accumulators",
     "restore_local_states",
+    "same_layout",
+    "state_layout",
     "sync_accumulators",
     "sync_metrics",
     "window_state",

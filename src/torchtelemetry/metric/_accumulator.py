@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -16,10 +16,10 @@ __all__ = [
     "DEFAULT_STATE_DTYPE",
     "MetricAccumulator",
     "ReduceOp",
-    "bump_layout_generation",
-    "layout_generation",
     "rank_local",
     "rank_sharded",
+    "same_layout",
+    "state_layout",
     "window_state",
 ]
 
@@ -44,19 +44,15 @@ def window_state(values: Mapping[int, torch.Tensor]) -> Iterator[None]:
         _WINDOW_STATE.reset(token)
 
 
-# Bumped whenever an accumulator's tensors are replaced (`to()`) or a Metric registers or
-# drops an accumulator: sync plans cached before that are stale.
-_LAYOUT_GENERATION = [0]
+def state_layout(accumulators: Iterable[MetricAccumulator]) -> tuple[object, ...]:
+    """Each accumulator and its local tensor, in order: the same objects (`same_layout`) until an
+    accumulator is replaced or moved (`to()`, `adopt()`). For plans that a blocking call caches."""
+    return tuple(item for accumulator in accumulators for item in (accumulator, accumulator._local))
 
 
-def layout_generation() -> int:
-    """The current layout generation; a cached sync plan is valid while it is unchanged."""
-    return _LAYOUT_GENERATION[0]
-
-
-def bump_layout_generation() -> None:
-    """Invalidate every cached sync plan."""
-    _LAYOUT_GENERATION[0] += 1
+def same_layout(first: tuple[object, ...], second: tuple[object, ...]) -> bool:
+    """Whether two `state_layout`s hold the same objects."""
+    return len(first) == len(second) and all(a is b for a, b in zip(first, second, strict=True))
 
 
 def rank_sharded(local: torch.Tensor) -> torch.Tensor:
@@ -117,7 +113,7 @@ class MetricAccumulator:
     local state in a single process.
     """
 
-    __slots__ = ("_initial", "_local", "_synced", "reduce_op")
+    __slots__ = ("_binding", "_initial", "_local", "_synced", "reduce_op")
 
     def __init__(
         self,
@@ -133,6 +129,17 @@ class MetricAccumulator:
         self._initial = initial
         self._local = initial.clone()
         self._synced = initial.clone()
+        self._binding: Any = None
+        """The `MetricBinding` of the collector keeping this state, told when `to()` moves it."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A copied or unpickled accumulator is bound nowhere."""
+        return {slot: getattr(self, slot) for slot in self.__slots__ if slot != "_binding"}
+
+    def __setstate__(self, state: Mapping[str, Any]) -> None:
+        for slot, value in state.items():
+            setattr(self, slot, value)
+        self._binding = None
 
     @property
     def local(self) -> torch.Tensor:
@@ -205,7 +212,8 @@ class MetricAccumulator:
         self._initial = self._initial.to(device)
         self._local = self._local.to(device)
         self._synced = self._synced.to(device)
-        bump_layout_generation()
+        if self._binding is not None:
+            self._binding.stale = True
         return self
 
     def adopt(self, storage: torch.Tensor) -> None:
@@ -222,7 +230,6 @@ class MetricAccumulator:
             )
         storage.copy_(self._local)
         self._local = storage
-        bump_layout_generation()
 
     def flat_views(self) -> tuple[torch.Tensor, torch.Tensor]:
         """1-D views of the local and the synchronized state (valid until `to()`), for packed syncs."""

@@ -9,12 +9,7 @@ from typing import Any, Literal
 
 import torch
 
-from torchtelemetry.metric._accumulator import (
-    MetricAccumulator,
-    bump_layout_generation,
-    rank_local,
-    rank_sharded,
-)
+from torchtelemetry.metric._accumulator import MetricAccumulator, rank_local, rank_sharded
 from torchtelemetry.sync import GroupLike
 
 __all__ = ["Metric", "MetricKind", "NanPolicy"]
@@ -86,10 +81,20 @@ class Metric:
         accumulators = self.__dict__.setdefault("_accumulators", {})
         if isinstance(value, MetricAccumulator):
             accumulators[attr] = value
-            bump_layout_generation()
+            self._layout_changed()
         elif accumulators.pop(attr, None) is not None:
-            bump_layout_generation()
+            self._layout_changed()
         object.__setattr__(self, attr, value)
+
+    def _layout_changed(self) -> None:
+        """Tell the collector holding this metric (if any) that its accumulators changed; no one else."""
+        binding = self.__dict__.get("_binding")
+        if binding is not None:
+            binding.stale = True
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A copied or unpickled metric is collected nowhere (a collector claims it at bind())."""
+        return {attr: value for attr, value in self.__dict__.items() if attr != "_binding"}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Unpickled or copied: the metric belongs to the thread (and process) doing it."""
@@ -142,6 +147,7 @@ class Metric:
                 value.to(device)
             elif isinstance(value, torch.Tensor):
                 object.__setattr__(self, attr, value.to(device))
+        self._layout_changed()
         return self
 
     def state_dict(self) -> dict[str, torch.Tensor]:

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
 
-from torchtelemetry.metric._accumulator import MetricAccumulator, layout_generation
+from torchtelemetry.metric._accumulator import MetricAccumulator, same_layout, state_layout
 from torchtelemetry.metric._tree import named_accumulators
 from torchtelemetry.sync import BucketLayout, GroupLike, reduce_buffers, resolve_group
 
@@ -47,7 +47,7 @@ def sync_metrics(metrics: Any, group: GroupLike = None, *, async_op: bool = Fals
     leaves, spec = pytree.tree_flatten(metrics)
     key = ("tree", *map(id, leaves))
     plan = _PLANS.get(key)
-    if plan is None or plan.generation != layout_generation() or plan.spec != spec:
+    if plan is None or plan.spec != spec or not _unchanged(plan, _tree_accumulators(leaves)):
         plan = _cache_plan(key, named_accumulators(metrics), spec, leaves)
     return _run_plan(plan, group, async_op)
 
@@ -61,7 +61,7 @@ def sync_accumulators(
     """`sync_metrics` for named accumulators."""
     key = ("accumulators", *accumulators, *map(id, accumulators.values()))
     plan = _PLANS.get(key)
-    if plan is None or plan.generation != layout_generation():
+    if plan is None or not _unchanged(plan, accumulators.values()):
         plan = _cache_plan(key, accumulators, None, [])
     return _run_plan(plan, group, async_op)
 
@@ -76,7 +76,8 @@ class _SyncPlan:
     """Flat views of each accumulator's local tensor."""
     synced: tuple[torch.Tensor, ...]
     """Flat views of each accumulator's synchronized tensor, written in place by a sync."""
-    generation: int
+    state_layout: tuple[object, ...]
+    """`state_layout` of the accumulators when built: the plan holds while it is the same."""
     spec: Any
     leaves: tuple[Any, ...]
     """The PyTree's leaves, kept alive so that the ids in the cache key stay theirs."""
@@ -97,7 +98,7 @@ def _cache_plan(
         accumulators=accs,
         locals=tuple(local for local, _ in views),
         synced=tuple(synced for _, synced in views),
-        generation=layout_generation(),
+        state_layout=state_layout(accs),
         spec=spec,
         leaves=tuple(leaves),
     )
@@ -106,6 +107,15 @@ def _cache_plan(
     while len(_PLANS) > _MAX_PLANS:
         _PLANS.popitem(last=False)
     return plan
+
+
+def _tree_accumulators(leaves: list[Any]) -> Iterator[MetricAccumulator]:
+    return (accumulator for leaf in leaves for accumulator in leaf._accumulators.values())
+
+
+def _unchanged(plan: _SyncPlan, accumulators: Iterable[MetricAccumulator]) -> bool:
+    """Whether the metrics still hold the accumulators (and local tensors) `plan` was built on."""
+    return same_layout(plan.state_layout, state_layout(accumulators))
 
 
 def _run_plan(plan: _SyncPlan, group: GroupLike, async_op: bool) -> SyncHandle | None:

@@ -118,6 +118,12 @@ class WindowExchange:
             self._shared_rows[device] = self._new_rows(device)
         return self._shared_rows[device]
 
+    def verify(self, device: torch.device) -> None:
+        """Check now that every rank holds this layout (one small blocking collective on `device`,
+        once per group and layout); `reduce` then issues no check."""
+        if self.group is not None:
+            verify_layout(self.layout, self.group, device)
+
     def reduce(self, slot: Slot, *, async_op: bool = False) -> list[Any]:
         """Issue the window's collective(s) on `slot` (MIN parts already negated); the Work handles
         if `async_op`. The first time a layout is seen on the group, all ranks check that they
