@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from torchtelemetry.collect import check_collection_limits
 from torchtelemetry.sync import GroupLike
 
 __all__ = ["TelemetryConfig"]
@@ -45,20 +46,20 @@ class TelemetryConfig:
     timeout_s: float = 300.0
     """Bound on one collection: a dead or missing rank raises instead of hanging."""
     max_pending: int = 2
-    """Collections in flight before `step()` waits for the oldest."""
+    """Collections in flight before `step()` waits for the oldest (the collector's ring of slots
+    has this many)."""
     queue_size: int = 8
     """Reports buffered per exporter before the oldest is dropped."""
 
     def __post_init__(self) -> None:
-        for key in ("every", "max_pending", "queue_size"):
+        check_collection_limits("TelemetryConfig.", timeout_s=self.timeout_s, max_pending=self.max_pending)
+        for key in ("every", "queue_size"):
             if getattr(self, key) < 1:
                 raise ValueError(f"TelemetryConfig.{key} must be at least 1, got {getattr(self, key)}")
         if self.max_rank_series < 0:
             raise ValueError(
                 f"TelemetryConfig.max_rank_series must be at least 0, got {self.max_rank_series}"
             )
-        if not self.timeout_s > 0:
-            raise ValueError(f"TelemetryConfig.timeout_s must be positive, got {self.timeout_s}")
         for key in ("flops_per_token", "flops_per_sample", "peak_flops"):
             value = getattr(self, key)
             if value is not None and not (math.isfinite(value) and value > 0):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -85,7 +86,9 @@ class Telemetry:
         try:
             agree_on_start(failure, timeout_s=timeout_s)
             # Keyed by metric path, so errors (a layout mismatch across ranks) name metrics as the user does.
-            collector = AsyncMetricCollector(dict(self._leaves), self.config.group, timeout_s=timeout_s)
+            collector = AsyncMetricCollector(
+                dict(self._leaves), self.config.group, timeout_s=timeout_s, max_pending=self.max_pending
+            )
             self._collector = collector.bind()
         except BaseException:
             self.hub.close()  # started exporters (open ports, threads) must not outlive a failed set-up
@@ -214,9 +217,6 @@ class Telemetry:
         self._require_open("schedule_collection")
         if not self._steps_in_window:
             return
-        if self._collector.pending >= self.max_pending:
-            self.backpressure_waits += 1
-            self._drain(block=True, limit=1)
         self._schedule()
 
     def log(self, values: Mapping[str, ScalarValue], step: int) -> None:
@@ -239,23 +239,36 @@ class Telemetry:
         return now
 
     def _schedule(self) -> None:
+        if self._collector.pending >= self.max_pending:  # the collector's ring is full
+            self.backpressure_waits += 1
+            self._drain(block=True, limit=1)
         now = self._flush_signals()
-        self._collector.schedule_collection(step=self._last_step)
-        self._publisher.scheduled(self._last_step or 0, duration_s=now - self._window_start)
+        window = self._publisher.scheduled(self._last_step or 0, duration_s=now - self._window_start)
+        try:
+            # The report is built on the collector's worker thread (naming, totals: work that grows
+            # with the number of metrics); this thread only collects that it was done.
+            self._collector.schedule_collection(
+                step=self._last_step, then=functools.partial(self._publisher.publish, window)
+            )
+        except BaseException:
+            self._publisher.unscheduled(window)
+            raise
         self._window_start = now
         self._steps_in_window = 0
 
     def _drain(self, *, block: bool, limit: int | None = None) -> None:
+        # Values logged at the windows' steps came before this call (a framework logs right after
+        # the step()): their reports may be submitted now.
+        self._publisher.release()
         collected = 0
         while self._collector.pending and (block or self._collector.ready()):
             if limit is not None and collected >= limit:
                 return
             try:
-                results = self._collector.collect_results_by_metric()
+                self._collector.collect_results()
             except CollectionError as error:
                 self._failure = error
                 raise
-            self._publisher.publish([result for _, result in results])
             collected += 1
 
     def flush(self, timeout_s: float = 30.0) -> bool:
@@ -284,6 +297,7 @@ class Telemetry:
                 self._drain(block=True)
         finally:
             self._closed = True
+            self._publisher.release()  # windows still in flight after a failure must not wait for logs
             self._collector.unbind(timeout_s=timeout_s)
             self.hub.close(timeout_s)
 

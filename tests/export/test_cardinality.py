@@ -140,8 +140,9 @@ def _export(world_size: int, max_rank_series: int = MAX_RANK_SERIES) -> Exported
             publisher = WindowPublisher(leaves, descriptors, signals, hub.submit, ranks)
             for window in range(2):  # the second report carries every exporter's health
                 _fill(tree, signals, world_size, window)
-                publisher.scheduled(10 * (window + 1), duration_s=1.0)
-                publisher.publish([to_python(metric.compute()) for _, metric in leaves])
+                in_flight = publisher.scheduled(10 * (window + 1), duration_s=1.0)
+                publisher.release()  # nothing logged at its step: submit it as soon as it is built
+                publisher.publish(in_flight, [to_python(metric.compute()) for _, metric in leaves])
                 for _, metric in leaves:
                     metric.reset()
                 assert hub.force_flush(30)

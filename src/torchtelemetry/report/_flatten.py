@@ -30,7 +30,10 @@ def flatten_results(metrics: Sequence[tuple[str, Metric]], results: Sequence[Any
     """Named values of one report: `results[i]` is the Python result of `metrics[i]`."""
     flat: dict[str, ScalarValue] = {}
     for (name, metric), result in zip(metrics, results, strict=True):
-        flat.update((descriptor.name, value) for descriptor, value in _entries(name, metric, result))
+        if type(result) is float and metric.kind is not MetricKind.HISTOGRAM:  # most metrics: named as is
+            flat[name] = result
+        else:
+            flat.update((descriptor.name, value) for descriptor, value in _entries(name, metric, result))
     return flat
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
@@ -16,7 +17,7 @@ from torchtelemetry.report._signals import TrainingSignals, WindowTiming
 from torchtelemetry.report._totals import RunningTotals
 from torchtelemetry.report._values import MetricDescriptor, Scalars, ScalarValue
 
-__all__ = ["Submit", "WindowPublisher", "describe_with_signals"]
+__all__ = ["InFlight", "Submit", "WindowPublisher", "describe_with_signals"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,12 +51,27 @@ def describe_with_signals(
     return described
 
 
+class InFlight:
+    """A window scheduled and not yet reported: its timing, and whether values logged at its step
+    may still come (`release()` says they may not)."""
+
+    __slots__ = ("released", "timing")
+
+    def __init__(self, timing: WindowTiming) -> None:
+        self.timing = timing
+        self.released = threading.Event()
+
+
 class WindowPublisher:
     """Turns each collected window into one report for `submit`, in the order windows were scheduled;
     values per rank as `ranks` (the one `describe_with_signals` was given) exports them.
 
-    Values `log()`ged while windows are in flight wait for the newest one: those at its step
-    ride in its report, others are submitted right after it.
+    `publish` runs on the collector's worker thread (windows complete there in order), `scheduled`,
+    `log` and `release` on the training thread; one lock orders them. `publish` builds the report
+    (the work that grows with the number of metrics) at once, then waits for `release()` before it
+    submits it: values `log()`ged while a window is in flight (a training framework logs right after
+    the step that scheduled it) wait for the newest one: those at its step ride in its report, others
+    are submitted right after it.
     """
 
     def __init__(
@@ -74,41 +90,64 @@ class WindowPublisher:
             d.name for d in descriptors if d.kind in (MetricKind.COUNTER, MetricKind.HISTOGRAM)
         )
         """Counter and histogram totals across windows (and restarts, through its state_dict)."""
-        self._windows: collections.deque[WindowTiming] = collections.deque()
+        self._lock = threading.Lock()
+        self._in_flight: collections.deque[InFlight] = collections.deque()
         self._logged: dict[int, list[tuple[int, dict[str, ScalarValue], float]]] = {}
         self._skipped_names: set[str] = set()
         self.latest: dict[str, ScalarValue] = {}
         self.latest_step: int | None = None
 
-    def scheduled(self, step: int, *, duration_s: float) -> None:
-        """A window ending at `step` was scheduled now; its results come to `publish` in this order."""
-        self._windows.append(WindowTiming(step=step, timestamp=time.time(), duration_s=duration_s))
+    def scheduled(self, step: int, *, duration_s: float) -> InFlight:
+        """A window ending at `step` is being scheduled now; `publish` gets it with its results."""
+        window = InFlight(WindowTiming(step=step, timestamp=time.time(), duration_s=duration_s))
+        with self._lock:
+            self._in_flight.append(window)
+        return window
 
-    def publish(self, results: Sequence[Any]) -> None:
-        """Submit the oldest scheduled window's report (`results` per leaf), then what waited for it."""
-        timing = self._windows.popleft()
+    def unscheduled(self, window: InFlight) -> None:
+        """The window `scheduled` returned was not scheduled after all."""
+        with self._lock:
+            self._in_flight.remove(window)
+
+    def release(self) -> None:
+        """No more values will be logged at the steps of the windows in flight: they may be submitted."""
+        with self._lock:
+            for window in self._in_flight:
+                window.released.set()
+
+    def publish(self, in_flight: InFlight, results: Sequence[Any]) -> None:
+        """Build the report of `in_flight` (`results` per leaf); once released, submit it and what
+        waited for it."""
+        timing = in_flight.timing
         window = flatten_results(self._leaves, results)
         if self._signals is not None:
             self._signals.publish(window, timing)
         self._ranks.publish(window)
-        reported = self.totals.add(window)
-        self.latest = reported
-        self.latest_step = timing.step
-        logged = self._logged.pop(timing.step, [])
-        riders = [values for step, values, _ in logged if step == timing.step]
-        reported = dict(collections.ChainMap(reported, *reversed(riders)))
-        self._submit(timing.step, reported, timing.timestamp, window=window)
-        for step, values, timestamp in logged:
-            if step != timing.step:
-                self._submit(step, values, timestamp)
+        with self._lock:
+            reported = self.totals.add(window)
+            self.latest = reported
+            self.latest_step = timing.step
+        in_flight.released.wait()
+        with self._lock:
+            self._in_flight.remove(in_flight)
+            logged = self._logged.pop(timing.step, [])
+            riders = [values for step, values, _ in logged if step == timing.step]
+            if riders:  # the window's own values win over values logged at its step
+                reported = {name: value for values in (*riders, reported) for name, value in values.items()}
+            self._submit(timing.step, reported, timing.timestamp, window=window)
+            for step, values, timestamp in logged:
+                if step != timing.step:
+                    self._submit(step, values, timestamp)
 
     def log(self, values: Mapping[str, ScalarValue], step: int) -> None:
         """Submit host values now, or after the newest window in flight (see the class)."""
         legal = self._legal_names(values)
-        if self._windows:
-            self._logged.setdefault(self._windows[-1].step, []).append((step, legal, time.time()))
-        else:
-            self._submit(step, legal, time.time())
+        with self._lock:
+            if self._in_flight:
+                newest = self._in_flight[-1].timing.step
+                self._logged.setdefault(newest, []).append((step, legal, time.time()))
+            else:
+                self._submit(step, legal, time.time())
 
     def _legal_names(self, values: Mapping[str, ScalarValue]) -> dict[str, ScalarValue]:
         legal: dict[str, ScalarValue] = {}

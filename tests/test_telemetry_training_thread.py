@@ -1,0 +1,137 @@
+"""What `Telemetry.step()` costs the training thread: a fixed amount of work whatever the number of
+metrics (every per-metric step of a report runs on the collector's worker), and a ring of
+`max_pending` slots. Counted, not timed: Python calls and torch ops on the training thread."""
+
+from __future__ import annotations
+
+import collections
+import gc
+import sys
+import time
+from types import FrameType
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import torchtelemetry as tt
+from tests.hostsync import NoHostSync
+from torchtelemetry.metric._aggregation import _any_negative  # the CPU-only check, exempt by design
+
+EVERY = 2
+STEPS = 12
+
+
+class _OpCounter(TorchDispatchMode):
+    """Counts the aten ops dispatched in this thread (dispatch modes are per thread)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _wait_until_collected(telemetry: tt.Telemetry) -> None:
+    """Every window in flight done (so that each step() finds the same state whatever the timing)."""
+    telemetry._publisher.release()  # what the next step() does first: nothing more is logged
+    deadline = time.monotonic() + 60
+    while telemetry._collector.pending and not all(w.future.done() for w in telemetry._collector._pending):
+        assert time.monotonic() < deadline, "the collector's worker did not finish a window in 60 s"
+        time.sleep(0.001)
+
+
+def _training_thread_work(num_metrics: int) -> tuple[collections.Counter, collections.Counter]:
+    """Python calls (by function) and torch ops made inside `step()` on this thread, steady state."""
+    metrics = {f"group{i % 10}/metric{i}": tt.SumMetric() for i in range(num_metrics)}
+    telemetry = tt.Telemetry(metrics, every=EVERY)
+    calls: collections.Counter[str] = collections.Counter()
+
+    def profile(frame: FrameType, event: str, arg: Any) -> None:
+        if event == "call":
+            calls[f"{frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_code.co_name}"] += 1
+        elif event == "c_call":
+            calls[getattr(arg, "__qualname__", repr(arg))] += 1
+
+    try:
+        for step in range(4):  # warm-up windows
+            metrics["group0/metric0"].update(1.0)
+            telemetry.step(step)
+        telemetry.flush()  # nothing in flight: every measured step starts from the same state
+        ops = _OpCounter()
+        gc.disable()
+        for step in range(4, 4 + STEPS):
+            metrics["group0/metric0"].update(1.0)
+            _wait_until_collected(telemetry)
+            sys.setprofile(profile)  # this thread only
+            try:
+                with ops:
+                    telemetry.step(step)
+            finally:
+                sys.setprofile(None)
+        gc.enable()
+        telemetry.flush()
+        assert telemetry.latest["group0/metric0"] == float(EVERY)
+    finally:
+        gc.enable()
+        telemetry.close()
+    return calls, ops.ops
+
+
+def test_step_does_the_same_work_on_the_training_thread_for_100_and_2000_metrics() -> None:
+    _training_thread_work(10)  # first use of the profiler and the dispatch mode imports and caches
+    small_calls, small_ops = _training_thread_work(100)
+    large_calls, large_ops = _training_thread_work(2000)
+    assert large_ops == small_ops
+    assert large_calls == small_calls, {
+        name: (small_calls[name], large_calls[name])
+        for name in small_calls.keys() | large_calls.keys()
+        if small_calls[name] != large_calls[name]
+    }
+    # Naming, flattening and running totals of each report ran on the worker, not here.
+    assert not any(name.endswith((":publish", ":flatten_results", ":results")) for name in large_calls)
+
+
+def test_the_collectors_ring_has_the_telemetrys_max_pending_slots() -> None:
+    telemetry = tt.Telemetry({"loss": tt.WeightedMeanMetric()}, every=1, max_pending=3)
+    try:
+        assert telemetry._collector.max_pending == 3
+        assert len(telemetry._collector._transport._slots) == 3
+        for step in range(10):  # never more than max_pending windows in flight, none refused
+            telemetry.metrics["loss"].update(torch.tensor(float(step)))
+            telemetry.step(step)
+            assert telemetry._collector.pending <= 3
+    finally:
+        telemetry.close()
+    assert telemetry.latest["loss"] == 9.0
+
+
+def test_step_in_steady_state_never_syncs_the_device() -> None:
+    """Every read of a value on the training thread inside `step()` counts (the tensors are on the CPU
+    here, so the detector cannot tell host data from device data), except the counters' check for
+    negative values, which only runs on the CPU (tests/metric/test_no_host_sync.py runs `update()`
+    on a device without it)."""
+    metrics = {
+        "loss": tt.WeightedMeanMetric(),
+        "accuracy": tt.AccuracyMetric(),
+        "grad_norm": tt.HistogramMetric(bins=[0.5, 1, 2]),
+        "tokens": tt.SumMetric(kind="counter"),
+    }
+    telemetry = tt.Telemetry(metrics, every=2)
+    try:
+        for step in range(4):  # warm-up windows
+            telemetry.step(step, tokens=torch.tensor(512), samples=4, learning_rate=0.1)
+        for step in range(4, 24):
+            metrics["loss"].update(torch.tensor(2.0), 512)
+            metrics["accuracy"].update(torch.randn(4, 3), torch.tensor([0, 1, 2, 0]))
+            metrics["grad_norm"].update(torch.tensor(1.5))
+            with NoHostSync(exempt=[_any_negative]):
+                with telemetry.data_wait():
+                    pass
+                telemetry.step(step, tokens=torch.tensor(512), samples=4, learning_rate=0.1)
+        telemetry.flush()
+        assert telemetry.latest["loss"] == 2.0 and telemetry.latest["train/tokens"] == 24 * 512.0
+    finally:
+        telemetry.close()
