@@ -180,10 +180,13 @@ class MetricAccumulator:
         local = self._writable()
         if self.reduce_op is ReduceOp.SUM:
             local.add_(value)
-        elif self.reduce_op is ReduceOp.MAX:
-            local.copy_(torch.maximum(local, torch.as_tensor(value, device=local.device)))
+            return
+        if not isinstance(value, torch.Tensor):  # a fill on the device, not a blocking host-to-device copy
+            value = torch.full((), value, dtype=local.dtype, device=local.device)
+        if self.reduce_op is ReduceOp.MAX:
+            local.copy_(torch.maximum(local, value))
         else:
-            local.copy_(torch.minimum(local, torch.as_tensor(value, device=local.device)))
+            local.copy_(torch.minimum(local, value))
 
     def add_product(self, value: torch.Tensor, weight: torch.Tensor) -> None:
         """Add `value * weight` (broadcast to this accumulator's shape) in one fused op; SUM only."""

@@ -195,9 +195,9 @@ class PerRankMetric(Metric):
         self.sums.update(self.slot * self._batch_sum(self.sums, value))
         self.counts.update(self.slot * (value.numel() if mask is None else mask.sum()))
 
-    def update_total(self, total: torch.Tensor, count: torch.Tensor) -> None:
-        """Add `count` values already summed to `total` (0-d tensors on the metric's device), e.g.
-        host timings accumulated over a window; no checks, no reduction."""
+    def update_total(self, total: torch.Tensor | float, count: torch.Tensor | float) -> None:
+        """Add `count` values already summed to `total` (Python numbers, or 0-d tensors on the
+        metric's device), e.g. host timings accumulated over a window; no checks, no reduction."""
         self.sums.update(self.slot * total)
         self.counts.update(self.slot * count)
 

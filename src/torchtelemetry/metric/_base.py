@@ -250,8 +250,9 @@ class Metric:
     def _as_tensor(self, value: Any, what: str, device: torch.device | None = None) -> torch.Tensor:
         """Accept tensors, Python numbers and numpy scalars/arrays; put them on the metric's device.
 
-        Python numbers become tensors by a fill on the device, never by a host-to-device copy.
-        `device` (the metric's) saves looking it up again.
+        Python numbers become tensors by a fill on the device, never by a host-to-device copy;
+        numpy data and 0-d CPU tensors by a non-blocking copy. `device` (the metric's) saves
+        looking it up again.
         """
         device = device or self.device
         if isinstance(value, torch.Tensor):
@@ -270,12 +271,13 @@ class Metric:
         if type(value) is int:
             raise ValueError(f"{self.display_name()}: {what}={value} does not fit in a 64-bit integer")
         try:
-            tensor = torch.as_tensor(value, device=device)
+            tensor = torch.as_tensor(value)
         except (TypeError, ValueError, RuntimeError) as error:
             raise TypeError(
                 f"{self.display_name()}: {what} must be a tensor or a number, got {type(value).__name__}"
             ) from error
-        return self._real(tensor, what)
+        # Host data (numpy): staged by a non-blocking copy, never one the host waits for.
+        return self._real(tensor.to(device, non_blocking=True), what)
 
     def _real(self, tensor: torch.Tensor, what: str) -> torch.Tensor:
         """`tensor`, unless it is complex (no metric state can hold it)."""

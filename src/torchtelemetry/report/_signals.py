@@ -145,43 +145,28 @@ class TrainingSignals:
     # -- per window ----------------------------------------------------------------------
 
     def flush_to_device(self, duration_s: float) -> None:
-        """Hand the host accumulators to the metrics: one small host-to-device copy per window.
+        """Hand the host accumulators to the metrics, as Python numbers in the kernels' arguments:
+        no host-to-device copy, no pinned allocation, no sync.
 
         `duration_s` is this rank's host time since the previous flush; the data-wait share is
         the waits over the durations, so a flush in mid-window (a checkpoint) changes nothing.
         The values are the signals' own, already checked on the host, so they go straight into
         the accumulators.
         """
+        self.step_time.update_total(sum(self._step_times), len(self._step_times))
+        self.data_wait.update_total(self._data_wait, self._steps)
+        self.data_wait_share.update_total(100 * self._data_wait, duration_s)
+        self.tokens.total.update(self._host_counts[TOKENS])
+        self.samples.total.update(self._host_counts[SAMPLES])
+        self.peak_memory.extremum.update(peak_memory(self.device))
         learning_rate = float("-inf") if self._learning_rate is None else self._learning_rate
-        memory = self._allocator.read() if self._allocator is not None else []
-        values = _to_device(
-            [
-                sum(self._step_times),
-                len(self._step_times),
-                self._data_wait,
-                self._steps,
-                100 * self._data_wait,
-                duration_s,
-                self._host_counts[TOKENS],
-                self._host_counts[SAMPLES],
-                peak_memory(self.device),
-                learning_rate,
-                *memory,
-            ],
-            self.device,
-        )
-        self.step_time.update_total(values[0], values[1])
-        self.data_wait.update_total(values[2], values[3])
-        self.data_wait_share.update_total(values[4], values[5])
-        self.tokens.total.update(values[6])
-        self.samples.total.update(values[7])
-        self.peak_memory.extremum.update(values[8])
-        self.learning_rate.extremum.update(values[9])
-        if memory:
-            self.memory["max_active"].extremum.update(values[10])
-            self.memory["max_reserved"].extremum.update(values[11])
-            self.memory["alloc_retries"].total.update(values[12])
-            self.memory["ooms"].total.update(values[13])
+        self.learning_rate.extremum.update(learning_rate)
+        if self._allocator is not None:
+            max_active, max_reserved, retries, ooms = self._allocator.read()
+            self.memory["max_active"].extremum.update(max_active)
+            self.memory["max_reserved"].extremum.update(max_reserved)
+            self.memory["alloc_retries"].total.update(retries)
+            self.memory["ooms"].total.update(ooms)
         self._step_times = []
         self._data_wait = 0.0
         self._steps = 0
@@ -283,10 +268,3 @@ def signal_descriptors() -> list[MetricDescriptor]:
     for max_rank_series in (1, 0):
         found.update((d.name, d) for d in RankSeriesLimit(1, max_rank_series).describe(described))
     return list(found.values())
-
-
-def _to_device(values: list[float], device: torch.device) -> torch.Tensor:
-    host = torch.tensor(values, dtype=torch.float64)
-    if device.type == "cuda":
-        return host.pin_memory().to(device, non_blocking=True)
-    return host.to(device)
