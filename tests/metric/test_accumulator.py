@@ -7,6 +7,9 @@ import itertools
 import numpy as np
 import pytest
 import torch
+
+pytest.importorskip("hypothesis")  # absent from the GPU image `make gpu-check` runs on: skip, not an error
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

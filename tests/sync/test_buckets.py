@@ -6,6 +6,9 @@ import warnings
 
 import pytest
 import torch
+
+pytest.importorskip("hypothesis")  # absent from the GPU image `make gpu-check` runs on: skip, not an error
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
