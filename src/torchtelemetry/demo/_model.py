@@ -57,7 +57,7 @@ def synthetic_batch(generator: torch.Generator, config: DemoConfig, device: torc
     start = torch.randint(0, config.vocab, (config.batch_size, 1), generator=generator)
     stride = torch.randint(1, 4, (config.batch_size, 1), generator=generator)
     positions = torch.arange(config.seq_len + 1).unsqueeze(0)
-    return ((start + stride * positions) % config.vocab).to(device)
+    return ((start + stride * positions) % config.vocab).to(device, non_blocking=True)  # staged, no sync
 
 
 def build_metrics(device: torch.device | str = "cpu") -> dict[str, dict[str, Any]]:
