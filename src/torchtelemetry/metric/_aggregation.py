@@ -77,7 +77,8 @@ class WeightedMeanMetric(Metric):
         if nan_policy == "error":
             self._check_finite(value, "value")
             self._check_finite(weight, "weight")
-        if not compiling and (nan_policy == "error" or device.type == "cpu") and _any_negative(weight):
+        # `is_cpu`, not `device.type == "cpu"`: 0.3 µs against 1.5 µs, on every update
+        if not compiling and (nan_policy == "error" or local_sum.is_cpu) and _any_negative(weight):
             raise ValueError(f"{self.display_name()}: weight must be non-negative, got a negative weight")
         if nan_policy != "ignore" and value.dim() == 0 and self._float_state:
             # The common case (a loss and its token count): two fused ops in the state dtype

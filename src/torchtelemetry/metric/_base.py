@@ -257,7 +257,7 @@ class Metric:
         device = device or self.device
         if isinstance(value, torch.Tensor):
             if value.device != device:
-                if not (value.device.type == "cpu" and value.dim() == 0):
+                if not (value.is_cpu and value.dim() == 0):
                     raise ValueError(
                         f"{self.display_name()}: {what} is on {value.device}, but the metric lives on "
                         f"{device}; move the input or call metric.to({str(value.device)!r})"
@@ -292,7 +292,7 @@ class Metric:
         """Whether value checks may read tensor data: never a device sync, never in a compiled graph."""
         if torch.compiler.is_compiling():
             return False
-        return self.nan_policy == "error" or tensor.device.type == "cpu"
+        return self.nan_policy == "error" or tensor.is_cpu
 
     def _check_finite(self, tensor: torch.Tensor, what: str) -> None:
         """Under nan_policy="error", raise on NaN or Inf (a host sync on accelerators)."""
