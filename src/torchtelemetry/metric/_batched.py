@@ -27,7 +27,7 @@ from torchtelemetry.metric._classification import (
     AccuracyMetric,
     BinaryAUROCMetric,
     ConfusionMatrixMetric,
-    _safe_ratio,
+    confusion_scores,
 )
 from torchtelemetry.metric._histogram import HistogramMetric
 
@@ -50,22 +50,6 @@ class BatchedRule:
     """Per-instance constants the results need (histogram bounds), stacked once on `device`."""
 
 
-def _confusion(states: States, constants: None) -> dict[str, torch.Tensor]:
-    matrix = states["matrix"]
-    true_positive = matrix.diagonal(dim1=-2, dim2=-1)
-    precision = _safe_ratio(true_positive, matrix.sum(dim=-2))
-    recall = _safe_ratio(true_positive, matrix.sum(dim=-1))
-    f1 = _safe_ratio(2 * precision * recall, precision + recall)
-    return {
-        "precision": precision,
-        "recall": recall,
-        "f1": f1,
-        "macro_precision": precision.mean(dim=-1),
-        "macro_recall": recall.mean(dim=-1),
-        "macro_f1": f1.mean(dim=-1),
-    }
-
-
 def _auroc(states: States, constants: None) -> torch.Tensor:
     tp = states["positives"].flip(-1).cumsum(-1)
     fp = states["negatives"].flip(-1).cumsum(-1)
@@ -86,7 +70,7 @@ _RULES: dict[type, BatchedRule] = {
     WeightedMeanMetric: BatchedRule(lambda s, c: s["weighted_sum"] / s["total_weight"]),
     AccuracyMetric: BatchedRule(lambda s, c: s["correct"] / s["total"]),
     PerRankMetric: BatchedRule(lambda s, c: s["sums"] / s["counts"]),
-    ConfusionMatrixMetric: BatchedRule(_confusion),
+    ConfusionMatrixMetric: BatchedRule(lambda s, c: confusion_scores(s["matrix"])),
     BinaryAUROCMetric: BatchedRule(_auroc),
     HistogramMetric: BatchedRule(
         lambda s, bounds: {"bounds": bounds, "counts": s["counts"], "sum": s["sum"], "count": s["count"]},

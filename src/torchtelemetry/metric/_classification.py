@@ -9,7 +9,7 @@ import torch
 from torchtelemetry.metric._accumulator import DEFAULT_STATE_DTYPE, MetricAccumulator, ReduceOp
 from torchtelemetry.metric._base import Metric
 
-__all__ = ["AccuracyMetric", "BinaryAUROCMetric", "ConfusionMatrixMetric"]
+__all__ = ["AccuracyMetric", "BinaryAUROCMetric", "ConfusionMatrixMetric", "confusion_scores"]
 
 
 class _LabelledMetric(Metric):
@@ -19,12 +19,13 @@ class _LabelledMetric(Metric):
     ignore_index: int | None
 
     def _labels(self, target: Any) -> torch.Tensor:
+        """Integer class labels as int64 (a uint8 label times the class count must not wrap)."""
         target = self._as_tensor(target, "target")
         if target.is_floating_point() or target.dtype == torch.bool:
             raise TypeError(
                 f"{self.display_name()}: target must hold integer class labels, got dtype {target.dtype}"
             )
-        return target
+        return target.long()
 
     def _num_classes(self, preds: torch.Tensor) -> int | None:
         return preds.shape[-1] if preds.is_floating_point() else self.num_classes
@@ -72,7 +73,12 @@ class _LabelledMetric(Metric):
 
 
 class AccuracyMetric(_LabelledMetric):
-    """Multiclass accuracy from logits (`[..., C]`, top-k) or from predicted labels."""
+    """Multiclass accuracy from logits (`[..., C]`, top-k) or from predicted labels.
+
+    Top-1 is the `argmax` of the logits, as in `ConfusionMatrixMetric`, torchmetrics and
+    scikit-learn: among tied logits the lowest class index wins. With `top_k` > 1, ties at the
+    k-th place go to the lower class indices the same way. NaN ranks above every number.
+    """
 
     def __init__(
         self,
@@ -106,8 +112,7 @@ class AccuracyMetric(_LabelledMetric):
                 raise ValueError(
                     f"{self.display_name()}: top_k={self.top_k} exceeds the {preds.shape[-1]} classes"
                 )
-            top = preds.topk(self.top_k, dim=-1).indices
-            hit = (top == target.unsqueeze(-1)).any(dim=-1)
+            hit = _in_top_k(preds, target, self.top_k)
         elif self.top_k != 1:
             raise ValueError(f"{self.display_name()}: top_k={self.top_k} needs logits, got labels")
         else:
@@ -124,7 +129,13 @@ class AccuracyMetric(_LabelledMetric):
 
 
 class ConfusionMatrixMetric(_LabelledMetric):
-    """Confusion matrix (rows: target, columns: prediction) with precision, recall and F1."""
+    """Confusion matrix (rows: target, columns: prediction) with precision, recall and F1.
+
+    Per class, a ratio with nothing to divide by is 0. The macro averages are taken over the
+    classes that occur in the window (in the targets or the predictions), as torchmetrics'
+    `average="macro"` and scikit-learn's do: a class absent from both counts for nothing instead
+    of as 0. Predictions from logits are their `argmax` (the lowest class index among ties).
+    """
 
     label_name = "class"
 
@@ -151,7 +162,7 @@ class ConfusionMatrixMetric(_LabelledMetric):
         target = self._labels(target)
         self._check_preds(preds, target)
         finite = self._finite_rows(preds)
-        labels = preds.argmax(dim=-1) if preds.is_floating_point() else preds
+        labels = preds.argmax(dim=-1) if preds.is_floating_point() else preds.long()
         valid = self._valid(target, self.num_classes)
         if finite is not None:
             valid = valid & finite
@@ -167,24 +178,50 @@ class ConfusionMatrixMetric(_LabelledMetric):
         self.matrix.update(counts.view(self.num_classes, self.num_classes))
 
     def compute(self) -> dict[str, torch.Tensor]:
-        """Per-class and macro precision, recall and F1 (0 where undefined)."""
-        matrix = self.matrix.value
-        true_positive = matrix.diagonal()
-        precision = _safe_ratio(true_positive, matrix.sum(dim=0))
-        recall = _safe_ratio(true_positive, matrix.sum(dim=1))
-        f1 = _safe_ratio(2 * precision * recall, precision + recall)
-        return {
-            "precision": precision,
-            "recall": recall,
-            "f1": f1,
-            "macro_precision": precision.mean(),
-            "macro_recall": recall.mean(),
-            "macro_f1": f1.mean(),
-        }
+        """Per-class precision, recall and F1 (0 where undefined) and their macro averages over the
+        classes that occur (0 when none does)."""
+        return confusion_scores(self.matrix.value)
+
+
+def confusion_scores(matrix: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Precision, recall, F1 and their macro averages from confusion matrices `[..., C, C]`."""
+    true_positive = matrix.diagonal(dim1=-2, dim2=-1)
+    predicted, actual = matrix.sum(dim=-2), matrix.sum(dim=-1)
+    precision = _safe_ratio(true_positive, predicted)
+    recall = _safe_ratio(true_positive, actual)
+    f1 = _safe_ratio(2 * precision * recall, precision + recall)
+    # A class absent from targets and predictions scores 0 on all three: summing over every class
+    # and dividing by the classes that occur averages over those.
+    occurring = ((predicted + actual) > 0).sum(dim=-1, dtype=precision.dtype)
+    macro = _safe_ratio(torch.stack([precision, recall, f1], dim=-1).sum(dim=-2), occurring.unsqueeze(-1))
+    macro_precision, macro_recall, macro_f1 = macro.unbind(dim=-1)
+    return {
+        "precision": precision,
+        "recall": recall,
+        "f1": f1,
+        "macro_precision": macro_precision,
+        "macro_recall": macro_recall,
+        "macro_f1": macro_f1,
+    }
 
 
 def _safe_ratio(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
     return torch.where(denominator > 0, numerator / denominator.clamp_min(1e-300), 0)
+
+
+def _in_top_k(logits: torch.Tensor, target: torch.Tensor, k: int) -> torch.Tensor:
+    """Whether each target is among the `k` highest logits; ties go to the lower class index and
+    NaN ranks above every number (`argmax`'s order, which gives top-1). Targets outside `[0, C)`
+    give an arbitrary answer: the caller masks them."""
+    if k == 1:
+        return logits.argmax(dim=-1) == target
+    index = target.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)
+    own = logits.gather(-1, index)
+    nan, own_nan = logits.isnan(), own.isnan()
+    earlier = torch.arange(logits.shape[-1], device=logits.device) < index
+    above = ~own_nan & ((logits > own) | nan)
+    tied = torch.where(own_nan, nan, logits == own) & earlier
+    return (above | tied).sum(dim=-1) < k
 
 
 class BinaryAUROCMetric(Metric):
