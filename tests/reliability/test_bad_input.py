@@ -524,3 +524,103 @@ def test_a_bad_update_inside_the_loop_loses_nothing_already_accumulated(tmp_path
         telemetry.flush()
         assert telemetry.latest == {"loss": 2.5, "tokens": 40.0}
         assert not math.isnan(telemetry.latest["loss"])
+
+
+# -- float8 and unsigned integer inputs ------------------------------------------------------------
+
+FLOAT8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+UNSIGNED = [torch.uint8, torch.uint16, torch.uint32]
+
+
+def _values(dtype: torch.dtype) -> tuple:
+    return (
+        (torch.tensor([0.5, 1.0, 3.0, 240.0]).to(dtype),)
+        if dtype in FLOAT8
+        else (torch.tensor([0, 1, 3, 200]).to(dtype),)
+    )
+
+
+def _label_pairs(dtype: torch.dtype) -> tuple:
+    """Labels up to 19 (of 20 classes): 19 * 20 + 19 wraps a uint8 confusion-matrix cell index."""
+    return torch.tensor([19, 3, 0, 19]).to(dtype), torch.tensor([19, 3, 1, 2]).to(dtype)
+
+
+# Every built-in, fed each dtype where it takes it: values, weights, logits, labels, AUROC scores/targets.
+WIDENED_INPUTS: dict[str, tuple[Callable[[], tt.Metric], Callable[[torch.dtype], tuple]]] = {
+    "sum": (tt.SumMetric, _values),
+    "counter": (lambda: tt.SumMetric(kind="counter"), _values),
+    "weighted mean": (tt.WeightedMeanMetric, lambda d: (*_values(d), *_values(d))),
+    "0-d weighted mean": (tt.WeightedMeanMetric, lambda d: (_values(d)[0][2], _values(d)[0][1])),
+    "max": (tt.MaxMetric, _values),
+    "min": (tt.MinMetric, _values),
+    "per-rank": (lambda: tt.PerRankMetric(2, 1), _values),
+    "histogram": (lambda: tt.HistogramMetric([0.5, 1.0, 2.0, 240.0]), _values),
+    "accuracy": (
+        lambda: tt.AccuracyMetric(num_classes=20),
+        lambda d: (
+            (torch.eye(20)[[19, 3, 1, 2]].to(d), _label_pairs(torch.uint8)[1])
+            if d in FLOAT8
+            else _label_pairs(d)
+        ),
+    ),
+    "top-2 accuracy": (
+        lambda: tt.AccuracyMetric(top_k=2),
+        lambda d: (
+            (torch.tensor([[0.5, 2.0, 1.0], [3.0, 0.5, 1.0]]).to(d), torch.tensor([2, 1]))
+            if d in FLOAT8
+            else (torch.tensor([[0.5, 2.0, 1.0], [3.0, 0.5, 1.0]]), torch.tensor([2, 1]).to(d))
+        ),
+    ),
+    "confusion matrix": (
+        lambda: tt.ConfusionMatrixMetric(20),
+        lambda d: (
+            (torch.eye(20)[[19, 3, 1, 2]].to(d), _label_pairs(torch.uint8)[1])
+            if d in FLOAT8
+            else _label_pairs(d)
+        ),
+    ),
+    "AUROC": (
+        tt.BinaryAUROCMetric,
+        lambda d: (
+            (torch.tensor([0.25, 0.75, 0.5]).to(d), torch.tensor([0, 1, 1]))
+            if d in FLOAT8
+            else (torch.tensor([0.25, 0.75, 0.5]), torch.tensor([0, 1, 1]).to(d))
+        ),
+    ),
+}
+
+
+def _exact_twin(args: tuple) -> tuple:
+    """The same values in dtypes every op takes: float8 as float32, unsigned integers as int64."""
+    return tuple(
+        arg.float() if arg.dtype in FLOAT8 else arg.long() if arg.dtype in UNSIGNED else arg for arg in args
+    )
+
+
+@pytest.mark.parametrize("dtype", FLOAT8 + UNSIGNED, ids=str)
+@pytest.mark.parametrize(("make", "build"), WIDENED_INPUTS.values(), ids=WIDENED_INPUTS.keys())
+def test_float8_and_unsigned_inputs_count_as_their_exact_values(make, build, dtype: torch.dtype) -> None:
+    metric, twin = make(), make()
+    args = build(dtype)
+    assert {arg.dtype for arg in args} & {dtype}, "the dtype under test is fed"
+    metric.update(*args)
+    twin.update(*_exact_twin(args))
+    torch.testing.assert_close(computed(metric), computed(twin), rtol=0, atol=0, equal_nan=True)
+
+
+def test_uint8_labels_do_not_wrap_the_confusion_matrix_cell() -> None:
+    metric = tt.ConfusionMatrixMetric(20)
+    metric.update(*_label_pairs(torch.uint8))
+    assert metric.matrix.value[19, 19].item() == 1.0 and metric.matrix.value.sum().item() == 4.0
+
+
+@pytest.mark.parametrize(("make", "build"), WIDENED_INPUTS.values(), ids=WIDENED_INPUTS.keys())
+def test_uint64_input_raises_naming_the_metric_and_keeps_the_state(make, build) -> None:
+    metric = make()
+    metric.update(*_exact_twin(build(torch.uint8)))
+    before = states(metric)
+    args = tuple(arg.to(torch.uint64) if arg.dtype == torch.uint8 else arg for arg in build(torch.uint8))
+    name = type(metric).__name__
+    with pytest.raises(TypeError, match=rf"{name}: \w+ has dtype torch.uint64, which no metric state holds"):
+        metric.update(*args)
+    assert_same_state(before, metric)

@@ -17,6 +17,22 @@ __all__ = ["Metric", "MetricKind", "NanPolicy"]
 NanPolicy = Literal["error", "ignore", "propagate"]
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 _NAN_POLICIES = ("error", "ignore", "propagate")
+# Input dtypes that most PyTorch ops do not implement, widened exactly before any check reads them:
+# every float8 value is a float32, every uint16/uint32 an int64. uint64 has no exact wider type
+# (None): refused.
+_WIDENED: dict[torch.dtype, torch.dtype | None] = {
+    **{
+        dtype: torch.float32
+        for name in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu")
+        if isinstance(dtype := getattr(torch, name, None), torch.dtype)
+    },
+    **{
+        dtype: torch.int64
+        for name in ("uint16", "uint32")
+        if isinstance(dtype := getattr(torch, name, None), torch.dtype)
+    },
+    **({torch.uint64: None} if hasattr(torch, "uint64") else {}),
+}
 
 
 class MetricKind(enum.Enum):
@@ -265,6 +281,8 @@ class Metric:
                 value = value.to(device, non_blocking=True)
             if value.requires_grad:
                 value = value.detach()
+            if value.dtype in _WIDENED:
+                return self._widened(value, what)
             return self._real(value, what) if value.is_complex() else value
         if type(value) in (float, bool) or (type(value) is int and _INT64_MIN <= value <= _INT64_MAX):
             return torch.full((), value, device=device)
@@ -276,8 +294,19 @@ class Metric:
             raise TypeError(
                 f"{self.display_name()}: {what} must be a tensor or a number, got {type(value).__name__}"
             ) from error
+        tensor = self._widened(tensor, what) if tensor.dtype in _WIDENED else self._real(tensor, what)
         # Host data (numpy): staged by a non-blocking copy, never one the host waits for.
-        return self._real(tensor.to(device, non_blocking=True), what)
+        return tensor.to(device, non_blocking=True)
+
+    def _widened(self, tensor: torch.Tensor, what: str) -> torch.Tensor:
+        """A float8 tensor as float32, a uint16/uint32 one as int64 (exact); uint64 raises."""
+        dtype = _WIDENED[tensor.dtype]
+        if dtype is None:
+            raise TypeError(
+                f"{self.display_name()}: {what} has dtype {tensor.dtype}, which no metric state holds "
+                "exactly (values above 2**63 - 1 have no int64); pass .to(torch.int64) or .double()"
+            )
+        return tensor.to(dtype)
 
     def _real(self, tensor: torch.Tensor, what: str) -> torch.Tensor:
         """`tensor`, unless it is complex (no metric state can hold it)."""
