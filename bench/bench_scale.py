@@ -56,9 +56,7 @@ def fill(metrics: dict[str, Any], signals: TrainingSignals, rank: int) -> None:
     value = torch.tensor(float(rank + 1))
     for metric in metrics["tree"].values():
         metric.update(value)
-    signals.record_step(0.1 * (rank + 1))
-    signals.record_data_wait(0.01)
-    signals.record_tokens(1024)
+    signals.record_step(0.1 * (rank + 1), tokens=1024, data_time=0.01)
     signals.flush_to_device(1.0)
 
 

@@ -175,15 +175,13 @@ class Telemetry:
         self._require_open("step")
         now = time.perf_counter()
         if self._signals is not None:
-            if data_time is not None:
-                self._signals.record_data_wait(data_time)
-            self._signals.record_step(None if self._last_step_clock is None else now - self._last_step_clock)
-            if tokens is not None:
-                self._signals.record_tokens(tokens)
-            if samples is not None:
-                self._signals.record_samples(samples)
-            if learning_rate is not None:
-                self._signals.record_learning_rate(learning_rate)
+            self._signals.record_step(
+                None if self._last_step_clock is None else now - self._last_step_clock,
+                tokens=tokens,
+                samples=samples,
+                learning_rate=learning_rate,
+                data_time=data_time,
+            )
         self._last_step_clock = now
         self._last_step = step
         self._steps_in_window += 1

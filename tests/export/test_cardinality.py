@@ -94,11 +94,9 @@ def _fill(tree: dict[str, Any], signals: TrainingSignals, world_size: int, windo
     tree["train"]["accuracy"].update(torch.randn(8, 4), torch.randint(0, 4, (8,)))
     tree["train"]["grad_norm"].update(torch.tensor([0.3, 4.0]))
     tree["data"]["skipped"].update(torch.tensor(1.0))
-    signals.record_step(None if window == 0 else 0.1)
-    signals.record_data_wait(0.01)
-    signals.record_tokens(1024)
-    signals.record_samples(8)
-    signals.record_learning_rate(1e-3)
+    signals.record_step(
+        None if window == 0 else 0.1, tokens=1024, samples=8, learning_rate=1e-3, data_time=0.01
+    )
     signals.flush_to_device(1.0)
     ones = torch.ones(world_size, dtype=torch.float64)
     for metric in (tree["ranks"]["loss"], tree["ranks"]["tokens"], signals.step_time, signals.data_wait):

@@ -199,3 +199,31 @@ def test_cuda_allocator_memory_detail_once_per_window() -> None:
     assert block.numel() <= telemetry.latest["train/memory/max_reserved"] <= stats["reserved_bytes.all.peak"]
     assert telemetry.latest["train/memory/alloc_retries"] == stats["num_alloc_retries"]
     assert telemetry.latest["train/memory/ooms"] == stats["num_ooms"]
+
+
+@pytest.mark.parametrize(
+    ("keyword", "bad"),
+    [
+        ("tokens", -100),
+        ("tokens", float("nan")),
+        ("tokens", torch.tensor([10.0, -20.0])),
+        ("tokens", torch.tensor(float("nan"))),
+        ("samples", float("-inf")),
+        ("samples", torch.tensor(-1)),
+    ],
+    ids=["negative int", "NaN float", "negative in a tensor", "NaN tensor", "-inf", "negative int tensor"],
+)
+def test_built_in_counters_refuse_what_a_counter_cannot_count(tmp_path: Path, keyword: str, bad: Any) -> None:
+    path = tmp_path / "metrics.jsonl"
+    name = f"train/{keyword}"
+    with tt.Telemetry({"loss": tt.SumMetric()}, [tt.JsonlExporter(path)], every=2) as telemetry:
+        telemetry.step(0, **{keyword: 20})
+        refused = rf"{name}: step\({keyword}=.*\) is not a count.*nothing of this"
+        with pytest.raises(ValueError, match=refused):
+            telemetry.step(1, **{keyword: bad})
+        telemetry.step(1, **{keyword: torch.tensor(30)})  # the step again, with a good count
+        telemetry.step(2, **{keyword: 50})
+    reports = _read_jsonl(path)
+    assert [report["values"][name] for report in reports] == [50.0, 100.0], "nothing lost, nothing bad added"
+    assert all(report["values"][f"{name}_per_second"] > 0 for report in reports)
+    assert [report["step"] for report in reports] == [1, 2]

@@ -13,6 +13,7 @@ value per rank is exported as statistics over ranks (`RankSeriesLimit`).
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -106,41 +107,44 @@ class TrainingSignals:
 
     # -- per step (host only) ------------------------------------------------------------
 
-    def record_step(self, step_time: float | None) -> None:
-        """One step ended; `step_time` is None for the first step (no previous step to time from)."""
+    def record_step(
+        self,
+        step_time: float | None,
+        *,
+        tokens: torch.Tensor | float | None = None,
+        samples: torch.Tensor | float | None = None,
+        learning_rate: float | None = None,
+        data_time: float | None = None,
+    ) -> None:
+        """One step ended (`step_time` is None for the first: no previous step to time from), with
+        what `Telemetry.step()` was given. Every input is checked before anything is recorded: a
+        bad one raises naming its signal and leaves the step unrecorded."""
+        if data_time is not None:
+            _check_seconds(data_time)
+        counts = [(name, n) for name, n in ((TOKENS, tokens), (SAMPLES, samples)) if n is not None]
+        for name, value in counts:
+            _check_count(name, value)
+        if data_time is not None:
+            self.record_data_wait(data_time)
         self._steps += 1
         if step_time is not None:
             self._step_times.append(step_time)
+        for name, value in counts:
+            self._seen.add(name)
+            if isinstance(value, torch.Tensor):
+                metric = self.tokens if name == TOKENS else self.samples
+                metric.update(value)
+            else:
+                self._host_counts[name] += float(value)
+        if learning_rate is not None:
+            self._seen.add(LEARNING_RATE)
+            self._learning_rate = float(learning_rate)
 
     def record_data_wait(self, seconds: float) -> None:
         """Time spent waiting for the next batch during the current step (added up within a step)."""
-        if isinstance(seconds, torch.Tensor) or not isinstance(seconds, int | float):
-            raise TypeError(
-                f"{DATA_WAIT}: data wait must be host seconds (a float), got {type(seconds).__name__}"
-            )
-        if not (math.isfinite(seconds) and seconds >= 0):
-            raise ValueError(f"{DATA_WAIT}: data wait must be a finite number of seconds >= 0, got {seconds}")
+        _check_seconds(seconds)
         self._seen.add(DATA_WAIT)
         self._data_wait += float(seconds)
-
-    def record_tokens(self, value: torch.Tensor | float | int) -> None:
-        """Count tokens: tensors are added on the device, numbers on the host."""
-        self._record_count(TOKENS, self.tokens, value)
-
-    def record_samples(self, value: torch.Tensor | float | int) -> None:
-        """Count samples: tensors are added on the device, numbers on the host."""
-        self._record_count(SAMPLES, self.samples, value)
-
-    def _record_count(self, name: str, metric: SumMetric, value: torch.Tensor | float | int) -> None:
-        self._seen.add(name)
-        if isinstance(value, torch.Tensor):
-            metric.update(value)
-        else:
-            self._host_counts[name] += float(value)
-
-    def record_learning_rate(self, value: float) -> None:
-        self._seen.add(LEARNING_RATE)
-        self._learning_rate = float(value)
 
     # -- per window ----------------------------------------------------------------------
 
@@ -268,3 +272,41 @@ def signal_descriptors() -> list[MetricDescriptor]:
     for max_rank_series in (1, 0):
         found.update((d.name, d) for d in RankSeriesLimit(1, max_rank_series).describe(described))
     return list(found.values())
+
+
+def _check_seconds(seconds: Any) -> None:
+    if isinstance(seconds, torch.Tensor) or not isinstance(seconds, int | float):
+        kind = type(seconds).__name__
+        raise TypeError(f"{DATA_WAIT}: data wait must be host seconds (a float), got {kind}")
+    if not (math.isfinite(seconds) and seconds >= 0):
+        raise ValueError(f"{DATA_WAIT}: data wait must be a finite number of seconds >= 0, got {seconds}")
+
+
+def _check_count(name: str, value: Any) -> None:
+    """A count of tokens or samples is a finite number >= 0, as a counter of the user's refuses less.
+
+    Tensors are read on the CPU only (on an accelerator the check would cost a host sync per step),
+    as `SumMetric(kind="counter")` does.
+    """
+    keyword = name.rsplit("/", 1)[1]
+    if isinstance(value, torch.Tensor):
+        if value.is_complex() or value.dtype == torch.bool:
+            raise TypeError(f"{name}: step({keyword}=) must hold real counts, got a {value.dtype} tensor")
+        if not value.is_cpu:
+            return
+        finite = not value.is_floating_point() or bool(torch.isfinite(value).all())
+        if finite and not bool((value < 0).any()):
+            return
+        shown = value.tolist() if value.numel() <= 4 else f"a tensor of {value.numel()} holding that"
+    elif isinstance(value, numbers.Real):
+        if math.isfinite(value) and value >= 0:
+            return
+        shown = value
+    else:
+        raise TypeError(f"{name}: step({keyword}=) must be a number or a tensor, got {type(value).__name__}")
+    raise ValueError(
+        f"{name}: step({keyword}={shown}) is not a count: a counter takes finite numbers >= 0 "
+        "(a negative or NaN one would make the running total go back or stay NaN for the rest of the "
+        "run); nothing of this step was recorded"
+    )
+
