@@ -136,6 +136,12 @@ def _mismatched_rank(rank: int, world_size: int, path: str, case: str) -> dict[s
         metrics["grad_norm"] = tt.MaxMetric()
     if case == "other shape":
         metrics["confusion"] = tt.ConfusionMatrixMetric(3 + rank)
+    if case == "other bins":  # same count, other bounds: the shapes agree, the meaning does not
+        metrics["grad_norm"] = tt.HistogramMetric([1.0, 2.0, 3.0] if rank == 0 else [100.0, 200.0, 300.0])
+    if case == "other top_k":
+        metrics["accuracy"] = tt.AccuracyMetric(top_k=1 if rank == 0 else 3)
+    if case == "counter and gauge":
+        metrics["tokens"] = tt.SumMetric(kind="counter" if rank == 0 else "gauge")
     started = time.monotonic()
     error = None
     try:  # the collector checks the layout at bind(), inside Telemetry(): before any training step
@@ -158,6 +164,12 @@ def _mismatched_rank(rank: int, world_size: int, path: str, case: str) -> dict[s
             "other shape",
             "'confusion.matrix' is sum:torch.float64:[3, 3] on rank 0 but sum:torch.float64:[4, 4] on rank 1",
         ),
+        (
+            "other bins",
+            "'grad_norm' has bins=[1.0, 2.0, 3.0] on rank 0 but bins=[100.0, 200.0, 300.0] on rank 1",
+        ),
+        ("other top_k", "'accuracy' has top_k=1 on rank 0 but top_k=3 on rank 1"),
+        ("counter and gauge", "'tokens' has kind='counter' on rank 0 but kind='gauge' on rank 1"),
     ],
 )
 def test_ranks_with_different_metric_sets_fail_on_every_rank_naming_the_metric(

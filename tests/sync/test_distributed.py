@@ -203,6 +203,10 @@ def _mismatch_rank(rank: int, world_size: int, case: str) -> str:
         metrics["hist"] = tt.HistogramMetric([1.0, 2.0] if rank == 0 else [1.0, 2.0, 3.0])
     if case == "dtype":
         metrics["tokens"] = tt.SumMetric(dtype=torch.float64 if rank == 0 else torch.int64)
+    if case == "bins":
+        metrics["hist"] = tt.HistogramMetric([1.0, 2.0] if rank == 0 else [10.0, 20.0])
+    if case == "top_k":
+        metrics["acc"] = tt.AccuracyMetric(top_k=1 + 2 * rank)
     try:
         tt.sync_metrics(metrics)
     except tt.sync.LayoutMismatchError as error:
@@ -220,6 +224,8 @@ def _mismatch_rank(rank: int, world_size: int, case: str) -> str:
             r"'hist.counts' is sum:torch.float64:\[3\] on rank 0 but sum:torch.float64:\[4\] on rank 1",
         ),
         ("dtype", r"'tokens.total' is sum:torch.float64:\[\] on rank 0 but sum:torch.int64:\[\] on rank 1"),
+        ("bins", r"'hist' has bins=\[1.0, 2.0\] on rank 0 but bins=\[10.0, 20.0\] on rank 1"),
+        ("top_k", r"'acc' has top_k=1 on rank 0 but top_k=3 on rank 1"),
     ],
 )
 def test_different_metric_sets_raise_on_every_rank(case: str, expected: str) -> None:

@@ -168,7 +168,8 @@ class WindowPlan:
         self._steps = torch.zeros(world_size, dtype=steps_dtype, device=self.device)
         self.layout = BucketLayout(
             [(name, acc.local, acc.reduce_op) for name, acc in entries]
-            + [(STEPS_ENTRY, self._steps, ReduceOp.SUM)]
+            + [(STEPS_ENTRY, self._steps, ReduceOp.SUM)],
+            {name: metric.configuration() for name, metric in named},
         )
         for group, attr, first in starts:
             key, start = self.layout.offset(first)

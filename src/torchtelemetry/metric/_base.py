@@ -141,6 +141,13 @@ class Metric:
             return accumulator.device
         return torch.device("cpu")
 
+    def configuration(self) -> dict[str, Any]:
+        """What gives the state its meaning besides its shapes and dtypes (histogram bins, top_k,
+        counter or gauge, ...). Every rank must hold the same (checked with the layout at the first
+        sync) and a checkpoint loads only into the same. A subclass with such attributes adds them
+        to its parent's."""
+        return {"kind": self.kind.value}
+
     def display_name(self) -> str:
         """The name used in error messages: the given name, else the class name."""
         return f"{type(self).__name__} {self.name!r}" if self.name else type(self).__name__

@@ -98,6 +98,14 @@ class AccuracyMetric(_LabelledMetric):
         self.correct = MetricAccumulator(0, ReduceOp.SUM, dtype=dtype)
         self.total = MetricAccumulator(0, ReduceOp.SUM, dtype=dtype)
 
+    def configuration(self) -> dict[str, Any]:
+        return {
+            **super().configuration(),
+            "top_k": self.top_k,
+            "num_classes": self.num_classes,
+            "ignore_index": self.ignore_index,
+        }
+
     def update(self, preds: Any, target: Any) -> None:
         """Count correct predictions; `preds` are logits/probabilities or integer labels."""
         if not torch.compiler.is_compiling():
@@ -153,6 +161,9 @@ class ConfusionMatrixMetric(_LabelledMetric):
         self.num_classes = num_classes
         self.ignore_index = ignore_index
         self.matrix = MetricAccumulator(torch.zeros(num_classes, num_classes), ReduceOp.SUM, dtype=dtype)
+
+    def configuration(self) -> dict[str, Any]:
+        return {**super().configuration(), "num_classes": self.num_classes, "ignore_index": self.ignore_index}
 
     def update(self, preds: Any, target: Any) -> None:
         """Count (target, prediction) pairs; `preds` are logits or integer labels."""
@@ -247,6 +258,9 @@ class BinaryAUROCMetric(Metric):
         self.from_logits = from_logits
         self.positives = MetricAccumulator(torch.zeros(num_bins), ReduceOp.SUM, dtype=dtype)
         self.negatives = MetricAccumulator(torch.zeros(num_bins), ReduceOp.SUM, dtype=dtype)
+
+    def configuration(self) -> dict[str, Any]:
+        return {**super().configuration(), "num_bins": self.num_bins, "from_logits": self.from_logits}
 
     def update(self, preds: Any, target: Any) -> None:
         """Add scores `preds` with binary labels `target` (0/1 integers or booleans)."""

@@ -39,6 +39,8 @@ class HistogramMetric(Metric):
             raise ValueError(f"{self.display_name()}: bins must be a non-empty list of finite numbers")
         if any(a >= b for a, b in itertools.pairwise(bounds)):
             raise ValueError(f"{self.display_name()}: bins must be strictly increasing, got {bounds}")
+        self.bins = bounds
+        """The upper bounds as given (floats); `bounds` holds them as a tensor on the metric's device."""
         self.bounds = torch.tensor(bounds, dtype=torch.float64)
         # v <= b exactly when v <= floor(b), for an integer v: integers compare in int64, exactly.
         self.integer_bounds = torch.tensor([_floor_int64(b) for b in bounds], dtype=torch.int64)
@@ -69,6 +71,9 @@ class HistogramMetric(Metric):
         self.sum.update(self._batch_sum(self.sum, value, None if mask is None else weights))
         self.counts.update(counts)
         self.count.update(weights.sum())
+
+    def configuration(self) -> dict[str, Any]:
+        return {**super().configuration(), "bins": list(self.bins)}
 
     def compute(self) -> dict[str, torch.Tensor]:
         """`bounds` (upper bounds), non-cumulative `counts` (one more than bounds), `sum`, `count`."""

@@ -11,7 +11,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from torchtelemetry.metric._accumulator import MetricAccumulator, same_layout, state_layout
-from torchtelemetry.metric._tree import named_accumulators
+from torchtelemetry.metric._tree import metric_leaves, named_accumulators
 from torchtelemetry.sync import BucketLayout, GroupLike, reduce_buffers, resolve_group
 
 __all__ = ["SyncHandle", "sync_accumulators", "sync_metrics"]
@@ -48,7 +48,8 @@ def sync_metrics(metrics: Any, group: GroupLike = None, *, async_op: bool = Fals
     key = ("tree", *map(id, leaves))
     plan = _PLANS.get(key)
     if plan is None or plan.spec != spec or not _unchanged(plan, _tree_accumulators(leaves)):
-        plan = _cache_plan(key, named_accumulators(metrics), spec, leaves)
+        configs = {name: metric.configuration() for name, metric in metric_leaves(metrics)}
+        plan = _cache_plan(key, named_accumulators(metrics), spec, leaves, configs)
     return _run_plan(plan, group, async_op)
 
 
@@ -89,12 +90,18 @@ _MAX_PLANS = 16
 
 
 def _cache_plan(
-    key: tuple, accumulators: Mapping[str, MetricAccumulator], spec: Any, leaves: list[Any]
+    key: tuple,
+    accumulators: Mapping[str, MetricAccumulator],
+    spec: Any,
+    leaves: list[Any],
+    configs: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> _SyncPlan:
     accs = tuple(accumulators.values())
     views = [acc.flat_views() for acc in accs]
     plan = _SyncPlan(
-        layout=BucketLayout([(name, acc.local, acc.reduce_op) for name, acc in accumulators.items()]),
+        layout=BucketLayout(
+            [(name, acc.local, acc.reduce_op) for name, acc in accumulators.items()], configs
+        ),
         accumulators=accs,
         locals=tuple(local for local, _ in views),
         synced=tuple(synced for _, synced in views),

@@ -309,4 +309,3 @@ def _check_count(name: str, value: Any) -> None:
         "(a negative or NaN one would make the running total go back or stay NaN for the rest of the "
         "run); nothing of this step was recorded"
     )
-

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import enum
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -63,11 +64,20 @@ class _Bucket:
 
 
 class BucketLayout:
-    """Where each named tensor lives in the packed buffers; identical on every rank."""
+    """Where each named tensor lives in the packed buffers; identical on every rank.
 
-    __slots__ = ("_buckets", "_hash", "_offsets", "_shapes", "names", "signature")
+    `configs` (owner name -> attribute -> value, e.g. `{"train/hist": {"bins": [1.0, 2.0]}}`) is
+    what gives the states their meaning besides names, ops, dtypes and shapes: it rides in the
+    signature, so ranks that agree on the shapes but not on, say, histogram bins do not agree.
+    """
 
-    def __init__(self, entries: Sequence[tuple[str, torch.Tensor, ReduceOp]]) -> None:
+    __slots__ = ("_buckets", "_hash", "_offsets", "_shapes", "_states", "configs", "names", "signature")
+
+    def __init__(
+        self,
+        entries: Sequence[tuple[str, torch.Tensor, ReduceOp]],
+        configs: Mapping[str, Mapping[str, Any]] | None = None,
+    ) -> None:
         grouped: dict[BucketKey, tuple[list[int], list[int]]] = {}
         signature = []
         for index, (name, tensor, op) in enumerate(entries):
@@ -82,7 +92,7 @@ class BucketLayout:
                 device=str(tensor.device),
             )
             grouped.setdefault(key, ([], []))[1 if negate else 0].append(index)
-            signature.append(f"{name}:{op.value}:{tensor.dtype}:{list(tensor.shape)}")
+            signature.append((name, f"{op.value}:{tensor.dtype}:{list(tensor.shape)}"))
         self.names = [name for name, _, _ in entries]
         self._shapes = [tuple(tensor.shape) for _, tensor, _ in entries]
         self._buckets: dict[BucketKey, _Bucket] = {}
@@ -98,7 +108,17 @@ class BucketLayout:
             for index, size in zip(bucket.entries, bucket.sizes, strict=True):
                 self._offsets[index] = (key, offset)
                 offset += size
-        self.signature = ";".join(signature)
+        self.configs = tuple(
+            (owner, attr, repr(value))
+            for owner, config in (configs or {}).items()
+            for attr, value in sorted(config.items())
+        )
+        """(owner, attribute, repr of its value) for every entry of `configs`."""
+        self._states = signature
+        self.signature = ";".join(
+            [f"{name}:{state}" for name, state in signature]
+            + [f"{owner}[{attr}]={value}" for owner, attr, value in self.configs]
+        )
         self._hash = int(hashlib.sha256(self.signature.encode()).hexdigest()[:15], 16)
 
     @property
@@ -117,8 +137,13 @@ class BucketLayout:
         return self._shapes[index]
 
     def signature_hash(self) -> int:
-        """A stable 60-bit hash of names, ops, dtypes and shapes (devices excluded)."""
+        """A stable 60-bit hash of names, ops, dtypes, shapes and configs (devices excluded)."""
         return self._hash
+
+    def described(self) -> tuple[list[tuple[str, str]], list[tuple[str, str, str]]]:
+        """The signature as data, to say what differs between ranks: (name, `op:dtype:shape`) per
+        entry, and `configs`."""
+        return list(self._states), list(self.configs)
 
     def storage(self, tensors: Sequence[torch.Tensor]) -> dict[BucketKey, torch.Tensor]:
         """New flat buffers holding `tensors` as they are, laid out as `pack` lays them out.

@@ -65,18 +65,28 @@ def verify_layout(layout: BucketLayout, group: dist.ProcessGroup, device: torch.
         verified.add(signature_hash)
         return
     signatures: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(signatures, layout.signature, group=group)
+    dist.all_gather_object(signatures, layout.described(), group=group)
     raise LayoutMismatchError(_describe_mismatch(signatures, dist.get_rank(group)))
 
 
-def _describe_mismatch(signatures: list[str], rank: int) -> str:
-    """Name the states that differ between rank 0 and each other rank (at most 5 each)."""
-    entries = [
-        dict(entry.split(":", 1) for entry in signature.split(";") if entry) for signature in signatures
-    ]
+def _describe_mismatch(signatures: list[tuple[list, list]], rank: int) -> str:
+    """Name the states and configuration attributes that differ between rank 0 and each other rank
+    (at most 5 each)."""
+    entries = [dict(states) for states, _ in signatures]
+    configs = [{(owner, attr): value for owner, attr, value in config} for _, config in signatures]
     reference = entries[0]
     lines = []
-    for other_rank, other in enumerate(entries[1:], start=1):
+    for other_rank, (other, other_config) in enumerate(zip(entries[1:], configs[1:], strict=True), start=1):
+        attributes = [
+            f"{owner!r} has {attr}={configs[0][owner, attr]} on rank 0 but {attr}={value} "
+            f"on rank {other_rank}"
+            for (owner, attr), value in other_config.items()
+            if (owner, attr) in configs[0] and configs[0][owner, attr] != value
+        ] + [
+            f"{owner!r} has {attr} on rank {'0' if (owner, attr) in configs[0] else other_rank} only"
+            for owner, attr in sorted(set(configs[0]) ^ set(other_config))
+        ]
+        lines.extend(attributes[:5])
         only_ref = sorted(set(reference) - set(other))
         only_other = sorted(set(other) - set(reference))
         differ = [
@@ -87,10 +97,11 @@ def _describe_mismatch(signatures: list[str], rank: int) -> str:
         if only_ref or only_other:
             lines.append(f"rank {other_rank} lacks {only_ref[:5]} and has extra {only_other[:5]} vs rank 0")
         lines.extend(differ[:5])
-        if not (only_ref or only_other or differ) and list(reference) != list(other):
+        if not (only_ref or only_other or differ or attributes) and list(reference) != list(other):
             lines.append(f"rank {other_rank} holds the same states as rank 0 in a different order")
     return (
         f"sync_metrics (rank {rank}): ranks hold different metric sets: "
         + "; ".join(lines)
-        + "; every rank must create the same metrics (same names, shapes, dtypes and ops, in the same order)"
+        + "; every rank must create the same metrics (same names, shapes, dtypes, ops and configuration "
+        "such as bins, top_k, kind, in the same order)"
     )
