@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from pathlib import Path
@@ -207,3 +208,51 @@ def test_a_state_without_its_window_is_refused_naming_what_it_holds() -> None:
     with pytest.raises(ValueError, match=r"no 'window' entry \(keys: \['counters', 'metrics'\]\)"):
         telemetry.load_state_dict({"metrics": {}, "counters": "{}"})
     telemetry.close()
+
+
+def _saved_histogram_run(tmp_path: Path) -> dict[str, Any]:
+    """A checkpoint of a run whose histogram saw 12 values in (1, 3]: 8 in a window already
+    exported (its running total) and 4 in the partial window."""
+    metrics = {"grad": tt.HistogramMetric([1.0, 3.0, 5.0]), "seen": tt.SumMetric(kind="counter")}
+    with tt.Telemetry(metrics, [], every=2, signals=False) as telemetry:
+        for step in range(3):
+            metrics["grad"].update(torch.full((4,), 2.0))
+            metrics["seen"].update(1.0)
+            telemetry.step(step)
+        path = tmp_path / "checkpoint.pt"
+        torch.save(telemetry.state_dict(), path)
+    return torch.load(path, weights_only=False)
+
+
+def test_a_checkpoint_loads_only_into_the_configuration_it_was_saved_with(tmp_path: Path) -> None:
+    state = _saved_histogram_run(tmp_path)
+    same_count = {"grad": tt.HistogramMetric([10.0, 20.0, 30.0]), "seen": tt.SumMetric(kind="counter")}
+    with tt.Telemetry(same_count, [], every=2, signals=False) as telemetry:
+        with pytest.raises(ValueError, match=r"'grad' was saved with another configuration \(bins="):
+            telemetry.load_state_dict(state)
+        assert same_count["grad"].counts.local.sum().item() == 0, "nothing was loaded"
+    gauge = {"grad": tt.HistogramMetric([1.0, 3.0, 5.0]), "seen": tt.SumMetric()}
+    with (
+        tt.Telemetry(gauge, [], every=2, signals=False) as telemetry,
+        pytest.raises(ValueError, match=r"'seen'.*kind='counter' saved, kind='gauge' now"),
+    ):
+        telemetry.load_state_dict(state)
+    same = {"grad": tt.HistogramMetric([1.0, 3.0, 5.0]), "seen": tt.SumMetric(kind="counter")}
+    with tt.Telemetry(same, [], every=2, signals=False) as telemetry:
+        telemetry.load_state_dict(state)
+        telemetry.step(3)
+    assert telemetry.latest["grad"].counts == (0.0, 12.0, 0.0, 0.0), "8 totalled, 4 in the partial window"
+
+
+def test_a_metric_removed_since_the_checkpoint_is_left_out_with_a_warning_naming_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    state = _saved_histogram_run(tmp_path)
+    kept = {"seen": tt.SumMetric(kind="counter")}
+    with tt.Telemetry(kept, [], every=2, signals=False) as telemetry, caplog.at_level(logging.WARNING):
+        telemetry.load_state_dict(state)
+        telemetry.step(3)
+    warnings = [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
+    assert any("['grad']" in message and "partial window is left out" in message for message in warnings)
+    assert any("['grad']" in message and "running totals" in message for message in warnings)
+    assert telemetry.latest == {"seen": 3.0}

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import io
 import logging
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -42,8 +43,9 @@ def gather_local_states(metrics: Sequence[tuple[str, Metric]], group: GroupLike 
     for key, stacked in gathered.items():
         name, attr = key.split("\0")
         states.setdefault(name, {})[attr] = stacked.cpu()
+    configs = {name: metric.configuration() for name, metric in metrics}
     buffer = io.BytesIO()
-    torch.save({"world_size": group_world_size(resolved), "states": states}, buffer)
+    torch.save({"world_size": group_world_size(resolved), "states": states, "configs": configs}, buffer)
     return buffer.getvalue()
 
 
@@ -57,9 +59,12 @@ def restore_local_states(
     """Load `gather_local_states`' payload into this rank's metrics, at any world size.
 
     Every metric must be in the payload, except those in `droppable` (built-in ones a checkpoint
-    may lack). A state whose shape depends on the world size (a `PerRankMetric`) cannot move to
-    another world size: if it holds anything, a metric in `droppable` loses it with a logged
-    warning, any other raises a `ValueError` saying so. Nothing is changed unless every metric fits.
+    may lack), with the configuration it was saved with (`Metric.configuration()`: the same bins,
+    top_k, kind, ...), else a `ValueError` names it. A saved metric the tree no longer has is left
+    out with a logged warning naming it. A state whose shape depends on the world size (a
+    `PerRankMetric`) cannot move to another world size: if it holds anything, a metric in
+    `droppable` loses it with a logged warning, any other raises a `ValueError` saying so. Nothing
+    is changed unless every metric fits.
     """
     saved = torch.load(io.BytesIO(payload), weights_only=True)
     resolved = resolve_group(group, op="restore_local_states")
@@ -67,6 +72,9 @@ def restore_local_states(
     missing = sorted(name for name, _ in metrics if name not in saved["states"] and name not in droppable)
     if missing:
         raise ValueError(f"restore_local_states: no saved state for metrics {missing}")
+    for name, metric in metrics:
+        _check_configuration(name, metric, saved.get("configs", {}).get(name))
+    removed = sorted(set(saved["states"]) - {name for name, _ in metrics})
     restored: list[tuple[Metric, dict[str, torch.Tensor]]] = []
     dropped: list[str] = []
     for name, metric in metrics:
@@ -103,6 +111,12 @@ def restore_local_states(
         )
     for metric, local in restored:
         metric.load_state_dict(local)
+    if removed:
+        logger.warning(
+            "restore_local_states: the checkpoint holds metrics %s that are not in the tree any more; "
+            "their partial window is left out",
+            removed,
+        )
     if dropped:
         logger.warning(
             "restart at %d ranks from a checkpoint of %d ranks: the partial window of %s is dropped "
@@ -110,6 +124,25 @@ def restore_local_states(
             new_world,
             old_world,
             dropped,
+        )
+
+
+def _check_configuration(name: str, metric: Metric, saved: Mapping[str, Any] | None) -> None:
+    """Raise unless `metric` has the configuration its state was saved with (None: a checkpoint
+    from before configurations were saved, nothing to compare)."""
+    if saved is None:
+        return
+    current = metric.configuration()
+    differ = [
+        f"{attr}={saved.get(attr)!r} saved, {attr}={current.get(attr)!r} now"
+        for attr in sorted(set(saved) | set(current))
+        if saved.get(attr) != current.get(attr)
+    ]
+    if differ:
+        raise ValueError(
+            f"restore_local_states: {name!r} was saved with another configuration ({'; '.join(differ)}); "
+            "its counts would be read under the new meaning. Build it as it was saved, or give it a "
+            "new name to start it afresh (the saved one is then left out with a warning)"
         )
 
 

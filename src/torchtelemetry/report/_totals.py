@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Collection, Mapping
 from typing import Any
 
 from torchtelemetry.report._values import HistogramValue, ScalarValue
 
 __all__ = ["RunningTotals", "difference"]
+
+logger = logging.getLogger(__name__)
 
 
 class RunningTotals:
@@ -41,8 +44,17 @@ class RunningTotals:
         return json.dumps({name: _saved(total) for name, total in self._totals.items()})
 
     def load_state_dict(self, saved: str) -> None:
-        """Restore totals written by `state_dict()`."""
-        self._totals = {name: _restored(total) for name, total in json.loads(saved).items()}
+        """Restore totals written by `state_dict()`; totals of names no longer cumulative here (a
+        metric removed from the tree, or no longer a counter) are left out with a logged warning."""
+        totals = {name: _restored(total) for name, total in json.loads(saved).items()}
+        removed = sorted(set(totals) - self.cumulative)
+        if removed:
+            logger.warning(
+                "the checkpoint holds running totals of %s, which are not counters or histograms of "
+                "this run; they are left out",
+                removed,
+            )
+        self._totals = {name: total for name, total in totals.items() if name in self.cumulative}
 
 
 def difference(total: ScalarValue, earlier: ScalarValue) -> ScalarValue | None:
