@@ -36,6 +36,7 @@ from torchtelemetry.export._otel_metric import otel_metric
 from torchtelemetry.export._otlp_settings import (
     METRICS_PROTOCOL_ENV,
     PROTOCOL_ENV,
+    check_headers,
     has_user_info,
     metrics_endpoint,
     redact_url,
@@ -84,7 +85,9 @@ class OTelExporter(BaseExporter):
     is used as is, else `OTEL_EXPORTER_OTLP_ENDPOINT` (HTTP appends `/v1/metrics`
     unless it ends with it already), else localhost; `url` shows the result.
     Headers, timeout and compression fall back to `OTEL_EXPORTER_OTLP_[METRICS_]HEADERS`,
-    `_TIMEOUT` and `_COMPRESSION` the same way. Header values are never logged.
+    `_TIMEOUT` and `_COMPRESSION` the same way. Header values are never logged: one the transport
+    cannot send as given (a token read from a file with its trailing newline) is refused here, with
+    a `ValueError` naming the header, before the SDK would log it.
     `OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE` (`cumulative`, `delta`,
     `lowmemory`) is honoured as the specification defines it for synchronous
     counters and histograms.
@@ -130,6 +133,7 @@ class OTelExporter(BaseExporter):
             )
         if timeout_s is not None and not timeout_s > 0:
             raise ValueError(f"OTelExporter: timeout_s must be positive, got {timeout_s}")
+        check_headers(headers, self.protocol)
         super().__init__(name)
         self.temporality = temporality_preference()
         """`cumulative`, `delta` or `lowmemory` (`OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE`)."""

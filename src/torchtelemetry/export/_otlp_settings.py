@@ -10,15 +10,19 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from collections.abc import Mapping
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 __all__ = [
     "ENDPOINT_ENV",
+    "HEADERS_ENV",
+    "METRICS_HEADERS_ENV",
     "METRICS_ENDPOINT_ENV",
     "METRICS_PROTOCOL_ENV",
     "PROTOCOL_ENV",
     "TEMPORALITY_ENV",
+    "check_headers",
     "has_user_info",
     "metrics_endpoint",
     "redact_url",
@@ -36,6 +40,10 @@ ENDPOINT_ENV = "OTEL_EXPORTER_OTLP_ENDPOINT"
 """Generic OTLP endpoint: `/v1/metrics` is appended for OTLP/HTTP."""
 METRICS_ENDPOINT_ENV = "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT"
 """Metrics endpoint, used as is; wins over `OTEL_EXPORTER_OTLP_ENDPOINT`."""
+HEADERS_ENV = "OTEL_EXPORTER_OTLP_HEADERS"
+"""Headers for every signal, `name=value` pairs separated by commas, values URL-encoded."""
+METRICS_HEADERS_ENV = "OTEL_EXPORTER_OTLP_METRICS_HEADERS"
+"""Headers for metrics; wins over `OTEL_EXPORTER_OTLP_HEADERS`."""
 TEMPORALITY_ENV = "OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE"
 """`cumulative` (default), `delta` or `lowmemory`: counters and histograms as deltas in the latter two."""
 
@@ -113,3 +121,60 @@ def redact_url(url: str) -> str:
     parts = urlsplit(url if "//" in url else f"//{url}")
     redacted = urlunsplit(parts._replace(netloc=f"***@{parts.netloc.rpartition('@')[2]}"))
     return redacted if "//" in url else redacted.removeprefix("//")
+
+
+# An HTTP token (RFC 9110); gRPC metadata keys are lower-case letters, digits, '-', '_' and '.'.
+_TOKEN = r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"
+_HEADER_NAME = {"http/protobuf": re.compile(_TOKEN), "grpc": re.compile(r"[0-9a-z_.-]+")}
+# Printable ASCII without leading or trailing whitespace: what both transports carry as is.
+_HEADER_VALUE = re.compile(r"(?:[\x21-\x7e](?:[\x20-\x7e]*[\x21-\x7e])?)?")
+# The OpenTelemetry SDK's own liberal form of one `name=value` entry of the headers variables.
+_ENV_VALUE = r"[\x20\x21\x23-\x2b\x2d-\x3a\x3c-\x5b\x5d-\x7e]*"
+_ENV_ENTRY = re.compile(rf"[ \t]*({_TOKEN})[ \t]*=[ \t]*({_ENV_VALUE})[ \t]*")
+
+
+def check_headers(
+    headers: Mapping[str, str] | None, protocol: str, environ: Mapping[str, str] = os.environ
+) -> None:
+    """Raise a `ValueError` naming a header that the transport cannot send as given, in `headers`
+    or in the headers variable the OpenTelemetry SDK would read; never its value (a token).
+
+    The SDK itself logs a header value it cannot send (a bearer token read from a file keeps its
+    trailing newline), and one it cannot parse from the variable: both are refused here first.
+    """
+    if protocol == "grpc":
+        names = {name: name.lower() for name in headers or ()}
+    else:
+        names = {name: name for name in headers or ()}
+    for given, name in names.items():
+        _check_header(given, name, headers[given], protocol, "headers=")  # type: ignore[index]
+    variable = METRICS_HEADERS_ENV if environ.get(METRICS_HEADERS_ENV) else HEADERS_ENV
+    for position, entry in enumerate(re.split(r"[ \t]*,[ \t]*", environ.get(variable, "")), start=1):
+        if not entry.strip():
+            continue
+        match = _ENV_ENTRY.fullmatch(entry)
+        if match is None:
+            shown = entry.split("=", 1)[0].strip() if "=" in entry else ""
+            named = repr(shown) if _HEADER_NAME["http/protobuf"].fullmatch(shown) else f"entry {position}"
+            raise ValueError(
+                f"OTelExporter: {variable}: header {named} is not a name=value pair with a URL-encoded "
+                "value (spaces as %20, no quotes, commas or semicolons); the value is not shown"
+            )
+        name = match.group(1).lower() if protocol == "grpc" else match.group(1)
+        _check_header(match.group(1), name, unquote(match.group(2)).strip(), protocol, variable)
+
+
+def _check_header(given: str, name: str, value: object, protocol: str, source: str) -> None:
+    shown = repr(given) if _HEADER_NAME["http/protobuf"].fullmatch(given) else "with an illegal name"
+    if not _HEADER_NAME[protocol].fullmatch(name):
+        raise ValueError(
+            f"OTelExporter: {source}: header {shown} is not a legal {protocol} header name "
+            f"({'lower-case letters, digits, -, _ and .' if protocol == 'grpc' else 'an HTTP token'})"
+        )
+    if not isinstance(value, str) or not _HEADER_VALUE.fullmatch(value):
+        raise ValueError(
+            f"OTelExporter: {source}: the value of header {shown} cannot be sent: it must be printable "
+            "ASCII without leading or trailing whitespace, and it holds a newline, another control "
+            "character, non-ASCII or surrounding spaces (a token read from a file keeps its trailing "
+            "newline: strip() it); the value is not shown"
+        )
