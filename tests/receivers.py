@@ -93,11 +93,20 @@ _R = TypeVar("_R", bound="_Recorder")
 
 
 class _Recorder:
-    """What both receivers share: the received requests and a way to wait for them."""
+    """What both receivers share: the received requests, a way to wait for them, the answer."""
 
     def __init__(self) -> None:
         self._lock = threading.Condition()
         self._received: list[Received] = []
+        self.partial_success: tuple[int, str] | None = None
+        """(rejected data points, error message) to answer every request with, or None: all taken."""
+
+    def _answer(self, response_type: Any) -> Any:
+        """The `ExportMetricsServiceResponse` to send back."""
+        if self.partial_success is None:
+            return response_type()
+        rejected, message = self.partial_success
+        return response_type(partial_success={"rejected_data_points": rejected, "error_message": message})
 
     def _record(self, received: Received) -> None:
         with self._lock:
@@ -251,7 +260,7 @@ class OtlpHttpReceiver(_Recorder):
                 request.ParseFromString(body)
                 headers = {key.lower(): value for key, value in self.headers.items()}
                 receiver._record(Received(request, headers, self.path))
-                self._reply(200, ExportMetricsServiceResponse().SerializeToString())
+                self._reply(200, receiver._answer(ExportMetricsServiceResponse).SerializeToString())
 
             def _reply(self, status: int, payload: bytes) -> None:
                 self.send_response(status)
@@ -292,7 +301,7 @@ class OtlpGrpcReceiver(_Recorder):
             def Export(self, request: Any, context: Any) -> Any:
                 headers = {key.lower(): value for key, value in context.invocation_metadata()}
                 receiver._record(Received(request, headers))
-                return metrics_service_pb2.ExportMetricsServiceResponse()
+                return receiver._answer(metrics_service_pb2.ExportMetricsServiceResponse)
 
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=[("grpc.so_reuseport", 0)])
         metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(Servicer(), server)

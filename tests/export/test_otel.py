@@ -474,3 +474,24 @@ def test_counter_and_label_values_of_one_report(http_receiver):
         "0": 10.5,
         "1": 11.0,
     }
+
+
+def test_a_partial_success_is_an_error_logged_once_with_the_count_and_message(target, caplog):
+    caplog.set_level(logging.INFO, logger="torchtelemetry")
+    exporter = _exporter(target)
+    exporter.describe([LOSS, MetricDescriptor("seen", MetricKind.COUNTER)], RunInfo(run_id="partial"))
+    target.receiver.partial_success = (1, "seen: unsupported temporality")
+    for step in (1, 2):
+        assert exporter.export(step, {"train/loss": 1.0, "seen": 2.0}, time.time()) is ExportResult.FAILURE
+    assert exporter.errors == 2 and exporter.exported_reports == 0
+    assert not exporter.force_flush(5), "the newest report was not delivered whole"
+    assert target.steps() == [1, 2], "a partially rejected report is not sent again (OTLP)"
+    failures = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(failures) == 1, failures
+    assert "rejected 1 of 3 data points" in failures[0] and "seen: unsupported temporality" in failures[0]
+
+    target.receiver.partial_success = None
+    assert exporter.export(3, {"train/loss": 1.0, "seen": 3.0}, time.time()) is ExportResult.SUCCESS
+    assert exporter.force_flush(5)
+    exporter.close(5)
+    assert "recovered after 2 failures" in caplog.text

@@ -33,6 +33,7 @@ from typing import Any
 from torchtelemetry._optional import import_optional
 from torchtelemetry.export._base import BaseExporter, ExportFailed
 from torchtelemetry.export._otel_metric import otel_metric
+from torchtelemetry.export._otlp_client import OtlpClient
 from torchtelemetry.export._otlp_settings import (
     METRICS_PROTOCOL_ENV,
     PROTOCOL_ENV,
@@ -154,6 +155,8 @@ class OTelExporter(BaseExporter):
         self._delta_start_ns = 0
         self._disabled = False
         self._pending: Any = None
+        self._rejected = False
+        """The collector rejected part of the newest report (OTLP partial success)."""
         self._unknown_warned: set[str] = set()
 
     @property
@@ -174,7 +177,9 @@ class OTelExporter(BaseExporter):
             return
         try:
             self._resource = self._build_resource(run)
-            self._otlp = self._build_otlp_exporter()
+            self._otlp = OtlpClient(
+                self.protocol, self.endpoint, self._headers, self._timeout_s, self._compression
+            )
         except Exception:
             logger.exception("OTelExporter %r: could not create the OTLP %s client", self.name, self.protocol)
             return
@@ -201,7 +206,10 @@ class OTelExporter(BaseExporter):
         """Retry the newest report if its push failed; True when nothing is left undelivered.
 
         With deltas, only at close: before that, the next report carries the failed one's increments.
+        False while the collector's answer to the newest report rejected part of it.
         """
+        if self._rejected:
+            return False  # the newest report was delivered in part only, and is not sent again
         if self._pending is None or self._otlp is None:
             return self._pending is None
         if timeout_s <= 0 or (self.temporality != "cumulative" and not self.closed):
@@ -213,7 +221,7 @@ class OTelExporter(BaseExporter):
         """Shut the OTLP client down."""
         if self._otlp is not None:
             otlp, self._otlp = self._otlp, None
-            otlp.shutdown(timeout_millis=timeout_s * 1000)
+            otlp.shutdown(timeout_s)
 
     def _build_resource(self, run: RunInfo) -> Any:
         from opentelemetry.sdk.resources import (
@@ -240,40 +248,13 @@ class OTelExporter(BaseExporter):
             .merge(Resource(self._resource_overrides))
         )
 
-    def _build_otlp_exporter(self) -> Any:
-        if self.protocol == "grpc":
-            import grpc
-            from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
-
-            compressions = {
-                "none": grpc.Compression.NoCompression,
-                "gzip": grpc.Compression.Gzip,
-                "deflate": grpc.Compression.Deflate,
-            }
-            headers = {k.lower(): v for k, v in self._headers.items()} if self._headers is not None else None
-            return OTLPMetricExporter(
-                endpoint=self.endpoint,
-                headers=headers,
-                timeout=self._timeout_s,
-                compression=compressions[self._compression] if self._compression else None,
-            )
-        from opentelemetry.exporter.otlp.proto.http import Compression
-        from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
-
-        return OTLPMetricExporter(
-            endpoint=self.endpoint,
-            headers=self._headers,
-            timeout=self._timeout_s,
-            compression=Compression(self._compression) if self._compression else None,
-        )
-
     def _push(self, report: tuple[Any, int]) -> None:
         """Push `(MetricsData, its time)`; raises `ExportFailed` naming the URL when not acknowledged."""
         from opentelemetry.sdk.metrics.export import MetricExportResult
 
         data, time_ns = report
         try:
-            result = self._otlp.export(data)
+            result, partial = self._otlp.export(data)
         except Exception as error:
             self._pending = report
             raise ExportFailed(f"OTLP {self.protocol} push to {self.url} failed") from error
@@ -284,6 +265,18 @@ class OTelExporter(BaseExporter):
             )
         self._pending = None
         self._delta_start_ns = time_ns
+        self._rejected = partial is not None
+        if partial is not None:  # OTLP: a partially rejected request must not be retried
+            points = sum(
+                len(metric.data.data_points)
+                for resource in data.resource_metrics
+                for scope in resource.scope_metrics
+                for metric in scope.metrics
+            )
+            raise ExportFailed(
+                f"the collector at {self.url} rejected {partial.rejected_data_points} of {points} data "
+                f"points (OTLP partial success, not retried): {partial.error_message or 'no message'}"
+            )
 
     def _metrics_data(self, step: int, scalars: Scalars, timestamp: float) -> tuple[Any, int]:
         from opentelemetry.sdk.metrics.export import MetricsData, ResourceMetrics, ScopeMetrics
