@@ -3,6 +3,7 @@ use at start-up (in one process and on 2 gloo ranks)."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -106,3 +107,48 @@ def test_a_port_in_use_on_rank_zero_makes_every_rank_raise_naming_it() -> None:
         f"rank 0: ExporterStartError: PrometheusExporter 'prometheus': cannot serve on 127.0.0.1 port {port}"
         in (errors[1])
     )
+
+
+def _trickle(sock: socket.socket, stop: threading.Event, every_s: float) -> None:
+    """A slowloris: one byte of a request that never ends, every `every_s` (less than the idle
+    timeout, so no single recv ever waits that long)."""
+    with contextlib.suppress(OSError):
+        sock.sendall(b"GET /metrics HTTP/1.1\r\n")
+        while not stop.wait(every_s):
+            sock.sendall(b"X")
+
+
+def test_clients_trickling_a_request_lose_their_slot_at_the_deadline_and_scrapes_are_served() -> None:
+    idle_timeout_s = 2.0
+    exporter = tt.PrometheusExporter(port=0, max_connections=4, idle_timeout_s=idle_timeout_s)
+    exporter.describe([LOSS], RunInfo(run_id="slowloris"))
+    assert exporter.export(1, {"train/loss": 0.5}, time.time()).value == "success"
+    stop = threading.Event()
+    held = [socket.create_connection(("127.0.0.1", exporter.port)) for _ in range(4)]
+    tricklers = [
+        threading.Thread(target=_trickle, args=(sock, stop, idle_timeout_s / 4), daemon=True) for sock in held
+    ]
+    try:
+        for thread in tricklers:
+            thread.start()
+        deadline = time.monotonic() + 60
+        while len(_handler_threads()) < 4:  # every slot is held by a trickler
+            assert time.monotonic() < deadline, "the trickling connections were never served"
+            time.sleep(0.05)
+        served = None
+        while served is None:  # the tricklers keep trickling for as long as this takes
+            try:
+                served = http_get(exporter.url, timeout_s=5)
+            except OSError:
+                assert time.monotonic() < deadline, "no scrape served while clients trickle requests"
+                time.sleep(0.2)
+        assert b"torchtelemetry_train_loss" in served
+        for sock in held:  # the server closed each trickler, whatever it kept sending
+            sock.settimeout(30)
+            assert sock.recv(1) == b""
+    finally:
+        stop.set()
+        exporter.close(10)
+        for sock in held:
+            sock.close()
+    assert _handler_threads() == []

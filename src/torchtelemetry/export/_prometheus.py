@@ -62,7 +62,8 @@ class PrometheusExporter(BaseExporter):
     options are prometheus_client's `start_http_server` options.
 
     At most `max_connections` scrape connections are served at once (more are
-    closed at accept) and one idle for `idle_timeout_s` is closed.
+    closed at accept); each has `idle_timeout_s` to send its whole request and as
+    long again to read the response, else it is closed.
 
     `close()` marks the run finished and keeps serving until a scrape has read
     the final report, so the last values reach Prometheus whatever its scrape

@@ -1,9 +1,12 @@
-"""The scrape endpoint's HTTP server: prometheus_client's, with bounded connections and idle time.
+"""The scrape endpoint's HTTP server: prometheus_client's, with bounded connections and time.
 
 prometheus_client's server starts one handler thread per connection, with no cap and no
 timeout: 200 idle sockets hold 200 threads, still alive after shutdown. `ScrapeServer` admits
-at most `max_connections` at once (more are closed at accept and counted), closes a connection
-idle for `idle_timeout_s`, and on `close()` ends every open connection and joins its thread.
+at most `max_connections` at once (more are closed at accept and counted), and on `close()`
+ends every open connection and joins its thread. Each connection has `idle_timeout_s` in all
+to send its whole request (headers included), then as long again to read the response: a
+deadline, kept by one watcher thread, not a timeout per `recv`, so a client trickling a byte
+now and then (slowloris) cannot hold a slot for longer.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_CONNECTIONS = 16
 """Scrape connections served at once; more are closed at accept."""
 DEFAULT_IDLE_TIMEOUT_S = 10.0
-"""A scrape connection that sends or reads nothing for this long is closed."""
+"""Time a scrape connection has to send its whole request, and again to read the response."""
 HANDLER_THREAD_PREFIX = "torchtelemetry-scrape"
 """Name prefix of the threads serving scrape connections."""
 _REFUSAL_LOG_INTERVAL_S = 60.0
@@ -54,13 +57,25 @@ class ScrapeServer:
         self._idle_timeout_s = idle_timeout_s
         self._on_delivered = on_delivered
         self._request = threading.local()
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
         self._open: dict[Any, threading.Thread | None] = {}
+        self._deadlines: dict[Any, float] = {}
+        """Open connections by the monotonic time at which the watcher shuts them."""
+        self._closing = False
         self._refusal_log = LogThrottle(_REFUSAL_LOG_INTERVAL_S)
+        self._deadline_log = LogThrottle(_REFUSAL_LOG_INTERVAL_S)
         self.refused_connections = 0
         """Connections closed at accept because `max_connections` were open."""
+        self.timed_out_connections = 0
+        """Connections closed because their request (or the response) took over `idle_timeout_s`."""
         client = import_prometheus_client()
         self._server, self._thread = client.start_http_server(port, addr=addr, registry=registry, **tls)
+        app = self._server.get_app()
+        self._server.set_app(lambda environ, start_response: self._answer(app, environ, start_response))
+        self._watcher = threading.Thread(
+            target=self._watch, name=f"torchtelemetry-deadlines-{self.port}", daemon=True
+        )
+        self._watcher.start()
         # socketserver looks both up on the instance: every later connection goes through them.
         self._process_request = self._server.process_request
         self._process_request_thread = self._server.process_request_thread
@@ -86,11 +101,17 @@ class ScrapeServer:
         self._server.shutdown()
         with self._lock:
             connections = dict(self._open)
+            self._closing = True
+            self._lock.notify_all()
         for connection in connections:
             with contextlib.suppress(OSError):  # unblocks a handler reading from or writing to it
                 connection.shutdown(socket.SHUT_RDWR)
         self._server.server_close()
-        threads = [self._thread, *(thread for thread in connections.values() if thread is not None)]
+        threads = [
+            self._thread,
+            self._watcher,
+            *(thread for thread in connections.values() if thread is not None),
+        ]
         for thread in threads:
             thread.join(max(0.0, deadline - time.monotonic()))
         return not any(thread.is_alive() for thread in threads)
@@ -113,11 +134,14 @@ class ScrapeServer:
         request.settimeout(self._idle_timeout_s)
         with self._lock:
             self._open[request] = None  # until its thread runs: close() must end it too
+            self._deadlines[request] = time.monotonic() + self._idle_timeout_s
+            self._lock.notify_all()
         try:
             self._process_request(request, client_address)
         except BaseException:
             with self._lock:
                 self._open.pop(request, None)
+                self._deadlines.pop(request, None)
             self._slots.release()
             raise
 
@@ -126,14 +150,48 @@ class ScrapeServer:
         with self._lock:
             self._open[request] = threading.current_thread()
         self._request.failed = False
+        self._request.connection = request
         try:
             self._process_request_thread(request, client_address)  # the response is sent and the socket shut
         finally:
             with self._lock:
                 self._open.pop(request, None)
+                self._deadlines.pop(request, None)
             self._slots.release()
         if not self._request.failed and self._on_delivered is not None:
             self._on_delivered()
+
+    def _answer(self, app: Callable[..., Any], environ: Any, start_response: Any) -> Any:
+        """The request was read whole: the response gets `idle_timeout_s` of its own."""
+        with self._lock:
+            if self._request.connection in self._deadlines:
+                self._deadlines[self._request.connection] = time.monotonic() + self._idle_timeout_s
+        return app(environ, start_response)
+
+    def _watch(self) -> None:
+        """Shut every connection whose deadline has passed, until `close()`."""
+        with self._lock:
+            while not self._closing:
+                now = time.monotonic()
+                expired = [connection for connection, due in self._deadlines.items() if due <= now]
+                for connection in expired:
+                    del self._deadlines[connection]
+                    with contextlib.suppress(OSError):  # its handler then ends at once
+                        connection.shutdown(socket.SHUT_RDWR)
+                if expired:
+                    self.timed_out_connections += len(expired)
+                    if self._deadline_log.due():
+                        logger.warning(
+                            "scrape endpoint on port %d: closed %d connection(s) that took over "
+                            "idle_timeout_s=%gs to send a request or read the response; %d so far "
+                            "(logged at most every %.0f s)",
+                            self.port,
+                            len(expired),
+                            self._idle_timeout_s,
+                            self.timed_out_connections,
+                            _REFUSAL_LOG_INTERVAL_S,
+                        )
+                self._lock.wait(min(self._deadlines.values(), default=now + 60.0) - now)
 
     def _handle_error(self, request: Any, client_address: Any) -> None:
         """A connection that timed out or went away is routine: logged at debug, not printed."""
