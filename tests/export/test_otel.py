@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import json
 import logging
 import os
 import sys
@@ -495,3 +496,28 @@ def test_a_partial_success_is_an_error_logged_once_with_the_count_and_message(ta
     assert exporter.force_flush(5)
     exporter.close(5)
     assert "recovered after 2 failures" in caplog.text
+
+
+def test_a_wall_clock_set_back_mid_run_moves_no_start_time_and_no_timestamp_back(
+    http_receiver, monkeypatch, tmp_path
+):
+    real_time, real_time_ns = time.time, time.time_ns
+    exporter = OTelExporter(endpoint=http_receiver.metrics_endpoint, timeout_s=5)
+    jsonl = tmp_path / "metrics.jsonl"
+    with tt.Telemetry(
+        {"seen": tt.SumMetric(kind="counter")}, [exporter, tt.JsonlExporter(jsonl)], every=1, signals=False
+    ) as telemetry:
+        for step in range(6):
+            if step == 3:  # NTP steps the clock an hour back, mid-run
+                monkeypatch.setattr(time, "time", lambda: real_time() - 3600)
+                monkeypatch.setattr(time, "time_ns", lambda: real_time_ns() - 3600 * 10**9)
+            telemetry.metrics["seen"].update(1.0)
+            telemetry.step(step)
+            telemetry.flush()
+    points = [metrics_by_name(r.request)["seen"].sum.data_points[0] for r in http_receiver.received]
+    assert [point.as_double for point in points] == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+    assert len({point.start_time_unix_nano for point in points}) == 1, "the counter's start never moves"
+    times = [point.time_unix_nano for point in points]
+    assert times == sorted(times) and points[0].start_time_unix_nano <= times[0]
+    stamps = [json.loads(line)["timestamp"] for line in jsonl.read_text().splitlines()]
+    assert stamps == sorted(stamps) and len(stamps) == 6

@@ -29,6 +29,7 @@ from torchtelemetry.report import (
     Scalars,
     ScalarValue,
     validate_path,
+    wall_time,
 )
 
 __all__ = ["ExportHub", "NullHub"]
@@ -127,7 +128,7 @@ class ExportHub:
         values = dict(scalars)
         if any(name not in self._descriptors for name in values):
             self._describe_new(values)
-        timestamp = time.time() if timestamp is None else timestamp
+        timestamp = wall_time() if timestamp is None else timestamp
         for queue in self._queues:
             queue.put_report(step, values, timestamp, window or {})
 
@@ -164,7 +165,7 @@ class ExportHub:
         healths = self.health()
         own = healths[exporting]
         healths[exporting] = dataclasses.replace(
-            own, exported_reports=own.exported_reports + 1, last_success_timestamp=time.time()
+            own, exported_reports=own.exported_reports + 1, last_success_timestamp=wall_time()
         )
         return health_values(healths)
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -53,6 +52,7 @@ from torchtelemetry.report import (
     Scalars,
     merge_descriptors,
     otel_name,
+    wall_time,
 )
 
 __all__ = [
@@ -157,6 +157,7 @@ class OTelExporter(BaseExporter):
         self._pending: Any = None
         self._rejected = False
         """The collector rejected part of the newest report (OTLP partial success)."""
+        self._reported = False
         self._unknown_warned: set[str] = set()
 
     @property
@@ -183,7 +184,7 @@ class OTelExporter(BaseExporter):
         except Exception:
             logger.exception("OTelExporter %r: could not create the OTLP %s client", self.name, self.protocol)
             return
-        self._start_ns = self._delta_start_ns = time.time_ns()
+        self._start_ns = self._delta_start_ns = int(wall_time() * 1e9)
         header_names = sorted(self._headers or ())
         logger.info(
             "OTelExporter %r: OTLP %s to %s, %s temporality%s",
@@ -285,8 +286,12 @@ class OTelExporter(BaseExporter):
         from torchtelemetry._version import __version__
 
         now_ns = int(timestamp * 1e9)
-        self._start_ns = min(self._start_ns, now_ns)
-        self._delta_start_ns = min(self._delta_start_ns, now_ns)
+        if not self._reported:  # a caller's first timestamp may predate the client: start there
+            self._reported = True
+            self._start_ns = self._delta_start_ns = min(self._start_ns, now_ns)
+        # After that the start of a series never moves (a consumer would read a reset) and no
+        # point lies before it, whatever timestamps a caller passes (Telemetry's never go back).
+        now_ns = max(now_ns, self._delta_start_ns)
         delta = self.temporality != "cumulative"
         metrics = [otel_metric(STEP_METRIC, int(step), self._start_ns, now_ns)]
         for path, value in scalars.items():

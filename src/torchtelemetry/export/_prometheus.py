@@ -17,7 +17,7 @@ from torchtelemetry.export._base import BaseExporter, ExportFailed
 from torchtelemetry.export._exposition import PrometheusCollector, import_prometheus_client
 from torchtelemetry.export._protocol import ExporterStartError, RunInfo
 from torchtelemetry.export._scrape_server import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS, ScrapeServer
-from torchtelemetry.report import NAMESPACE, MetricDescriptor, Scalars
+from torchtelemetry.report import NAMESPACE, MetricDescriptor, Scalars, wall_time
 
 __all__ = ["PrometheusExporter", "final_scrape_due"]
 
@@ -190,7 +190,7 @@ class PrometheusExporter(BaseExporter):
     def _close(self, timeout_s: float) -> None:
         """Mark the run finished, serve until a scrape has read the final report, stop, unregister."""
         deadline = time.monotonic() + timeout_s
-        self._collector.set_finished(time.time())
+        self._collector.set_finished(wall_time())
         url, server, self._server = self.url, self._server, None
         if server is not None and not self._final_report_read(server, url, deadline - _STOP_S):
             return  # a background thread serves the final report until its scrape, then stops

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 from urllib.parse import unquote, urlsplit, urlunsplit
@@ -16,7 +15,7 @@ from torchtelemetry.export._exposition import (
     import_prometheus_client,
 )
 from torchtelemetry.export._protocol import RunInfo
-from torchtelemetry.report import NAMESPACE, MetricDescriptor, Scalars
+from torchtelemetry.report import NAMESPACE, MetricDescriptor, Scalars, wall_time
 
 __all__ = ["PushgatewayExporter"]
 
@@ -106,7 +105,7 @@ class PushgatewayExporter(BaseExporter):
         if self._grouping_key is None:
             return
         if self.keep_on_close:
-            self._collector.set_finished(time.time())
+            self._collector.set_finished(wall_time())
             try:
                 self._push(min(timeout_s, self.timeout_s))
             except ExportFailed as error:

@@ -18,7 +18,7 @@ from torchtelemetry.export._base import FailureLog, LogThrottle
 from torchtelemetry.export._health import ExporterHealth
 from torchtelemetry.export._protocol import Exporter, ExporterStartError, ExportResult, RunInfo
 from torchtelemetry.export._temporality import DeltaConverter, preferred_temporality
-from torchtelemetry.report import MetricDescriptor, Scalars
+from torchtelemetry.report import MetricDescriptor, Scalars, wall_time
 
 __all__ = ["DROP_LOG_INTERVAL_S", "ExporterQueue", "close_exporter"]
 
@@ -217,7 +217,7 @@ class ExporterQueue:
             self._converter.accepted()
             with self._cond:
                 self._exported_reports += 1
-                self._last_success_timestamp = time.time()
+                self._last_success_timestamp = wall_time()
             self._failures.succeeded()
         else:
             self._failed(f"export of step {report.step} returned {result!r}", None)

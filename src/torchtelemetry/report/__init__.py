@@ -6,6 +6,7 @@ turns counters and histograms into totals across windows and restarts, `WindowPu
 one report per window in step order, and the naming rules say how each backend spells a path.
 """
 
+from torchtelemetry.report._clock import wall_time
 from torchtelemetry.report._flatten import describe_metrics, flatten_results
 from torchtelemetry.report._flops import PEAK_FLOPS, ModelFlops, model_flops, peak_flops_of
 from torchtelemetry.report._memory import allocator_metrics
@@ -71,6 +72,7 @@ __all__ = [
     "sanitize_path",
     "signal_descriptors",
     "validate_path",
+    "wall_time",
     "tracker_label_name",
     "tracker_name",
 ]

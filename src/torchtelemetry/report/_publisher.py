@@ -5,11 +5,11 @@ from __future__ import annotations
 import collections
 import logging
 import threading
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from torchtelemetry.metric import Metric, MetricKind
+from torchtelemetry.report._clock import wall_time
 from torchtelemetry.report._flatten import describe_metrics, flatten_results
 from torchtelemetry.report._naming import InvalidMetricNameError, sanitize_path
 from torchtelemetry.report._ranks import RankSeriesLimit
@@ -99,7 +99,7 @@ class WindowPublisher:
 
     def scheduled(self, step: int, *, duration_s: float) -> InFlight:
         """A window ending at `step` is being scheduled now; `publish` gets it with its results."""
-        window = InFlight(WindowTiming(step=step, timestamp=time.time(), duration_s=duration_s))
+        window = InFlight(WindowTiming(step=step, timestamp=wall_time(), duration_s=duration_s))
         with self._lock:
             self._in_flight.append(window)
         return window
@@ -145,9 +145,9 @@ class WindowPublisher:
         with self._lock:
             if self._in_flight:
                 newest = self._in_flight[-1].timing.step
-                self._logged.setdefault(newest, []).append((step, legal, time.time()))
+                self._logged.setdefault(newest, []).append((step, legal, wall_time()))
             else:
-                self._submit(step, legal, time.time())
+                self._submit(step, legal, wall_time())
 
     def _legal_names(self, values: Mapping[str, ScalarValue]) -> dict[str, ScalarValue]:
         legal: dict[str, ScalarValue] = {}
