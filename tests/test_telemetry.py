@@ -256,3 +256,35 @@ def test_a_metric_removed_since_the_checkpoint_is_left_out_with_a_warning_naming
     assert any("['grad']" in message and "partial window is left out" in message for message in warnings)
     assert any("['grad']" in message and "running totals" in message for message in warnings)
     assert telemetry.latest == {"seen": 3.0}
+
+
+@pytest.mark.parametrize(
+    ("logged", "named"),
+    [
+        ({"train/acc": 777.0, "eval/acc": 0.5}, r"\['train/acc'\] are names of this run's own metrics"),
+        ({"train/tokens": 5.0}, r"\['train/tokens'\] are names of this run's own"),
+        ({"train/tokens_per_second": 5.0}, r"\['train/tokens_per_second'\] are names"),
+        ({"exporter/errors": 1.0}, r"\['exporter/errors'\] are names"),
+        ({"my loss": 1.0, "my_loss": 2.0}, r"\['my loss', 'my_loss'\] -> 'my_loss'"),
+    ],
+    ids=["a window's metric", "a built-in signal", "a derived signal", "exporter health", "one path"],
+)
+def test_logged_values_never_replace_and_are_never_replaced_by_the_run_s_own(
+    tmp_path: Path, logged: dict[str, float], named: str
+) -> None:
+    path = tmp_path / "metrics.jsonl"
+    metrics = {"train": {"acc": tt.WeightedMeanMetric()}}
+    with tt.Telemetry(metrics, [tt.JsonlExporter(path)], every=2, max_pending=2) as telemetry:
+        for step in range(2):
+            metrics["train"]["acc"].update(0.25)
+            telemetry.step(step, tokens=10)
+        # The window ending at step 1 is in flight: logged values at step 1 would ride in its report.
+        with pytest.raises(tt.report.NameCollisionError, match=named) as refused:
+            telemetry.log(logged, step=1)
+        assert "Nothing of this call was exported" in str(refused.value)
+        telemetry.log({"eval/acc": 0.5}, step=1)
+    (report,) = _read_jsonl(path)
+    assert report["step"] == 1
+    assert report["values"]["train/acc"] == 0.25 and report["values"]["eval/acc"] == 0.5
+    assert report["values"]["train/tokens"] == 20.0
+    assert "my_loss" not in report["values"]

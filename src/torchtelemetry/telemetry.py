@@ -16,7 +16,14 @@ from torchtelemetry._process import check_same_process, current_pid
 from torchtelemetry._startup import TelemetryStartupError, agree_on_start, require_process_group
 from torchtelemetry.collect import AsyncMetricCollector, CollectionError
 from torchtelemetry.config import TelemetryConfig
-from torchtelemetry.export import Exporter, ExportHub, NullHub, RunInfo, exporters_from_spec
+from torchtelemetry.export import (
+    HEALTH_DESCRIPTORS,
+    Exporter,
+    ExportHub,
+    NullHub,
+    RunInfo,
+    exporters_from_spec,
+)
 from torchtelemetry.metric import gather_local_states, metric_leaves, restore_local_states
 from torchtelemetry.report import (
     MetricDescriptor,
@@ -137,7 +144,12 @@ class Telemetry:
             self.hub = ExportHub(exporters, run=self.run, queue_size=config.queue_size)
         self.hub.describe(self._descriptors)
         self._publisher = WindowPublisher(
-            self._leaves, self._descriptors, self._signals, self.hub.submit, ranks
+            self._leaves,
+            self._descriptors,
+            self._signals,
+            self.hub.submit,
+            ranks,
+            reserved=[descriptor.name for descriptor in HEALTH_DESCRIPTORS],
         )
 
     @property
@@ -224,7 +236,10 @@ class Telemetry:
         of the newest collection ride in its report, others follow it; otherwise they are
         submitted at once. Free-form names are made legal metric paths by `sanitize_path`
         (`"my loss"` -> `my_loss`, `mfu(%)` -> `mfu_pct`), the one rule of every adapter; a name
-        with nothing legal left is skipped with a warning naming it.
+        with nothing legal left is skipped with a warning naming it. A name that is one of this
+        run's own (a metric of the tree, a built-in signal, `exporter/...`; see `descriptors`), or
+        two names that become one path, raise `NameCollisionError` naming them, and nothing of
+        the call is exported: a value is never replaced by another under its name.
         """
         self._require_open("log")
         self._publisher.log(values, step)

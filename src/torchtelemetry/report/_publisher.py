@@ -5,13 +5,13 @@ from __future__ import annotations
 import collections
 import logging
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any, Protocol
 
 from torchtelemetry.metric import Metric, MetricKind
 from torchtelemetry.report._clock import wall_time
 from torchtelemetry.report._flatten import describe_metrics, flatten_results
-from torchtelemetry.report._naming import InvalidMetricNameError, sanitize_path
+from torchtelemetry.report._naming import InvalidMetricNameError, NameCollisionError, sanitize_path
 from torchtelemetry.report._ranks import RankSeriesLimit
 from torchtelemetry.report._signals import TrainingSignals, WindowTiming
 from torchtelemetry.report._totals import RunningTotals
@@ -71,7 +71,8 @@ class WindowPublisher:
     (the work that grows with the number of metrics) at once, then waits for `release()` before it
     submits it: values `log()`ged while a window is in flight (a training framework logs right after
     the step that scheduled it) wait for the newest one: those at its step ride in its report, others
-    are submitted right after it.
+    are submitted right after it. A logged name must not be one of the run's own (`descriptors` and
+    `reserved`): its value would replace theirs, or theirs its.
     """
 
     def __init__(
@@ -81,11 +82,14 @@ class WindowPublisher:
         signals: TrainingSignals | None,
         submit: Submit,
         ranks: RankSeriesLimit,
+        *,
+        reserved: Collection[str] = (),
     ) -> None:
         self._leaves = leaves
         self._signals = signals
         self._ranks = ranks
         self._submit = submit
+        self._taken = frozenset(d.name for d in descriptors) | frozenset(reserved)
         self.totals = RunningTotals(
             d.name for d in descriptors if d.kind in (MetricKind.COUNTER, MetricKind.HISTOGRAM)
         )
@@ -140,8 +144,20 @@ class WindowPublisher:
                     self._submit(step, values, timestamp)
 
     def log(self, values: Mapping[str, ScalarValue], step: int) -> None:
-        """Submit host values now, or after the newest window in flight (see the class)."""
+        """Submit host values now, or after the newest window in flight (see the class).
+
+        Raises `NameCollisionError`, submitting none of `values`, when a name (once sanitized)
+        is one of the run's own or two names sanitize to one.
+        """
         legal = self._legal_names(values)
+        taken = sorted(self._taken & legal.keys())
+        if taken:
+            raise NameCollisionError(
+                f"Telemetry.log: {taken} are names of this run's own metrics (the metric tree, the "
+                "built-in signals or the exporters' health), whose values they would replace or be "
+                "replaced by; log them under names of their own (a prefix such as 'log/'). Nothing "
+                "of this call was exported"
+            )
         with self._lock:
             if self._in_flight:
                 newest = self._in_flight[-1].timing.step
@@ -151,11 +167,22 @@ class WindowPublisher:
 
     def _legal_names(self, values: Mapping[str, ScalarValue]) -> dict[str, ScalarValue]:
         legal: dict[str, ScalarValue] = {}
+        given: dict[str, list[str]] = collections.defaultdict(list)
         for name, value in values.items():
             try:
-                legal[sanitize_path(name)] = value
+                path = sanitize_path(name)
             except InvalidMetricNameError as error:
                 if name not in self._skipped_names:
                     self._skipped_names.add(name)
                     logger.warning("Telemetry.log: %r skipped: %s", name, error)
+                continue
+            legal[path] = value
+            given[path].append(name)
+        clashes = {path: names for path, names in given.items() if len(names) > 1}
+        if clashes:
+            raise NameCollisionError(
+                "Telemetry.log: names that become one metric path would replace each other: "
+                + "; ".join(f"{names} -> {path!r}" for path, names in clashes.items())
+                + ". Nothing of this call was exported"
+            )
         return legal
