@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -37,6 +38,8 @@ from torchtelemetry.report import (
 from torchtelemetry.sync import group_rank, group_world_size, resolve_group
 
 __all__ = ["Telemetry", "TelemetryConfig", "TelemetryStartupError"]
+
+logger = logging.getLogger(__name__)
 
 
 class Telemetry:
@@ -332,8 +335,17 @@ class Telemetry:
     def __enter__(self) -> Telemetry:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, exc: BaseException | None, traceback: object) -> None:
+        """Close; when the block raised, its exception goes on and a failure of close (a collection
+        the other ranks did not join) is logged and noted on it instead of replacing it."""
+        try:
+            self.close()
+        except Exception as error:
+            if exc is None:
+                raise
+            failed = f"Telemetry.close() failed too: {type(error).__name__}: {error}"
+            logger.error("%s (after %s in its with block)", failed, type(exc).__name__)
+            exc.add_note(failed)
 
     # -- checkpointing (torch.distributed.checkpoint Stateful) ---------------------------------
 

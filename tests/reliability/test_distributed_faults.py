@@ -223,3 +223,33 @@ def test_a_killed_rank_gives_the_survivor_a_clear_error_and_close_returns(
     assert survivor["close_error"] is None, "close() after a failed collection only releases resources"
     assert survivor["threads"] == [] and survivor["children"] == []
     assert _exported_steps(path)[:2] == [1, 3]
+
+
+# -- the user's own exception inside `with Telemetry(...)` ----------------------------------------------
+
+
+def _raising_rank(rank: int, world_size: int) -> dict[str, Any]:
+    metrics: dict[str, tt.Metric] = {"loss": tt.WeightedMeanMetric()}
+    try:
+        with tt.Telemetry(metrics, [], every=EVERY, timeout_s=TIMEOUT_S, signals=False) as telemetry:
+            for step in range(6 if rank == 0 else 5):
+                metrics["loss"].update(torch.tensor(float(step)))
+                telemetry.step(step)
+                if step == 5:  # rank 0 only: a bad batch, a failed assertion, an OOM of the user's code
+                    raise ValueError("the user's own error at step 5")
+    except ValueError as error:
+        return {"type": "ValueError", "message": str(error), "notes": getattr(error, "__notes__", [])}
+    except CollectionError as error:
+        return {"type": "CollectionError", "message": str(error)}
+    return {"type": None}
+
+
+@pytest.mark.timeout(180)
+def test_the_user_s_own_exception_inside_with_telemetry_is_not_replaced_by_close_s() -> None:
+    raised, stopped = run_ranks(_raising_rank, 2, timeout_s=150)
+    # Rank 0 left the block with a partial window ending at step 5, rank 1 with one ending at 4:
+    # close() cannot collect it on either rank. Rank 0's ValueError still reaches its except.
+    assert raised["type"] == "ValueError", raised
+    assert raised["message"] == "the user's own error at step 5"
+    assert any(note.startswith("Telemetry.close() failed too: CollectionError") for note in raised["notes"])
+    assert stopped["type"] == "CollectionError", "a rank without an error of its own gets close()'s"
