@@ -7,7 +7,7 @@ import os
 
 import torch.distributed as dist
 
-__all__ = ["TelemetryStartupError", "agree_on_start", "require_process_group"]
+__all__ = ["TelemetryStartupError", "agree_on_start", "require_every_rank", "require_process_group"]
 
 
 class TelemetryStartupError(RuntimeError):
@@ -34,7 +34,9 @@ def require_process_group(op: str) -> None:
         )
 
 
-def agree_on_start(failure: Exception | None, *, timeout_s: float, op: str = "Telemetry") -> None:
+def agree_on_start(
+    failure: Exception | None, *, timeout_s: float, op: str = "Telemetry"
+) -> dist.ProcessGroup | None:
     """Share each rank's start-up outcome with every rank; raise on every rank if one failed.
 
     Collective over the default group, on a gloo group of its own created with `timeout_s`, so a
@@ -42,12 +44,13 @@ def agree_on_start(failure: Exception | None, *, timeout_s: float, op: str = "Te
     `timeout_s` and the training's own collectives are never involved. Re-raises `failure` on the
     rank where it happened (with a note naming the rank); the other ranks raise
     `TelemetryStartupError` naming each failed rank and its error. Without a process group it only
-    re-raises `failure`.
+    re-raises `failure`. Returns that gloo group (None without a process group), for later checks
+    that every rank is at the same point (`require_every_rank`); the caller destroys it.
     """
     if not (dist.is_available() and dist.is_initialized()):
         if failure is not None:
             raise failure
-        return
+        return None
     rank, world_size = dist.get_rank(), dist.get_world_size()
     outcome = None if failure is None else f"{type(failure).__name__}: {failure}"
     outcomes: list[str | None] = [None] * world_size
@@ -55,8 +58,9 @@ def agree_on_start(failure: Exception | None, *, timeout_s: float, op: str = "Te
         group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
         try:
             dist.all_gather_object(outcomes, outcome, group=group)
-        finally:
+        except BaseException:
             dist.destroy_process_group(group)
+            raise
     except Exception as error:
         raise TelemetryStartupError(
             f"{op} (rank {rank} of {world_size}): not every rank built it within timeout_s={timeout_s:g}s "
@@ -64,6 +68,8 @@ def agree_on_start(failure: Exception | None, *, timeout_s: float, op: str = "Te
             "(only rank 0 exports), or raise timeout_s if some rank starts later"
         ) from (failure if failure is not None else error)
     failed = {index: text for index, text in enumerate(outcomes) if text is not None}
+    if failure is not None or failed:
+        dist.destroy_process_group(group)
     if failure is not None:
         failure.add_note(f"{op} failed to start on rank {rank} of {world_size}; every rank raised")
         raise failure
@@ -73,3 +79,25 @@ def agree_on_start(failure: Exception | None, *, timeout_s: float, op: str = "Te
             f"{op} (rank {rank} of {world_size}): could not start on every rank ({listed}); "
             "every rank stops here instead of training with part of the set-up"
         )
+    return group
+
+
+def require_every_rank(group: dist.ProcessGroup | None, op: str, *, timeout_s: float) -> None:
+    """Return once every rank of `group` (from `agree_on_start`) has called this with the same `op`;
+    raise a `RuntimeError` naming `op` within `timeout_s` otherwise, never a raw gloo error later.
+
+    A gloo group whose collective timed out is spent: after one such error every later call raises
+    at once, on every rank.
+    """
+    if group is None:
+        return
+    try:
+        timeout = datetime.timedelta(seconds=timeout_s)
+        dist.monitored_barrier(group=group, timeout=timeout, wait_all_ranks=True)
+    except RuntimeError as error:
+        raise RuntimeError(
+            f"{op} (rank {dist.get_rank()} of {dist.get_world_size()}): not every rank called it within "
+            f"timeout_s={timeout_s:g}s, or an earlier call did not reach every rank ({error}); it is "
+            "collective: call it on every rank at the same point (as torch.distributed.checkpoint.save "
+            "does), not on one rank only"
+        ) from error

@@ -14,7 +14,12 @@ import torch
 import torch.distributed as dist
 
 from torchtelemetry._process import check_same_process, current_pid
-from torchtelemetry._startup import TelemetryStartupError, agree_on_start, require_process_group
+from torchtelemetry._startup import (
+    TelemetryStartupError,
+    agree_on_start,
+    require_every_rank,
+    require_process_group,
+)
 from torchtelemetry.collect import AsyncMetricCollector, CollectionError
 from torchtelemetry.config import TelemetryConfig
 from torchtelemetry.export import (
@@ -93,8 +98,11 @@ class Telemetry:
         except Exception as error:
             failure = error
         timeout_s = self.config.timeout_s if failure is None else _timeout_s(config, fields)
+        self._every_rank: dist.ProcessGroup | None = None
+        """A gloo group of every rank with `timeout_s`, to check that a collective call is made
+        on every rank (`state_dict`) before anything waits on the training's groups."""
         try:
-            agree_on_start(failure, timeout_s=timeout_s)
+            self._every_rank = agree_on_start(failure, timeout_s=timeout_s)
             # Keyed by metric path, so errors (a layout mismatch across ranks) name metrics as the user does.
             collector = AsyncMetricCollector(
                 dict(self._leaves), self.config.group, timeout_s=timeout_s, max_pending=self.max_pending
@@ -102,6 +110,7 @@ class Telemetry:
             self._collector = collector.bind()
         except BaseException:
             self.hub.close()  # started exporters (open ports, threads) must not outlive a failed set-up
+            self._release_every_rank()
             raise
         self._steps_in_window = 0
         self._steps_since_grid = 0
@@ -316,6 +325,12 @@ class Telemetry:
             self._publisher.release()  # windows still in flight after a failure must not wait for logs
             self._collector.unbind(timeout_s=timeout_s)
             self.hub.close(timeout_s)
+            self._release_every_rank()
+
+    def _release_every_rank(self) -> None:
+        group, self._every_rank = self._every_rank, None
+        if group is not None and dist.is_initialized():
+            dist.destroy_process_group(group)
 
     def _require_open(self, op: str) -> None:
         check_same_process(self._pid, f"Telemetry.{op}")
@@ -353,13 +368,15 @@ class Telemetry:
         """Every rank's partial window (local metric states, signals included, gathered into one
         entry that loads at any world size), counter totals, the last step and the steps of the
         current window (and since the last every-`every` collection). Collective: call it on every
-        rank, as `torch.distributed.checkpoint` does.
+        rank, as `torch.distributed.checkpoint` does; called on some ranks only, it raises a
+        `RuntimeError` saying so within `timeout_s` on those.
 
         Waits for collections in flight (and exports them) first, so a restart from this state
         neither loses nor repeats a window, and later windows end at the same steps. Counter totals
         are one JSON string: a fresh `Telemetry` cannot know which counters the saved run had.
         """
         check_same_process(self._pid, "Telemetry.state_dict")
+        require_every_rank(self._every_rank, "Telemetry.state_dict", timeout_s=self.config.timeout_s)
         if not self._closed:
             self._drain(block=True)
             self._flush_signals()

@@ -253,3 +253,45 @@ def test_the_user_s_own_exception_inside_with_telemetry_is_not_replaced_by_close
     assert raised["message"] == "the user's own error at step 5"
     assert any(note.startswith("Telemetry.close() failed too: CollectionError") for note in raised["notes"])
     assert stopped["type"] == "CollectionError", "a rank without an error of its own gets close()'s"
+
+
+# -- a collective call made on one rank only ---------------------------------------------------------
+
+
+def _state_dict_on_rank_zero_only(rank: int, world_size: int) -> dict[str, Any]:
+    metrics: dict[str, tt.Metric] = {"loss": tt.WeightedMeanMetric()}
+    telemetry = tt.Telemetry(metrics, [], every=EVERY, timeout_s=TIMEOUT_S, signals=False)
+    assert _train(telemetry, metrics, range(3)) is None
+    outcome: dict[str, Any] = {"error": None}
+    if rank == 0:  # e.g. `if rank == 0: torch.save(telemetry.state_dict(), path)`
+        started = time.monotonic()
+        try:
+            telemetry.state_dict()
+        except Exception as error:
+            outcome["error"] = _error(error, started)
+    dist.barrier()  # rank 1 trains on meanwhile; both come back here
+    started = time.monotonic()
+    try:  # the check's gloo group is spent after a timeout: every rank is told so at once
+        telemetry.state_dict()
+        outcome["again"] = None
+    except RuntimeError as error:
+        outcome["again"] = _error(error, started)
+    return {**outcome, **_close(telemetry)}
+
+
+@pytest.mark.timeout(180)
+def test_state_dict_on_one_rank_only_raises_naming_it_within_timeout_s() -> None:
+    alone, other = run_ranks(_state_dict_on_rank_zero_only, 2, timeout_s=150, pg_timeout_s=120)
+    error = alone["error"]
+    assert error is not None and error["type"] == "RuntimeError", error
+    assert error["message"].startswith("Telemetry.state_dict (rank 0 of 2): not every rank called it")
+    assert "call it on every rank" in error["message"]
+    assert error["elapsed_s"] < NOT_A_HANG_S
+    assert other["error"] is None
+    for outcome in (alone, other):
+        again = outcome["again"]
+        assert again is not None and again["message"].startswith("Telemetry.state_dict (rank"), again
+        assert "an earlier call did not reach every rank" in again["message"]
+        assert again["elapsed_s"] < NOT_A_HANG_S
+    for outcome in (alone, other):
+        assert outcome["close_error"] is None and outcome["threads"] == [] and outcome["children"] == []
