@@ -4,10 +4,18 @@ from __future__ import annotations
 
 import datetime
 import os
+from dataclasses import dataclass
 
 import torch.distributed as dist
 
-__all__ = ["TelemetryStartupError", "agree_on_start", "require_every_rank", "require_process_group"]
+__all__ = [
+    "ExportPolicy",
+    "TelemetryStartupError",
+    "agree_on_start",
+    "export_policy",
+    "require_every_rank",
+    "require_process_group",
+]
 
 
 class TelemetryStartupError(RuntimeError):
@@ -32,6 +40,37 @@ def require_process_group(op: str) -> None:
             "export its own values as if they were the whole run's; call "
             "torch.distributed.init_process_group() before building it"
         )
+
+
+@dataclass(frozen=True, slots=True)
+class ExportPolicy:
+    """Who exports a `Telemetry`'s values, and under which run id."""
+
+    exporting: bool
+    """This rank starts the exporters."""
+    run_id_suffix: str
+    """Added to the run id: empty for the whole world, `-group<r>` for a group led by global rank r."""
+
+
+def export_policy(group: dist.ProcessGroup | None, given: object, op: str = "Telemetry") -> ExportPolicy:
+    """The export policy, "the group's rank 0": rank 0 of each `Telemetry`'s group exports that
+    group's values, so that every group's values are exported, also where global rank 0 is not
+    in it (pipeline stages, each with a `Telemetry(group=stage_group)`). A group smaller than the
+    world exports its run as `<run id>-group<r>`, r the global rank of its rank 0, so several
+    groups' runs are told apart. `group` is the resolved `given` (None: no process group, or this
+    rank is not in `given`: then nothing would ever export its values, and this raises).
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return ExportPolicy(exporting=True, run_id_suffix="")
+    if group is None:
+        raise ValueError(
+            f"{op}: rank {dist.get_rank()} is not in group={given!r}, so nothing would ever export "
+            "what it collects; build each rank's Telemetry with a group it belongs to (its pipeline "
+            "stage's, its data-parallel replica's) or with group=None"
+        )
+    leader = dist.get_global_rank(group, 0)
+    whole = dist.get_world_size(group) == dist.get_world_size()
+    return ExportPolicy(exporting=dist.get_rank(group) == 0, run_id_suffix="" if whole else f"-group{leader}")
 
 
 def agree_on_start(

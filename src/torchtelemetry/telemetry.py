@@ -17,6 +17,7 @@ from torchtelemetry._process import check_same_process, current_pid
 from torchtelemetry._startup import (
     TelemetryStartupError,
     agree_on_start,
+    export_policy,
     require_every_rank,
     require_process_group,
 )
@@ -48,7 +49,7 @@ logger = logging.getLogger(__name__)
 
 
 class Telemetry:
-    """Metrics on every rank, collected every `every` steps, exported from rank 0.
+    """Metrics on every rank, collected every `every` steps, exported from rank 0 of the group.
 
     ```python
     telemetry = Telemetry({"train": {"loss": WeightedMeanMetric()}}, exporters=[PrometheusExporter()])
@@ -67,7 +68,7 @@ class Telemetry:
     flushes every exporter.
 
     Building a `Telemetry` is collective: build it on every rank, at the same point
-    (only global rank 0 exports). Every rank learns within `timeout_s` whether every
+    (rank 0 of `group` exports: see `export_policy`). Every rank learns within `timeout_s` whether every
     rank started; if one did not (a port in use, a missing extra, a rank that never
     builds it), every rank raises, naming the rank and the cause
     (`TelemetryStartupError` on the others). With `WORLD_SIZE` > 1 in the environment,
@@ -75,7 +76,7 @@ class Telemetry:
 
     Args:
         metrics: a PyTree of Metrics; paths become names (`{"train": {"loss": m}}` -> `train/loss`).
-        exporters: exporters (constructed on every rank; only global rank 0 starts them), or a
+        exporters: exporters (constructed on every rank; only the group's rank 0 starts them), or a
             comma-separated spec such as "console,prometheus" resolved through entry points.
         config: how to collect and export (`TelemetryConfig`).
         **fields: `TelemetryConfig` fields overriding `config`, e.g. `Telemetry(metrics, every=10)`.
@@ -148,10 +149,13 @@ class Telemetry:
         self._leaves = self._user_leaves + metric_leaves(signal_metrics, op="Telemetry")
         ranks = RankSeriesLimit(world_size, config.max_rank_series)
         self._descriptors = describe_with_signals(metrics, self._signals, ranks)
-        self.is_exporting = not dist.is_initialized() or dist.get_rank() == 0
+        policy = export_policy(resolved, config.group)
+        self.is_exporting = policy.exporting
+        """Whether this rank exports: rank 0 of the group (`export_policy`)."""
         if isinstance(exporters, str):
             exporters = exporters_from_spec(exporters)
-        self.run = RunInfo.create(config.run_id, world_size=world_size, config=config.run_config)
+        run = RunInfo.create(config.run_id, world_size=world_size, config=config.run_config)
+        self.run = RunInfo(run_id=run.run_id + policy.run_id_suffix, world_size=world_size, config=run.config)
         if self.is_exporting:
             self.hub = ExportHub(exporters, run=self.run, queue_size=config.queue_size)
         self.hub.describe(self._descriptors)

@@ -24,7 +24,11 @@ def resolve_group(group: GroupLike, *, op: str) -> dist.ProcessGroup | None:
 
     `op` names the calling function in error messages.
     """
-    if group is not None and not _is_group_like(group):
+    # What new_group() gives the ranks it leaves out: this rank is in no group of its own.
+    not_a_member = (
+        dist.is_available() and isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER
+    )
+    if group is not None and not not_a_member and not _is_group_like(group):
         raise TypeError(f"{op}: group must be {_ACCEPTED}, got {type(group).__name__}")
     if not dist.is_available() or not dist.is_initialized():
         if group is None:
@@ -35,11 +39,13 @@ def resolve_group(group: GroupLike, *, op: str) -> dist.ProcessGroup | None:
         )
     if group is None:
         resolved = dist.group.WORLD
+    elif not_a_member:
+        resolved = None
     elif isinstance(group, dist.ProcessGroup):
         resolved = group
     else:
         resolved = _mesh_group(group, op)
-    if dist.get_rank(resolved) < 0:
+    if resolved is None or dist.get_rank(resolved) < 0:
         warnings.warn(
             f"{op}: rank {dist.get_rank()} is not in the given group; running locally",
             stacklevel=3,
