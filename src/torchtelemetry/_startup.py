@@ -9,11 +9,11 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 __all__ = [
+    "EveryRank",
     "ExportPolicy",
     "TelemetryStartupError",
     "agree_on_start",
     "export_policy",
-    "require_every_rank",
     "require_process_group",
 ]
 
@@ -73,9 +73,7 @@ def export_policy(group: dist.ProcessGroup | None, given: object, op: str = "Tel
     return ExportPolicy(exporting=dist.get_rank(group) == 0, run_id_suffix="" if whole else f"-group{leader}")
 
 
-def agree_on_start(
-    failure: Exception | None, *, timeout_s: float, op: str = "Telemetry"
-) -> dist.ProcessGroup | None:
+def agree_on_start(failure: Exception | None, *, timeout_s: float, op: str = "Telemetry") -> EveryRank:
     """Share each rank's start-up outcome with every rank; raise on every rank if one failed.
 
     Collective over the default group, on a gloo group of its own created with `timeout_s`, so a
@@ -83,13 +81,13 @@ def agree_on_start(
     `timeout_s` and the training's own collectives are never involved. Re-raises `failure` on the
     rank where it happened (with a note naming the rank); the other ranks raise
     `TelemetryStartupError` naming each failed rank and its error. Without a process group it only
-    re-raises `failure`. Returns that gloo group (None without a process group), for later checks
-    that every rank is at the same point (`require_every_rank`); the caller destroys it.
+    re-raises `failure`. Returns that gloo group as an `EveryRank`, for later checks that every
+    rank is at the same point; the caller releases it.
     """
     if not (dist.is_available() and dist.is_initialized()):
         if failure is not None:
             raise failure
-        return None
+        return EveryRank(None, timeout_s)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     outcome = None if failure is None else f"{type(failure).__name__}: {failure}"
     outcomes: list[str | None] = [None] * world_size
@@ -118,25 +116,39 @@ def agree_on_start(
             f"{op} (rank {rank} of {world_size}): could not start on every rank ({listed}); "
             "every rank stops here instead of training with part of the set-up"
         )
-    return group
+    return EveryRank(group, timeout_s)
 
 
-def require_every_rank(group: dist.ProcessGroup | None, op: str, *, timeout_s: float) -> None:
-    """Return once every rank of `group` (from `agree_on_start`) has called this with the same `op`;
-    raise a `RuntimeError` naming `op` within `timeout_s` otherwise, never a raw gloo error later.
+class EveryRank:
+    """A gloo group of every rank with its own timeout (None without a process group): checks that
+    every rank makes a collective call before anything waits on the training's own groups."""
 
-    A gloo group whose collective timed out is spent: after one such error every later call raises
-    at once, on every rank.
-    """
-    if group is None:
-        return
-    try:
-        timeout = datetime.timedelta(seconds=timeout_s)
-        dist.monitored_barrier(group=group, timeout=timeout, wait_all_ranks=True)
-    except RuntimeError as error:
-        raise RuntimeError(
-            f"{op} (rank {dist.get_rank()} of {dist.get_world_size()}): not every rank called it within "
-            f"timeout_s={timeout_s:g}s, or an earlier call did not reach every rank ({error}); it is "
-            "collective: call it on every rank at the same point (as torch.distributed.checkpoint.save "
-            "does), not on one rank only"
-        ) from error
+    def __init__(self, group: dist.ProcessGroup | None, timeout_s: float) -> None:
+        self._group = group
+        self.timeout_s = timeout_s
+
+    def require(self, op: str) -> None:
+        """Return once every rank has called this for `op`; raise a `RuntimeError` naming `op`
+        within `timeout_s` otherwise, never a raw gloo error later.
+
+        A gloo group whose collective timed out is spent: after one such error every later call
+        raises at once, on every rank.
+        """
+        if self._group is None:
+            return
+        try:
+            timeout = datetime.timedelta(seconds=self.timeout_s)
+            dist.monitored_barrier(group=self._group, timeout=timeout, wait_all_ranks=True)
+        except RuntimeError as error:
+            raise RuntimeError(
+                f"{op} (rank {dist.get_rank()} of {dist.get_world_size()}): not every rank called it "
+                f"within timeout_s={self.timeout_s:g}s, or an earlier call did not reach every rank "
+                f"({error}); it is collective: call it on every rank at the same point (as "
+                "torch.distributed.checkpoint.save does), not on one rank only"
+            ) from error
+
+    def release(self) -> None:
+        """Destroy the group (once; nothing to do once the process group itself is gone)."""
+        group, self._group = self._group, None
+        if group is not None and dist.is_initialized():
+            dist.destroy_process_group(group)

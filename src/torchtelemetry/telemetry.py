@@ -11,14 +11,13 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from torchtelemetry._process import check_same_process, current_pid
 from torchtelemetry._startup import (
+    EveryRank,
     TelemetryStartupError,
     agree_on_start,
     export_policy,
-    require_every_rank,
     require_process_group,
 )
 from torchtelemetry.collect import AsyncMetricCollector, CollectionError
@@ -31,7 +30,7 @@ from torchtelemetry.export import (
     RunInfo,
     exporters_from_spec,
 )
-from torchtelemetry.metric import gather_local_states, metric_leaves, restore_local_states
+from torchtelemetry.metric import metric_leaves
 from torchtelemetry.report import (
     MetricDescriptor,
     ModelFlops,
@@ -40,6 +39,8 @@ from torchtelemetry.report import (
     TrainingSignals,
     WindowPublisher,
     describe_with_signals,
+    restore_run_state,
+    run_state,
 )
 from torchtelemetry.sync import group_rank, group_world_size, resolve_group
 
@@ -99,9 +100,7 @@ class Telemetry:
         except Exception as error:
             failure = error
         timeout_s = self.config.timeout_s if failure is None else _timeout_s(config, fields)
-        self._every_rank: dist.ProcessGroup | None = None
-        """A gloo group of every rank with `timeout_s`, to check that a collective call is made
-        on every rank (`state_dict`) before anything waits on the training's groups."""
+        self._every_rank = EveryRank(None, timeout_s)
         try:
             self._every_rank = agree_on_start(failure, timeout_s=timeout_s)
             # Keyed by metric path, so errors (a layout mismatch across ranks) name metrics as the user does.
@@ -111,7 +110,7 @@ class Telemetry:
             self._collector = collector.bind()
         except BaseException:
             self.hub.close()  # started exporters (open ports, threads) must not outlive a failed set-up
-            self._release_every_rank()
+            self._every_rank.release()
             raise
         self._steps_in_window = 0
         self._steps_since_grid = 0
@@ -329,12 +328,7 @@ class Telemetry:
             self._publisher.release()  # windows still in flight after a failure must not wait for logs
             self._collector.unbind(timeout_s=timeout_s)
             self.hub.close(timeout_s)
-            self._release_every_rank()
-
-    def _release_every_rank(self) -> None:
-        group, self._every_rank = self._every_rank, None
-        if group is not None and dist.is_initialized():
-            dist.destroy_process_group(group)
+            self._every_rank.release()
 
     def _require_open(self, op: str) -> None:
         check_same_process(self._pid, f"Telemetry.{op}")
@@ -380,14 +374,12 @@ class Telemetry:
         are one JSON string: a fresh `Telemetry` cannot know which counters the saved run had.
         """
         check_same_process(self._pid, "Telemetry.state_dict")
-        require_every_rank(self._every_rank, "Telemetry.state_dict", timeout_s=self.config.timeout_s)
+        self._every_rank.require("Telemetry.state_dict")
         if not self._closed:
             self._drain(block=True)
             self._flush_signals()
         return {
-            "window": gather_local_states(self._leaves, self.config.group),
-            "counters": self._publisher.totals.state_dict(),
-            "signals": self._signals.state_dict() if self._signals else {},
+            **run_state(self._leaves, self._publisher.totals, self._signals, self.config.group),
             "step": -1 if self._last_step is None else self._last_step,
             "steps_in_window": self._steps_in_window,
             "steps_since_grid": self._steps_since_grid,
@@ -400,17 +392,9 @@ class Telemetry:
         `PerRankMetric` holding a partial window raises (see `restore_local_states`).
         """
         check_same_process(self._pid, "Telemetry.load_state_dict")
-        if "window" not in state:
-            raise ValueError(
-                f"Telemetry.load_state_dict: the state has no 'window' entry (keys: {sorted(state)}); "
-                "it was not written by Telemetry.state_dict() of this version, which gathers every "
-                "rank's partial window so that it loads at any world size"
-            )
-        signal_names = {name for name, _ in self._leaves} - {name for name, _ in self._user_leaves}
-        restore_local_states(self._leaves, state["window"], self.config.group, droppable=signal_names)
-        self._publisher.totals.load_state_dict(state.get("counters", "{}"))
-        if self._signals is not None:
-            self._signals.load_state_dict(state.get("signals", {}))
+        restore_run_state(
+            state, self._leaves, self._user_leaves, self._publisher.totals, self._signals, self.config.group
+        )
         step = int(state.get("step", -1))
         self._last_step = None if step < 0 else step
         self._steps_in_window = int(state.get("steps_in_window", 0))

@@ -6,6 +6,7 @@ turns counters and histograms into totals across windows and restarts, `WindowPu
 one report per window in step order, and the naming rules say how each backend spells a path.
 """
 
+from torchtelemetry.report._checkpoint import restore_run_state, run_state
 from torchtelemetry.report._clock import wall_time
 from torchtelemetry.report._flatten import describe_metrics, flatten_results
 from torchtelemetry.report._flops import PEAK_FLOPS, ModelFlops, model_flops, peak_flops_of
@@ -69,6 +70,8 @@ __all__ = [
     "peak_flops_of",
     "prometheus_label_name",
     "prometheus_name",
+    "restore_run_state",
+    "run_state",
     "sanitize_path",
     "signal_descriptors",
     "validate_path",
