@@ -177,8 +177,9 @@ def test_a_training_run_from_the_installed_wheel_serves_a_scrape(venv: Path, tmp
         trainer.kill()
         trainer.wait()
     assert trainer.returncode == 0, stderr
-    assert 'torchtelemetry_train_loss{route="scrape",run="wheel"} 17.0' in scrape.splitlines(), scrape  # steps 15..19
-    assert 'torchtelemetry_train_step{route="scrape",run="wheel"} 19.0' in scrape.splitlines(), scrape
+    lines = scrape.splitlines()
+    assert 'torchtelemetry_train_loss{route="scrape",run="wheel"} 17.0' in lines, scrape  # steps 15..19
+    assert 'torchtelemetry_train_step{route="scrape",run="wheel"} 19.0' in lines, scrape
 
 
 def test_the_installed_command_writes_a_stack_promtool_accepts(
