@@ -1,0 +1,181 @@
+"""The signal protocol: each built-in training signal is one small object.
+
+A signal knows its names, units and kinds (`descriptors`), the device state it keeps for a window
+(`metrics`, reduced with the user's metrics in the window's one collective), what it takes per
+step (`keywords`, routed from `Telemetry.step()`), how it hands host values to that state once per
+window (`flush`, training thread, no host sync), and how it turns a collected window into what is
+exported (`derive`, on the thread that publishes reports). Adding a signal is one module and its
+test; `SignalSet` routes to it.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from torchtelemetry.metric import DEFAULT_STATE_DTYPE, Metric, MetricAccumulator, ReduceOp
+from torchtelemetry.report._values import MetricDescriptor, ScalarValue
+
+__all__ = [
+    "RankValues",
+    "Signal",
+    "SignalContext",
+    "WindowTiming",
+    "finite_by_rank",
+    "highest_rank",
+    "lowest_rank",
+    "median",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class WindowTiming:
+    """Host facts of one collection window, taken on the training thread when it was scheduled."""
+
+    step: int
+    """Last training step in the window."""
+    timestamp: float
+    """Unix time at which the window was scheduled."""
+    duration_s: float
+    """Host time from the previous window's schedule to this one's."""
+    steps: int = 0
+    """Training steps in the window (the same on every rank)."""
+    host: Mapping[str, Any] = field(default_factory=dict)
+    """Host-only values of the signals at schedule time (`Signal.host_values`), by signal name."""
+
+
+@dataclass(frozen=True, slots=True)
+class SignalContext:
+    """Where the signals of one `Telemetry` run."""
+
+    world_size: int
+    """Ranks of the group the window is reduced over."""
+    rank: int
+    """This process's rank in that group."""
+    device: torch.device
+    """Device of the metrics (and of the training)."""
+    max_rank_series: int = 64
+    """Above this many ranks, no value is exported once per rank."""
+
+    @property
+    def per_rank_series(self) -> bool:
+        """Whether values per rank are exported as one series per rank."""
+        return self.world_size <= self.max_rank_series
+
+
+class Signal:
+    """Base class of a built-in signal; every method has a do-nothing default.
+
+    Threads: `record`, `on_step`, `flush`, `host_values`, `state_dict` and `load_state_dict` run on
+    the training thread; `derive` on the thread that publishes reports, one window at a time, in
+    order. State that `derive` keeps across windows is the signal's to guard.
+    """
+
+    name: ClassVar[str] = ""
+    """Short name, the key of this signal's `host_values` and state."""
+    keywords: ClassVar[tuple[str, ...]] = ()
+    """`Telemetry.step()` keywords this signal takes."""
+
+    def __init__(self, context: SignalContext) -> None:
+        self.context = context
+
+    def metrics(self) -> dict[str, Metric]:
+        """The device state of a window, by metric path; reduced with the user's metrics."""
+        return {}
+
+    def descriptors(self) -> list[MetricDescriptor]:
+        """Every name `derive` may leave in a report."""
+        return []
+
+    def check(self, keyword: str, value: Any) -> None:
+        """Raise, naming the signal, if `value` given as `keyword` cannot be recorded. Runs for every
+        keyword of a step before anything of the step is recorded."""
+
+    def record(self, keyword: str, value: Any) -> None:
+        """Take a checked value of one step (host arithmetic, or in-place device ops: never a sync)."""
+
+    def on_step(self, step: int, step_time: float | None) -> None:
+        """Step `step` ended; `step_time` is the host time since the previous one (None for the first)."""
+
+    def flush(self, duration_s: float, *, final: bool = False) -> None:
+        """Hand host accumulators to `metrics()` (in-place device ops, no sync); `duration_s` is this
+        rank's host time since the previous flush. Runs once per window, and before a checkpoint and
+        at close (`final`: wait, bounded, for values still being measured, e.g. device timings)."""
+
+    def host_values(self) -> Any:
+        """Host-only values that `derive` reads from `WindowTiming.host[name]` (exporting rank's)."""
+        return None
+
+    def derive(self, window: dict[str, ScalarValue], timing: WindowTiming) -> None:
+        """Turn the window's values (all signals' raw values and the user's) into what is exported,
+        in place."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """What this signal carries over a restart (plain Python values)."""
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore `state_dict()`."""
+
+    def close(self) -> None:
+        """Stop threads this signal started; the last window has been flushed."""
+
+
+class RankValues(Metric):
+    """One value per rank and quantity, each rank writing its own slot: a `(quantities, world_size)`
+    state reduced by MAX (or MIN) that rides the window like any metric, with no extra collective.
+
+    Within a window a slot keeps the largest (MAX) or smallest (MIN) value written to it; slots
+    nobody wrote stay at -inf (+inf) and are left out by `finite_by_rank`.
+    """
+
+    label_name = "rank"
+
+    def __init__(
+        self, world_size: int, rank: int, quantities: Sequence[str], *, op: ReduceOp = ReduceOp.MAX
+    ) -> None:
+        super().__init__()
+        self.rank = rank
+        self.quantities = tuple(quantities)
+        self.op = op
+        start = -math.inf if op is ReduceOp.MAX else math.inf
+        self.values = MetricAccumulator(
+            torch.full((len(self.quantities), world_size), start), op, dtype=DEFAULT_STATE_DTYPE
+        )
+
+    def write(self, index: int, value: float) -> None:
+        """Fold host `value` into this rank's slot of quantity `index` (one kernel, no copy)."""
+        slot = self.values.local[index, self.rank]
+        if self.op is ReduceOp.MAX:
+            slot.clamp_(min=value)
+        else:
+            slot.clamp_(max=value)
+
+    def compute(self) -> dict[str, torch.Tensor]:
+        return {quantity: self.values.value[index] for index, quantity in enumerate(self.quantities)}
+
+
+def finite_by_rank(values: ScalarValue | None) -> dict[int, float]:
+    """The finite entries of a value per rank (`{"0": 1.5, ...}`), keyed by integer rank."""
+    if not isinstance(values, Mapping):
+        return {}
+    return {int(rank): float(value) for rank, value in values.items() if math.isfinite(value)}
+
+
+def highest_rank(values: Mapping[int, float]) -> int:
+    """The rank holding the largest value (the lowest such rank on ties)."""
+    return max(values, key=lambda rank: (values[rank], -rank))
+
+
+def lowest_rank(values: Mapping[int, float]) -> int:
+    """The rank holding the smallest value (the lowest such rank on ties)."""
+    return min(values, key=lambda rank: (values[rank], rank))
+
+
+def median(values: Mapping[int, float]) -> float:
+    return statistics.median(values.values())

@@ -1,0 +1,176 @@
+"""Clocks for phases: the host's monotonic clock on CPU, CUDA events read off the training thread.
+
+A clock times sections of one rank and hands back, once per window, batches of
+`(seconds per phase, steps covered)`. The host clock's batch is the window itself. The event
+clock records two events on the current stream per section (no sync); a reader thread waits for
+each batch's events to complete and reads their elapsed times, so a window carries the batches
+read by the time it was scheduled, usually those of the window before (`take(wait=True)` waits for
+all of them: at a checkpoint and at close).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+
+__all__ = ["EventClock", "HostClock", "PhaseClock", "PhaseTimer"]
+
+logger = logging.getLogger(__name__)
+
+Batch = tuple[list[float], int]
+"""Seconds per phase and the steps they cover."""
+
+
+class PhaseClock(Protocol):
+    """Times sections of one rank; `take` hands back what was timed, once per window."""
+
+    def start(self) -> Any: ...
+
+    def stop(self, index: int, started: Any) -> None: ...
+
+    def take(self, steps: int, *, wait: bool = False, timeout_s: float = 60.0) -> list[Batch]: ...
+
+    def close(self) -> None: ...
+
+
+class PhaseTimer:
+    """`with telemetry.phase("forward"):` adds the block's time to its phase (nesting allowed)."""
+
+    __slots__ = ("_clock", "_index", "_started", "name")
+
+    def __init__(self, clock: PhaseClock, index: int, name: str) -> None:
+        self._clock = clock
+        self._index = index
+        self._started: list[Any] = []
+        self.name = name
+
+    def __enter__(self) -> PhaseTimer:
+        self._started.append(self._clock.start())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._clock.stop(self._index, self._started.pop())
+
+
+class HostClock:
+    """`time.perf_counter()`: what the host spent in each section (CPU training)."""
+
+    def __init__(self, phases: int) -> None:
+        self._seconds = [0.0] * phases
+
+    def start(self) -> float:
+        return time.perf_counter()
+
+    def stop(self, index: int, started: float) -> None:
+        self._seconds[index] += time.perf_counter() - started
+
+    def take(self, steps: int, *, wait: bool = False, timeout_s: float = 60.0) -> list[Batch]:
+        seconds, self._seconds = self._seconds, [0.0] * len(self._seconds)
+        return [(seconds, steps)]
+
+    def close(self) -> None:
+        pass
+
+
+class EventClock:
+    """Device time of each section: a pair of timing events on the current stream, read by a daemon
+    thread (`torchtelemetry-phase-reader`) once they completed; events are pooled and reused.
+
+    `make_event` builds an event with `record()`, `synchronize()` and `elapsed_time(end)` in
+    milliseconds (default: a CUDA timing event whose `synchronize()` yields the CPU).
+    """
+
+    def __init__(
+        self, phases: int, device: torch.device, make_event: Callable[[], Any] | None = None
+    ) -> None:
+        self._phases = phases
+        self._device = device
+        self._make_event = make_event or (lambda: torch.cuda.Event(enable_timing=True, blocking=True))
+        self._pool: collections.deque[Any] = collections.deque()
+        self._sections: list[tuple[int, Any, Any]] = []
+        self._batches: collections.deque[tuple[list[tuple[int, Any, Any]], int] | None] = collections.deque()
+        self._read: list[Batch] = []
+        self._unread = 0
+        self._changed = threading.Condition()
+        self._reader: threading.Thread | None = None
+        self._failed = False
+
+    def _event(self) -> Any:
+        try:
+            return self._pool.pop()
+        except IndexError:
+            return self._make_event()
+
+    def start(self) -> Any:
+        event = self._event()
+        event.record()
+        return event
+
+    def stop(self, index: int, started: Any) -> None:
+        event = self._event()
+        event.record()
+        self._sections.append((index, started, event))
+
+    def take(self, steps: int, *, wait: bool = False, timeout_s: float = 60.0) -> list[Batch]:
+        """Hand the sections since the last call to the reader; return the batches it has read
+        (all of them with `wait`, up to `timeout_s`)."""
+        sections, self._sections = self._sections, []
+        with self._changed:
+            if sections or steps:
+                self._start_reader()
+                self._batches.append((sections, steps))
+                self._unread += 1
+                self._changed.notify_all()
+            if wait and not self._changed.wait_for(lambda: self._unread == 0, timeout_s):
+                logger.warning(
+                    "Telemetry: phase events not completed after %.0f s; their times come with a "
+                    "later window",
+                    timeout_s,
+                )
+            read, self._read = self._read, []
+        return read
+
+    def _start_reader(self) -> None:
+        if self._reader is None:
+            self._reader = threading.Thread(target=self._run, name="torchtelemetry-phase-reader", daemon=True)
+            self._reader.start()
+
+    def _run(self) -> None:
+        if self._device.type == "cuda":
+            torch.cuda.set_device(self._device)
+        while True:
+            with self._changed:
+                self._changed.wait_for(lambda: bool(self._batches))
+                batch = self._batches.popleft()
+            if batch is None:
+                return
+            sections, steps = batch
+            seconds = [0.0] * self._phases
+            for index, started, ended in sections:
+                try:
+                    ended.synchronize()
+                    seconds[index] += started.elapsed_time(ended) / 1000
+                except RuntimeError as error:  # a failed device: the training thread hears of it
+                    if not self._failed:
+                        self._failed = True
+                        logger.warning("Telemetry: phase events could not be read: %s", error)
+                self._pool.extend((started, ended))
+            with self._changed:
+                self._read.append((seconds, steps))
+                self._unread -= 1
+                self._changed.notify_all()
+
+    def close(self) -> None:
+        """Stop the reader once it has read what it was given (bounded)."""
+        if self._reader is None:
+            return
+        with self._changed:
+            self._batches.append(None)
+            self._changed.notify_all()
+        self._reader.join(timeout=60.0)

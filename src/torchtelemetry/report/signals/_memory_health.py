@@ -1,0 +1,152 @@
+"""Memory health of every rank, reduced over ranks with the rank that holds the extreme as a value.
+
+Read once per window on the host (the CUDA caching allocator's counters, `cudaMemGetInfo`, the
+process's resident set): no device work, no sync. Each rank writes its own slot of a per-rank
+state that rides the window (`RankValues`), so the exporting rank knows every rank's values without
+a collective of its own. Exported under `train/memory/`, at any world size:
+
+| quantity | per rank | exported |
+| --- | --- | --- |
+| `allocated` | bytes in live tensors (CUDA) | `/max`, `/max_rank` |
+| `reserved` | bytes the caching allocator holds (CUDA) | `/max`, `/max_rank` |
+| `fragmentation` | reserved - allocated: cached, not in use (CUDA) | `/max`, `/max_rank` |
+| `headroom` | bytes the device can still give (`cudaMemGetInfo` free) | `/min`, `/min_rank` |
+| `alloc_retries`, `ooms` | the window's allocator retries and OOMs (CUDA) | `/max`, `/max_rank` (once any) |
+| `rss` | resident set of the process (every device) | `/max`, `/max_rank` |
+
+Values are the largest (headroom: smallest) read on the rank during the window.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+
+import torch
+
+from torchtelemetry.metric import Metric, MetricKind, ReduceOp
+from torchtelemetry.report._values import MetricDescriptor, ScalarValue
+from torchtelemetry.report.signals._base import (
+    RankValues,
+    Signal,
+    SignalContext,
+    WindowTiming,
+    finite_by_rank,
+    highest_rank,
+    lowest_rank,
+)
+
+__all__ = ["MemoryHealth", "resident_bytes"]
+
+PREFIX = "train/memory"
+STATE = "train/memory/ranks"
+HEADROOM_STATE = "train/memory/headroom_ranks"
+CUDA_QUANTITIES = ("allocated", "reserved", "fragmentation", "alloc_retries", "ooms")
+COUNTED = ("alloc_retries", "ooms")
+DESCRIPTIONS = {
+    "allocated": ("bytes", "Bytes in live CUDA tensors"),
+    "reserved": ("bytes", "Bytes held by the CUDA caching allocator"),
+    "fragmentation": ("bytes", "Bytes reserved by the CUDA caching allocator but not allocated"),
+    "alloc_retries": ("", "CUDA allocations retried after freeing the allocator's cache in the window"),
+    "ooms": ("", "CUDA out-of-memory errors in the window"),
+    "rss": ("bytes", "Resident memory of the process"),
+    "headroom": ("bytes", "Device memory still free (cudaMemGetInfo)"),
+}
+
+
+class MemoryHealth(Signal):
+    """Per-rank memory, reduced (see the module)."""
+
+    name = "memory"
+
+    def __init__(self, context: SignalContext) -> None:
+        super().__init__(context)
+        self.cuda = context.device.type == "cuda"
+        self.quantities = (*CUDA_QUANTITIES, "rss") if self.cuda else ("rss",)
+        self.ranks = RankValues(context.world_size, context.rank, self.quantities).to(context.device)
+        self.headroom = (
+            RankValues(context.world_size, context.rank, ("headroom",), op=ReduceOp.MIN).to(context.device)
+            if self.cuda
+            else None
+        )
+        self._retries = self._ooms = 0.0
+
+    def metrics(self) -> dict[str, Metric]:
+        state: dict[str, Metric] = {STATE: self.ranks}
+        if self.headroom is not None:
+            state[HEADROOM_STATE] = self.headroom
+        return state
+
+    def descriptors(self) -> list[MetricDescriptor]:
+        out = []
+        for quantity in self.quantities:
+            unit, description = DESCRIPTIONS[quantity]
+            out.append(
+                MetricDescriptor(
+                    f"{PREFIX}/{quantity}/max", MetricKind.GAUGE, unit, f"{description}, max over ranks"
+                )
+            )
+            out.append(
+                MetricDescriptor(
+                    f"{PREFIX}/{quantity}/max_rank", description=f"Rank with the most {quantity}"
+                )
+            )
+        if self.headroom is not None:
+            unit, description = DESCRIPTIONS["headroom"]
+            out.append(
+                MetricDescriptor(
+                    f"{PREFIX}/headroom/min", MetricKind.GAUGE, unit, f"{description}, min over ranks"
+                )
+            )
+            out.append(
+                MetricDescriptor(f"{PREFIX}/headroom/min_rank", description="Rank with the least headroom")
+            )
+        return out
+
+    def flush(self, duration_s: float, *, final: bool = False) -> None:
+        values = {"rss": float(resident_bytes())}
+        if self.cuda:
+            stats = torch.cuda.memory_stats(self.context.device)
+            allocated = float(stats.get("allocated_bytes.all.current", 0))
+            reserved = float(stats.get("reserved_bytes.all.current", 0))
+            retries, ooms = float(stats.get("num_alloc_retries", 0)), float(stats.get("num_ooms", 0))
+            values.update(
+                allocated=allocated,
+                reserved=reserved,
+                fragmentation=reserved - allocated,
+                alloc_retries=retries - self._retries,
+                ooms=ooms - self._ooms,
+            )
+            self._retries, self._ooms = retries, ooms
+            free, _ = torch.cuda.mem_get_info(self.context.device)
+            assert self.headroom is not None
+            self.headroom.write(0, float(free))
+        for index, quantity in enumerate(self.quantities):
+            self.ranks.write(index, values[quantity])
+
+    def derive(self, window: dict[str, ScalarValue], timing: WindowTiming) -> None:
+        for quantity in self.quantities:
+            by_rank = finite_by_rank(window.pop(f"{STATE}/{quantity}", None))
+            if not by_rank:
+                continue
+            rank = highest_rank(by_rank)
+            window[f"{PREFIX}/{quantity}/max"] = by_rank[rank]
+            if quantity not in COUNTED or by_rank[rank] > 0:
+                window[f"{PREFIX}/{quantity}/max_rank"] = float(rank)
+        headroom = finite_by_rank(window.pop(f"{HEADROOM_STATE}/headroom", None))
+        if headroom:
+            rank = lowest_rank(headroom)
+            window[f"{PREFIX}/headroom/min"] = headroom[rank]
+            window[f"{PREFIX}/headroom/min_rank"] = float(rank)
+
+
+_PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def resident_bytes() -> int:
+    """The process's resident set now (Linux `/proc/self/statm`), else its peak (`getrusage`)."""
+    try:
+        with open("/proc/self/statm", "rb") as statm:
+            return int(statm.read().split()[1]) * _PAGE_SIZE
+    except (OSError, IndexError, ValueError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -1,0 +1,196 @@
+"""The health sentinel: exact counts of non-finite values fed to the metrics it watches.
+
+`watch()` wraps a metric's `update` so that, after the metric took the value, the non-finite
+entries (NaN, +-Inf) of its first argument are counted on the device, into a per-window counter
+that rides the window's collective: no host sync, no extra collective. The value itself is left to
+the metric's `nan_policy`; nothing is filtered or replaced. Per window, labelled by the metric's path:
+
+- `train/nonfinite/count`: a counter, the run's total over ranks (exported from the first window,
+  zero until something is seen, so that `increase()` sees the first one);
+- `train/nonfinite/first_rank` and `first_step`: the lowest rank that saw one in the first window
+  that had any, and that window's last step (exported once known, kept across restarts).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from torchtelemetry.metric import DEFAULT_STATE_DTYPE, Metric, MetricAccumulator, MetricKind, ReduceOp
+from torchtelemetry.report._values import MetricDescriptor, ScalarValue
+from torchtelemetry.report.signals._base import Signal, SignalContext, WindowTiming
+
+__all__ = ["CountingUpdate", "NonFiniteCounts", "NonFiniteSentinel"]
+
+STATE = "train/nonfinite/window"
+COUNT = "train/nonfinite/count"
+FIRST_RANK = "train/nonfinite/first_rank"
+FIRST_STEP = "train/nonfinite/first_step"
+
+
+class NonFiniteCounts(Metric):
+    """Non-finite values seen per watched metric (SUM) and the lowest rank that saw one (MIN)."""
+
+    def __init__(self, world_size: int, rank: int, watched: int) -> None:
+        super().__init__()
+        self.rank = rank
+        self.counts = MetricAccumulator(torch.zeros(watched), ReduceOp.SUM, dtype=DEFAULT_STATE_DTYPE)
+        self.first_rank = MetricAccumulator(
+            torch.full((watched,), math.inf), ReduceOp.MIN, dtype=DEFAULT_STATE_DTYPE
+        )
+        self._host = [0] * watched
+
+    def count(self, index: int, value: Any) -> None:
+        """Count the non-finite entries of `value`: on the device for tensors (no sync), on the host
+        for Python numbers."""
+        if isinstance(value, torch.Tensor):
+            if not value.is_floating_point():
+                return
+            difference = value.detach() - value.detach()  # NaN exactly where value is NaN or +-Inf
+            bad = difference.ne(difference)
+            self.counts.local[index].add_(bad if bad.dim() == 0 else bad.sum())
+        elif isinstance(value, float) and not math.isfinite(value):
+            self._host[index] += 1
+
+    def flush(self) -> None:
+        """Add the host counts; mark this rank in `first_rank` where it saw any (device ops only)."""
+        for index, count in enumerate(self._host):
+            if count:
+                self.counts.local[index].add_(count)
+        self._host = [0] * len(self._host)
+        seen = torch.where(self.counts.local > 0, float(self.rank), math.inf)
+        self.first_rank.local.copy_(torch.minimum(self.first_rank.local, seen))
+
+    def compute(self) -> dict[str, torch.Tensor]:
+        return {"count": self.counts.value.clone(), "first_rank": self.first_rank.value.clone()}
+
+
+class CountingUpdate:
+    """A metric's `update` that also counts the non-finite entries of its first argument."""
+
+    __slots__ = ("counts", "index", "update")
+
+    def __init__(self, update: Any, counts: NonFiniteCounts, index: int) -> None:
+        self.update = update
+        self.counts = counts
+        self.index = index
+
+    def __call__(self, value: Any, *args: Any, **kwargs: Any) -> Any:
+        result = self.update(value, *args, **kwargs)
+        self.counts.count(self.index, value)
+        return result
+
+
+class NonFiniteSentinel(Signal):
+    """Counts the non-finite values fed to the metrics at `paths` (see the module)."""
+
+    name = "nonfinite"
+
+    def __init__(self, context: SignalContext, watched: Mapping[str, Metric]) -> None:
+        super().__init__(context)
+        self.paths = tuple(watched)
+        self.counts = NonFiniteCounts(context.world_size, context.rank, len(self.paths)).to(context.device)
+        self._watched = dict(watched)
+        for index, metric in enumerate(self._watched.values()):
+            metric.update = CountingUpdate(metric.update, self.counts, index)  # type: ignore[method-assign]
+        self._first: dict[str, tuple[float, float]] = {}
+        self._lock = threading.Lock()
+
+    def metrics(self) -> dict[str, Metric]:
+        return {STATE: self.counts} if self.paths else {}
+
+    def descriptors(self) -> list[MetricDescriptor]:
+        if not self.paths:
+            return []
+        return [
+            MetricDescriptor(COUNT, MetricKind.COUNTER, "", "Non-finite values fed to the metric", "metric"),
+            MetricDescriptor(
+                FIRST_RANK, MetricKind.GAUGE, "", "Lowest rank that saw the first non-finite value", "metric"
+            ),
+            MetricDescriptor(
+                FIRST_STEP,
+                MetricKind.GAUGE,
+                "",
+                "Last step of the first window with a non-finite value",
+                "metric",
+            ),
+        ]
+
+    def flush(self, duration_s: float, *, final: bool = False) -> None:
+        if self.paths:
+            self.counts.flush()
+
+    def derive(self, window: dict[str, ScalarValue], timing: WindowTiming) -> None:
+        counts = _by_index(window.pop(f"{STATE}/count", None))
+        first_ranks = _by_index(window.pop(f"{STATE}/first_rank", None))
+        if not self.paths:
+            return
+        window[COUNT] = {path: counts.get(index, 0.0) for index, path in enumerate(self.paths)}
+        with self._lock:
+            for index, path in enumerate(self.paths):
+                rank = first_ranks.get(index, math.inf)
+                if path not in self._first and math.isfinite(rank):
+                    self._first[path] = (rank, float(timing.step))
+            if self._first:
+                window[FIRST_RANK] = {path: rank for path, (rank, _) in self._first.items()}
+                window[FIRST_STEP] = {path: step for path, (_, step) in self._first.items()}
+
+    def state_dict(self) -> dict[str, Any]:
+        with self._lock:
+            return {"first": {path: list(first) for path, first in self._first.items()}}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        with self._lock:
+            self._first = {
+                path: (float(rank), float(step)) for path, (rank, step) in state.get("first", {}).items()
+            }
+
+    def close(self) -> None:
+        """Take this sentinel's counting out of the watched metrics' `update` (another sentinel's
+        stays, wherever it wraps)."""
+        for metric in self._watched.values():
+            _unwrap(metric, self.counts)
+
+
+def _unwrap(metric: Metric, counts: NonFiniteCounts) -> None:
+    outer: CountingUpdate | None = None
+    current = metric.__dict__.get("update")
+    while isinstance(current, CountingUpdate):
+        if current.counts is counts:
+            if outer is not None:
+                outer.update = current.update
+            elif getattr(current.update, "__self__", None) is metric:  # the class's own update again
+                del metric.__dict__["update"]
+            else:
+                metric.__dict__["update"] = current.update
+            return
+        outer, current = current, current.update
+
+
+def _by_index(values: ScalarValue | None) -> dict[int, float]:
+    if not isinstance(values, Mapping):
+        return {}
+    return {int(index): float(value) for index, value in values.items()}
+
+
+def watched_metrics(leaves: Sequence[tuple[str, Metric]], paths: Sequence[str] | None) -> dict[str, Metric]:
+    """The metrics to watch: those at `paths` (each must exist), or with None every metric whose
+    name ends in `loss` (`train/loss`, `val/loss`, `train/nll_loss`)."""
+    by_path = dict(leaves)
+    if paths is None:
+        return {path: metric for path, metric in leaves if path.rsplit("/", 1)[-1].endswith("loss")}
+    if isinstance(paths, str):
+        raise TypeError(
+            f"TelemetryConfig.nonfinite must be a sequence of metric paths, got the string {paths!r}"
+        )
+    unknown = [path for path in paths if path not in by_path]
+    if unknown:
+        raise ValueError(
+            f"TelemetryConfig.nonfinite: {unknown} are not metric paths of this Telemetry "
+            f"(its metrics: {sorted(by_path)})"
+        )
+    return {path: by_path[path] for path in dict.fromkeys(paths)}

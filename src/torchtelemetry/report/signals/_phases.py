@@ -1,0 +1,205 @@
+"""Phases: where each rank's step time goes (`with telemetry.phase("forward"): ...`).
+
+Each declared phase is timed per rank (CUDA events on the current stream on a GPU, the host's
+monotonic clock otherwise, see `_clock`), summed over the window and divided by its steps: seconds
+per step. The data phase is the data wait (`Telemetry.data_wait()`, `step(data_time=)`), host time
+on every device, exported per rank under its own name `train/data_wait`. Per window:
+
+- `train/phase/<name>`: seconds per step, one series per rank (up to `max_rank_series` ranks);
+- over ranks, labelled `phase`, at any world size: `train/phases/{min,median,max}` (seconds),
+  `train/phases/{min,max}_rank` (rank ids, as values) and `train/phases/share` (percent of the
+  window's wall time the median rank spent in the phase; nested phases overlap);
+- the straggler scores of `_stragglers`.
+
+A phase that no rank entered in a window is left out of that window's report.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from torchtelemetry.metric import DEFAULT_STATE_DTYPE, Metric, MetricAccumulator, MetricKind, ReduceOp
+from torchtelemetry.report._naming import InvalidMetricNameError, validate_path
+from torchtelemetry.report._values import MetricDescriptor, ScalarValue
+from torchtelemetry.report.signals._base import (
+    Signal,
+    SignalContext,
+    WindowTiming,
+    finite_by_rank,
+    highest_rank,
+    lowest_rank,
+    median,
+)
+from torchtelemetry.report.signals._clock import EventClock, HostClock, PhaseClock, PhaseTimer
+from torchtelemetry.report.signals._stragglers import StragglerScores
+
+__all__ = ["DATA_PHASE", "PhaseTimes", "Phases"]
+
+DATA_PHASE = "data"
+"""The phase timed by `Telemetry.data_wait()`, exported per rank as `train/data_wait`."""
+DATA_WAIT = "train/data_wait"
+PHASE = "train/phase"
+PHASES = "train/phases"
+
+
+class PhaseTimes(Metric):
+    """Seconds spent in each phase and the steps they cover, per rank: `(phases, world_size)` and
+    `(world_size,)` sums in which each rank fills its own column (no extra collective)."""
+
+    label_name = "rank"
+
+    def __init__(self, world_size: int, rank: int, phases: Sequence[str]) -> None:
+        super().__init__(unit="seconds", description="Seconds per step spent in the phase, per rank")
+        self.rank = rank
+        self.phases = tuple(phases)
+        self.seconds = MetricAccumulator(
+            torch.zeros(len(self.phases), world_size), ReduceOp.SUM, dtype=DEFAULT_STATE_DTYPE
+        )
+        self.steps = MetricAccumulator(torch.zeros(world_size), ReduceOp.SUM, dtype=DEFAULT_STATE_DTYPE)
+
+    def add(self, seconds: Sequence[float], steps: int) -> None:
+        """Add host seconds per phase covering `steps` steps to this rank's column (no copy, no sync)."""
+        column = self.seconds.local[:, self.rank]
+        for index, value in enumerate(seconds):
+            if value:
+                column[index].add_(value)
+        if steps:
+            self.steps.local[self.rank].add_(steps)
+
+    def compute(self) -> dict[str, torch.Tensor]:
+        per_step = self.seconds.value / self.steps.value
+        return {phase: per_step[index] for index, phase in enumerate(self.phases)}
+
+
+class Phases(Signal):
+    """The phases of `TelemetryConfig.phases` and the data wait, with straggler scores."""
+
+    name = "phases"
+
+    def __init__(
+        self,
+        context: SignalContext,
+        phases: Sequence[str],
+        *,
+        top_k: int = 3,
+        clock: PhaseClock | None = None,
+    ) -> None:
+        super().__init__(context)
+        self.phases = check_phase_names(phases)
+        self.times = PhaseTimes(context.world_size, context.rank, self.phases).to(context.device)
+        if clock is None:
+            clock = (
+                EventClock(len(self.phases), context.device)
+                if context.device.type == "cuda"
+                else HostClock(len(self.phases))
+            )
+        self._clock = clock
+        self._timers = {name: PhaseTimer(clock, index, name) for index, name in enumerate(self.phases)}
+        self._steps = 0
+        self.stragglers = StragglerScores(top_k)
+
+    def timer(self, name: str) -> PhaseTimer:
+        """The context manager timing phase `name`."""
+        try:
+            return self._timers[name]
+        except KeyError:
+            raise ValueError(
+                f"Telemetry.phase: {name!r} is not a declared phase (TelemetryConfig.phases = "
+                f"{self.phases}); add it there: every rank must know its phases before the first "
+                "collection, as their times ride the window's collective"
+            ) from None
+
+    def metrics(self) -> dict[str, Metric]:
+        return {PHASE: self.times} if self.phases else {}
+
+    def descriptors(self) -> list[MetricDescriptor]:
+        out = []
+        if self.context.per_rank_series:
+            out += [
+                MetricDescriptor(
+                    f"{PHASE}/{name}", MetricKind.GAUGE, "seconds", self.times.description, "rank"
+                )
+                for name in self.phases
+            ]
+
+        def by_phase(stat: str, unit: str, description: str) -> MetricDescriptor:
+            return MetricDescriptor(f"{PHASES}/{stat}", MetricKind.GAUGE, unit, description, "phase")
+
+        out += [
+            by_phase(stat, "seconds", f"{stat} over ranks of seconds per step")
+            for stat in ("min", "median", "max")
+        ]
+        out += [
+            by_phase(f"{stat}_rank", "", f"Rank with the {stat} seconds per step") for stat in ("min", "max")
+        ]
+        out.append(by_phase("share", "percent", "Percent of the window's wall time the median rank spent"))
+        return out + self.stragglers.descriptors()
+
+    def on_step(self, step: int, step_time: float | None) -> None:
+        self._steps += 1
+
+    def flush(self, duration_s: float, *, final: bool = False) -> None:
+        for seconds, steps in self._clock.take(self._steps, wait=final):
+            self.times.add(seconds, steps)
+        self._steps = 0
+
+    def derive(self, window: dict[str, ScalarValue], timing: WindowTiming) -> None:
+        times: dict[str, dict[int, float]] = {}
+        for name in self.phases:
+            key = f"{PHASE}/{name}"
+            by_rank = finite_by_rank(window.get(key))
+            if not self.context.per_rank_series or not any(by_rank.values()):
+                window.pop(key, None)
+            if any(by_rank.values()):
+                times[name] = by_rank
+        data = finite_by_rank(window.get(DATA_WAIT))
+        if any(data.values()):
+            times[DATA_PHASE] = data
+        if not times:
+            return
+        stats: dict[str, dict[str, float]] = {
+            stat: {} for stat in ("min", "median", "max", "min_rank", "max_rank", "share")
+        }
+        for name, by_rank in times.items():
+            low, high = lowest_rank(by_rank), highest_rank(by_rank)
+            stats["min"][name], stats["min_rank"][name] = by_rank[low], float(low)
+            stats["max"][name], stats["max_rank"][name] = by_rank[high], float(high)
+            stats["median"][name] = median(by_rank)
+            if timing.duration_s > 0 and timing.steps > 0:
+                stats["share"][name] = 100 * stats["median"][name] * timing.steps / timing.duration_s
+        window.update({f"{PHASES}/{stat}": values for stat, values in stats.items() if values})
+        window.update(self.stragglers.score(times, stats["share"]))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"own_best": self.stragglers.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.stragglers.load_state_dict(state.get("own_best", {}))
+
+    def close(self) -> None:
+        self._clock.close()
+
+
+def check_phase_names(phases: Sequence[str]) -> tuple[str, ...]:
+    """`phases` as a tuple, each a legal single path segment, none twice, not the data phase."""
+    if isinstance(phases, str):
+        raise TypeError(f"TelemetryConfig.phases must be a sequence of names, got the string {phases!r}")
+    names = tuple(phases)
+    for name in names:
+        if not isinstance(name, str) or "/" in name:
+            raise ValueError(f"TelemetryConfig.phases: {name!r} must be one path segment (no '/')")
+        try:
+            validate_path(name)
+        except InvalidMetricNameError as error:
+            raise InvalidMetricNameError(f"TelemetryConfig.phases: {error}") from None
+    if DATA_PHASE in names:
+        raise ValueError(
+            f"TelemetryConfig.phases: {DATA_PHASE!r} is the data wait, timed by Telemetry.data_wait() "
+            "(also as phase('data')); leave it out"
+        )
+    if len(set(names)) != len(names):
+        raise ValueError(f"TelemetryConfig.phases: names repeat in {names}")
+    return names

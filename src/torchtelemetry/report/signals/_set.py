@@ -1,0 +1,114 @@
+"""`SignalSet`: the signals of one `Telemetry`, and the routing of steps, phases and windows to them."""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from torchtelemetry.metric import Metric
+from torchtelemetry.report._values import MetricDescriptor, ScalarValue
+from torchtelemetry.report.signals._base import Signal, WindowTiming
+from torchtelemetry.report.signals._clock import PhaseTimer
+from torchtelemetry.report.signals._goodput import Goodput
+from torchtelemetry.report.signals._phases import Phases
+
+__all__ = ["SignalSet"]
+
+
+class SignalSet:
+    """Routes `Telemetry.step()` keywords, `phase()` sections, checkpoints and windows to signals.
+
+    Signals derive in the order given: one that reads another's raw values (throughput reads the
+    token count) comes after it. Names, keywords and metric paths must not repeat.
+    """
+
+    def __init__(self, signals: Sequence[Signal]) -> None:
+        self.signals = tuple(signals)
+        names = collections.Counter(signal.name for signal in self.signals)
+        keywords = collections.Counter(keyword for signal in self.signals for keyword in signal.keywords)
+        repeated = sorted(name for name, count in (names + keywords).items() if count > 1)
+        if repeated:
+            raise ValueError(f"SignalSet: signal names or step keywords {repeated} are used twice")
+        self._by_keyword = {keyword: signal for signal in self.signals for keyword in signal.keywords}
+        self._phases = next((signal for signal in self.signals if isinstance(signal, Phases)), None)
+        self._goodput = next((signal for signal in self.signals if isinstance(signal, Goodput)), None)
+
+    @property
+    def keywords(self) -> frozenset[str]:
+        return frozenset(self._by_keyword)
+
+    def metrics(self) -> dict[str, Metric]:
+        """Every signal's window state, by metric path."""
+        found: dict[str, Metric] = {}
+        for signal in self.signals:
+            for path, metric in signal.metrics().items():
+                if path in found:
+                    raise ValueError(f"SignalSet: metric path {path!r} is used by two signals")
+                found[path] = metric
+        return found
+
+    def descriptors(self) -> list[MetricDescriptor]:
+        return [descriptor for signal in self.signals for descriptor in signal.descriptors()]
+
+    # -- training thread --------------------------------------------------------------------
+
+    def record_step(self, step: int, step_time: float | None, inputs: Mapping[str, Any]) -> None:
+        """One step ended with `inputs` (keyword -> value, None for not given): every value is
+        checked before any is recorded, so a bad one leaves the step unrecorded."""
+        given = {keyword: value for keyword, value in inputs.items() if value is not None}
+        unknown = sorted(set(given) - set(self._by_keyword))
+        if unknown:
+            raise TypeError(
+                f"Telemetry.step: no signal takes {unknown} (signals take {sorted(self._by_keyword)})"
+            )
+        for keyword, value in given.items():
+            self._by_keyword[keyword].check(keyword, value)
+        for keyword, value in given.items():
+            self._by_keyword[keyword].record(keyword, value)
+        for signal in self.signals:
+            signal.on_step(step, step_time)
+
+    def phase(self, name: str) -> PhaseTimer:
+        """The timer of phase `name` (`TelemetryConfig.phases`)."""
+        if self._phases is None:
+            raise ValueError(
+                f"Telemetry.phase: no phases are timed (phase {name!r}); set TelemetryConfig.phases"
+            )
+        return self._phases.timer(name)
+
+    def checkpoint_saved(self, step: int) -> None:
+        if self._goodput is not None:
+            self._goodput.checkpoint_saved(step)
+
+    def flush(self, duration_s: float, *, final: bool = False) -> None:
+        for signal in self.signals:
+            signal.flush(duration_s, final=final)
+
+    def host_values(self) -> dict[str, Any]:
+        """What each signal's `derive` reads from `WindowTiming.host`, taken now."""
+        values = {}
+        for signal in self.signals:
+            value = signal.host_values()
+            if value is not None:
+                values[signal.name] = value
+        return values
+
+    # -- the thread that publishes ------------------------------------------------------------
+
+    def derive(self, window: dict[str, ScalarValue], timing: WindowTiming) -> None:
+        for signal in self.signals:
+            signal.derive(window, timing)
+
+    # -- checkpoints and close ------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {signal.name: state for signal in self.signals if (state := signal.state_dict())}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        for signal in self.signals:
+            signal.load_state_dict(state.get(signal.name, {}))
+
+    def close(self) -> None:
+        for signal in self.signals:
+            signal.close()

@@ -1,0 +1,133 @@
+"""The health sentinel: exact non-finite counts in the update path, never filtered, first rank; spikes."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+import torchtelemetry as tt
+from tests.distributed import run_ranks
+from tests.report.windows import collect_window, context
+from torchtelemetry.metric import metric_leaves
+from torchtelemetry.report.signals import MIN_HISTORY, NonFiniteSentinel, SignalSet, Spikes, watched_metrics
+
+
+def _sentinel(
+    metrics: dict, paths=None, world_size: int = 1, rank: int = 0
+) -> tuple[SignalSet, NonFiniteSentinel]:
+    leaves = metric_leaves(metrics)
+    sentinel = NonFiniteSentinel(context(world_size, rank), watched_metrics(leaves, paths))
+    return SignalSet([sentinel]), sentinel
+
+
+@pytest.mark.parametrize("nan_policy", ["propagate", "ignore"])
+def test_counts_are_exact_and_the_metric_still_sees_what_its_policy_says(nan_policy: str) -> None:
+    loss = tt.WeightedMeanMetric(nan_policy=nan_policy)
+    norms = tt.MaxMetric(nan_policy=nan_policy)
+    signals, _ = _sentinel({"train": {"loss": loss, "grad_norm": norms}}, ["train/loss", "train/grad_norm"])
+    loss.update(torch.tensor(1.0), 2)
+    loss.update(torch.tensor(float("nan")), 1)
+    loss.update(torch.tensor([2.0, float("inf"), -float("inf")]), torch.tensor([1.0, 1.0, 1.0]))
+    loss.update(float("nan"))  # a Python number, counted on the host
+    norms.update(torch.tensor([[1.0, float("nan")], [3.0, 4.0]]))
+    norms.update(torch.tensor([1, 2]))  # integers are never non-finite
+    value = loss.compute().item()
+    window = collect_window(signals, step=4)
+    assert window["train/nonfinite/count"] == {"train/loss": 4.0, "train/grad_norm": 1.0}
+    assert window["train/nonfinite/first_rank"] == {"train/loss": 0.0, "train/grad_norm": 0.0}
+    assert window["train/nonfinite/first_step"] == {"train/loss": 4.0, "train/grad_norm": 4.0}
+    # The sentinel counts and replaces nothing: the metric's own policy decides its value.
+    assert math.isnan(value) if nan_policy == "propagate" else value == pytest.approx(4.0 / 3.0)
+
+
+def test_a_clean_window_exports_zero_counts_and_no_first_rank() -> None:
+    loss = tt.WeightedMeanMetric()
+    signals, _ = _sentinel({"train": {"loss": loss}})
+    loss.update(torch.tensor(1.0))
+    window = collect_window(signals)
+    assert window["train/nonfinite/count"] == {"train/loss": 0.0}
+    assert "train/nonfinite/first_rank" not in window
+
+
+def test_losses_are_watched_by_default_and_unknown_paths_are_refused() -> None:
+    metrics = {
+        "train": {"loss": tt.WeightedMeanMetric(), "acc": tt.AccuracyMetric()},
+        "val": {"nll_loss": tt.SumMetric()},
+    }
+    assert list(watched_metrics(metric_leaves(metrics), None)) == ["train/loss", "val/nll_loss"]
+    with pytest.raises(ValueError, match=r"\['train/los'\] are not metric paths"):
+        watched_metrics(metric_leaves(metrics), ["train/los"])
+    with pytest.raises(TypeError, match="sequence of metric paths"):
+        watched_metrics(metric_leaves(metrics), "train/loss")
+
+
+def test_close_gives_the_metric_its_own_update_back_and_two_sentinels_count_independently() -> None:
+    loss = tt.WeightedMeanMetric()
+    first, first_sentinel = _sentinel({"loss": loss}, ["loss"])
+    second, second_sentinel = _sentinel({"loss": loss}, ["loss"])
+    loss.update(torch.tensor(float("nan")))
+    first_sentinel.close()
+    loss.update(torch.tensor(float("nan")))
+    assert collect_window(first)["train/nonfinite/count"] == {"loss": 1.0}
+    assert collect_window(second)["train/nonfinite/count"] == {"loss": 2.0}
+    second_sentinel.close()
+    assert "update" not in loss.__dict__
+
+
+def _nan_on_rank(rank: int, world_size: int, bad_rank: int) -> list[dict]:
+    loss = tt.WeightedMeanMetric()
+    signals, sentinel = _sentinel({"train": {"loss": loss}}, None, world_size, rank)
+    windows = []
+    for window_step in (1, 3, 5):
+        loss.update(torch.tensor(1.0))
+        if window_step >= 3 and rank >= bad_rank:  # from the second window on, ranks >= bad_rank
+            loss.update(torch.tensor([float("nan"), 2.0]))
+        windows.append(collect_window(signals, step=window_step))
+    state = json.loads(json.dumps(sentinel.state_dict()))
+    restored, restored_sentinel = _sentinel(
+        {"train": {"loss": tt.WeightedMeanMetric()}}, None, world_size, rank
+    )
+    restored_sentinel.load_state_dict(state)
+    windows.append(collect_window(restored, step=7))
+    return windows
+
+
+@pytest.mark.timeout(120)
+def test_the_first_rank_to_see_one_is_a_value_that_lasts_and_counts_add_over_ranks() -> None:
+    windows = run_ranks(_nan_on_rank, 3, 1)[0]
+    assert [w["train/nonfinite/count"]["train/loss"] for w in windows] == [0.0, 2.0, 2.0, 0.0]
+    assert "train/nonfinite/first_rank" not in windows[0]
+    for window in windows[1:]:  # the window at step 3 saw it first, on ranks 1 and 2: rank 1
+        assert window["train/nonfinite/first_rank"] == {"train/loss": 1.0}
+        assert window["train/nonfinite/first_step"] == {"train/loss": 3.0}
+
+
+def test_spike_scores_follow_the_recent_windows_and_survive_a_checkpoint() -> None:
+    spikes = Spikes(context(), ("train/loss",), sigma=6.0, windows=MIN_HISTORY)
+    history = [2.0, 2.1, 1.9, 2.0, 2.1, 1.9, 2.0, 2.0]
+    for value in history:
+        window = {"train/loss": value}
+        spikes.derive(window, _timing())
+        assert window["train/spike/count"] == {"train/loss": 0.0} and "train/spike/score" not in window
+    mean = sum(history) / len(history)
+    spread = math.sqrt(sum((v - mean) ** 2 for v in history) / len(history))
+    restored = Spikes(context(), ("train/loss",), sigma=6.0, windows=MIN_HISTORY)
+    restored.load_state_dict(json.loads(json.dumps(spikes.state_dict())))
+    window = {"train/loss": 3.0}
+    restored.derive(window, _timing())
+    assert window["train/spike/score"] == {"train/loss": pytest.approx((3.0 - mean) / spread)}
+    assert window["train/spike/count"] == {"train/loss": 1.0}
+    window = {"train/loss": float("nan")}
+    restored.derive(window, _timing())
+    assert "train/spike/score" not in window and window["train/spike/count"] == {"train/loss": 0.0}
+    with pytest.raises(ValueError, match="spike_windows must be at least"):
+        Spikes(context(), (), sigma=6.0, windows=2)
+
+
+def _timing():
+    from torchtelemetry.report.signals import WindowTiming
+
+    return WindowTiming(step=0, timestamp=0.0, duration_s=1.0)

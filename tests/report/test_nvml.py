@@ -1,0 +1,75 @@
+"""GPU health through NVML: the adapter against a stand-in module here, the real one where CUDA is."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+import torch
+
+from tests.distributed import run_ranks
+from tests.report import fake_nvml
+from tests.report.windows import collect_window, context
+from torchtelemetry.report.signals import GpuHealth, SignalSet, health_signals, open_nvml
+
+
+def _gpu_health(rank: int, world_size: int) -> tuple[dict, list]:
+    reader = open_nvml(torch.device("cpu"), module="tests.report.fake_nvml")
+    assert reader is not None
+    gpu = GpuHealth(context(world_size, rank), reader)
+    signals = SignalSet([gpu])
+    deadline = time.monotonic() + 30
+    while gpu._latest is None and time.monotonic() < deadline:  # the first reading, off this thread
+        time.sleep(0.01)
+    window = collect_window(signals)
+    signals.close()
+    return window, list(fake_nvml.calls)
+
+
+@pytest.mark.timeout(120)
+def test_readings_are_reduced_over_ranks_with_the_ranks_as_values_and_read_off_the_training_thread() -> None:
+    (window, calls), _, _ = run_ranks(_gpu_health, 3)
+    assert window["hw/gpu/power/min"] == 100.0 and window["hw/gpu/power/min_rank"] == 0.0
+    assert window["hw/gpu/power/max"] == 200.0 and window["hw/gpu/power/max_rank"] == 2.0
+    assert window["hw/gpu/temperature/max"] == 62.0 and window["hw/gpu/temperature/max_rank"] == 2.0
+    assert window["hw/gpu/clock/sm/min"] == 1780.0 and window["hw/gpu/clock/sm/min_rank"] == 2.0
+    assert window["hw/gpu/utilization/max"] == 90.0 and window["hw/gpu/utilization/max_rank"] == 0.0
+    # idle is not throttling; a power cap is
+    assert window["hw/gpu/throttled/max"] == 1.0 and window["hw/gpu/throttled/max_rank"] == 1.0
+    assert window["hw/gpu/throttled/min"] == 0.0
+    readers = {thread for name, thread in calls if name == "nvmlDeviceGetPowerUsage"}
+    assert readers == {"torchtelemetry-nvml"}
+    assert calls[-1][0] == "nvmlShutdown"
+
+
+def test_without_nvml_nothing_is_exported_and_one_line_says_why(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="torchtelemetry.report.signals._nvml"):
+        assert open_nvml(torch.device("cuda", 0), module="tests.report.no_such_nvml") is None
+    assert len(caplog.records) == 1 and "pip install 'torchtelemetry[nvml]'" in caplog.text
+    signals = health_signals(
+        context(),
+        leaves=[],
+        phases=(),
+        straggler_top_k=3,
+        nonfinite=None,
+        spike_sigma=6.0,
+        spike_windows=32,
+        run_id="r",
+        progress_file=None,
+        nvml=True,
+    )
+    assert not any(isinstance(signal, GpuHealth) for signal in signals)  # CPU training: no GPU to read
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="NVML reads a real GPU")
+def test_the_real_nvml_reads_this_gpu() -> None:
+    pytest.importorskip("pynvml")
+    reader = open_nvml(torch.device("cuda", torch.cuda.current_device()))
+    assert reader is not None
+    reading = reader.read()
+    reader.close()
+    assert 0 < reading["power"] < 2000 and 0 < reading["temperature"] < 120
+    assert reading["clock/sm"] > 0 and 0 <= reading["utilization"] <= 100
+    assert reading["throttled"] in (0.0, 1.0)

@@ -1,0 +1,162 @@
+"""Phases: per-rank seconds per step, over-rank statistics with rank ids as values, shares, clocks."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from tests.distributed import run_ranks
+from tests.report.windows import collect_window, context
+from torchtelemetry.report.signals import EventClock, Phases, SignalSet
+
+DEVICE_MS = [0.0]
+"""The fake device's clock (milliseconds), advanced by the tests."""
+
+
+class FakeEvent:
+    """A timing event of a fake device: records the device clock; `synchronize` waits on `gate`."""
+
+    made = 0
+    gate = threading.Event()
+
+    def __init__(self) -> None:
+        FakeEvent.made += 1
+        self.at: float | None = None
+
+    def record(self) -> None:
+        self.at = DEVICE_MS[0]
+
+    def synchronize(self) -> None:
+        assert FakeEvent.gate.wait(30)
+
+    def elapsed_time(self, end: FakeEvent) -> float:
+        assert self.at is not None and end.at is not None
+        return end.at - self.at
+
+
+def _device_work(ms: float) -> None:
+    DEVICE_MS[0] += ms
+
+
+def _event_phases(**kwargs) -> Phases:
+    clock = EventClock(3, context().device, make_event=FakeEvent)
+    return Phases(context(**kwargs), ("forward", "backward", "optimizer"), clock=clock)
+
+
+def test_seconds_per_step_over_ranks_and_shares_exported_only_for_phases_entered() -> None:
+    FakeEvent.gate.set()
+    phases = _event_phases()
+    signals = SignalSet([phases])
+    for step in range(2):
+        with phases.timer("forward"):
+            _device_work(10)
+        with phases.timer("backward"):
+            _device_work(20)
+            with phases.timer("forward"):  # nested and re-entered: both count
+                _device_work(5)
+        signals.record_step(step, None, {})
+    window = collect_window(signals, step=1, steps=2, duration_s=0.1)
+    signals.close()
+    assert window["train/phase/forward"] == {"0": pytest.approx(0.015)}
+    assert window["train/phase/backward"] == {"0": pytest.approx(0.025)}
+    assert "train/phase/optimizer" not in window  # declared, never entered
+    assert window["train/phases/median"] == {
+        "forward": pytest.approx(0.015),
+        "backward": pytest.approx(0.025),
+    }
+    assert (
+        window["train/phases/min_rank"]
+        == window["train/phases/max_rank"]
+        == {"forward": 0.0, "backward": 0.0}
+    )
+    # percent of the window's 0.1 s wall time: 2 steps x 15 ms, 2 x 25 ms
+    assert window["train/phases/share"] == {"forward": pytest.approx(30.0), "backward": pytest.approx(50.0)}
+    assert window["train/straggler/score"] == {"forward": 1.0, "backward": 1.0}
+    assert window["train/straggler/top_rank"] == {"1": 0.0}
+
+
+def test_event_clock_reads_events_off_the_training_thread_and_a_window_carries_what_completed() -> None:
+    FakeEvent.gate.clear()  # the device has not reached the events yet
+    FakeEvent.made = 0
+    phases = _event_phases()
+    signals = SignalSet([phases])
+    for step in range(3):
+        with phases.timer("forward"):
+            _device_work(10)
+        signals.record_step(step, None, {})
+    first = collect_window(signals, step=2, steps=3, final=False)  # handed to the reader, not read
+    assert "train/phase/forward" not in first and "train/phases/median" not in first
+    FakeEvent.gate.set()
+    with phases.timer("forward"):
+        _device_work(40)
+    signals.record_step(3, None, {})
+    second = collect_window(signals, step=3, steps=1, final=True)  # waits for both batches
+    # 3 steps of 10 ms and 1 of 40 ms, each batch with the steps it covers
+    assert second["train/phase/forward"] == {"0": pytest.approx(0.07 / 4)}
+    for step in range(4, 40):
+        with phases.timer("forward"):
+            _device_work(1)
+        signals.record_step(step, None, {})
+        collect_window(signals, step=step, final=True)
+    signals.close()
+    assert FakeEvent.made <= 8, "events are pooled and reused once read"
+
+
+def test_the_host_clock_times_blocks_and_undeclared_phases_are_refused() -> None:
+    phases = Phases(context(), ("forward",))
+    signals = SignalSet([phases])
+    with phases.timer("forward"):
+        time.sleep(0.02)
+    signals.record_step(0, None, {})
+    window = collect_window(signals, duration_s=0.05)
+    assert window["train/phase/forward"]["0"] >= 0.02
+    with pytest.raises(ValueError, match=r"'fwd' is not a declared phase.*\('forward',\)"):
+        signals.phase("fwd")
+
+
+@pytest.mark.parametrize(
+    ("names", "error"),
+    [
+        (("data",), "'data' is the data wait"),
+        (("a/b",), "one path segment"),
+        (("a", "a"), "names repeat"),
+        ("forward", "a sequence of names"),
+        (("",), r"TelemetryConfig.phases: .*must be a non-empty string"),
+    ],
+)
+def test_phase_names_are_checked(names, error: str) -> None:
+    with pytest.raises((TypeError, ValueError), match=error):
+        Phases(context(), names)
+
+
+def _two_ranks_one_slow(rank: int, world_size: int, max_rank_series: int) -> dict:
+    phases = Phases(context(world_size, rank, max_rank_series), ("forward", "backward"))
+    signals = SignalSet([phases])
+    for step in range(2):
+        with phases.timer("forward"):
+            time.sleep(0.06 if rank == 1 else 0.01)
+        with phases.timer("backward"):
+            time.sleep(0.01)
+        signals.record_step(step, None, {})
+    window = collect_window(signals, step=1, steps=2, duration_s=0.2)
+    signals.close()
+    return window
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("max_rank_series", [64, 0])
+def test_two_ranks_name_the_slow_rank_in_its_phase_as_values(max_rank_series: int) -> None:
+    windows = run_ranks(_two_ranks_one_slow, 2, max_rank_series)
+    window = windows[0]
+    assert window == windows[1], "every rank derives the same report"
+    assert window["train/phases/max_rank"]["forward"] == 1.0
+    assert window["train/phases/min_rank"]["forward"] == 0.0
+    assert window["train/straggler/rank"]["forward"] == 1.0
+    assert window["train/straggler/top_rank"]["1"] == 1.0
+    assert window["train/phases/max"]["forward"] >= 0.06 > window["train/phases/min"]["forward"] >= 0.01
+    if max_rank_series:
+        assert set(window["train/phase/forward"]) == {"0", "1"}
+    else:  # above the per-rank series limit: values over ranks only
+        assert not any(name.startswith("train/phase/") for name in window)
