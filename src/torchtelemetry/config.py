@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from torchtelemetry.collect import check_collection_limits
+from torchtelemetry.report import DEFAULT_PHASES, MIN_HISTORY, check_phase_names
 from torchtelemetry.sync import GroupLike
 
 __all__ = ["TelemetryConfig"]
@@ -29,7 +31,28 @@ class TelemetryConfig:
     """Hyperparameters handed to exporters with the run (the W&B run config, OTel resource)."""
     signals: bool = True
     """Add the built-in signals (step time and data wait per rank, tokens, samples, throughput,
-    model FLOPs, learning rate, peak memory and the CUDA allocator's detail)."""
+    model FLOPs, learning rate, peak memory and the CUDA allocator's detail) and the health signals
+    (phases and stragglers, non-finite counts, spikes, memory health, goodput, GPU health)."""
+    phases: Sequence[str] = DEFAULT_PHASES
+    """Sections `Telemetry.phase(name)` times, per rank (the data wait is always the phase "data");
+    every rank declares the same, as their times ride the window's collective."""
+    straggler_top_k: int = 3
+    """How many of the slowest ranks `train/straggler/top_rank` names, every window."""
+    nonfinite: Sequence[str] | None = None
+    """Paths of the metrics whose inputs the health sentinel counts non-finite values of (and
+    spike-scores); None: every metric whose name ends in `loss`."""
+    spike_sigma: float = 6.0
+    """A watched metric's window value is a spike above its recent mean plus this many standard
+    deviations."""
+    spike_windows: int = 32
+    """Windows the spike score's mean and standard deviation are taken over."""
+    progress_file: str | os.PathLike[str] | None = None
+    """A file the exporting rank rewrites every window with the run id and step; after a restart
+    from a checkpoint, the steps it holds past the checkpoint count as recomputed. Keep it where
+    the checkpoints are."""
+    nvml: bool = True
+    """On CUDA, sample GPU power, temperature, clocks, utilization and throttling through NVML
+    (the extra `nvml`) once per window; without NVML one line is logged."""
     max_rank_series: int = 64
     """Above this many ranks, every value per rank (step time, data wait, a `PerRankMetric`) is
     exported as min/median/max over ranks (a counter: its total over ranks) instead of one series
@@ -64,6 +87,17 @@ class TelemetryConfig:
             value = getattr(self, key)
             if value is not None and not (math.isfinite(value) and value > 0):
                 raise ValueError(f"TelemetryConfig.{key} must be a positive number, got {value}")
+        check_phase_names(self.phases)
+        if self.straggler_top_k < 1:
+            raise ValueError(
+                f"TelemetryConfig.straggler_top_k must be at least 1, got {self.straggler_top_k}"
+            )
+        if not (math.isfinite(self.spike_sigma) and self.spike_sigma > 0):
+            raise ValueError(f"TelemetryConfig.spike_sigma must be a positive number, got {self.spike_sigma}")
+        if self.spike_windows < MIN_HISTORY:
+            raise ValueError(
+                f"TelemetryConfig.spike_windows must be at least {MIN_HISTORY}, got {self.spike_windows}"
+            )
         if self.flops_per_token is not None and self.flops_per_sample is not None:
             raise ValueError(
                 "TelemetryConfig.flops_per_token and flops_per_sample are both set; give FLOPs per token "

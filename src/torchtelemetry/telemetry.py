@@ -32,13 +32,18 @@ from torchtelemetry.export import (
 )
 from torchtelemetry.metric import metric_leaves
 from torchtelemetry.report import (
+    DATA_PHASE,
     MetricDescriptor,
     ModelFlops,
+    PhaseTimer,
     RankSeriesLimit,
     ScalarValue,
+    SignalContext,
+    SignalSet,
     TrainingSignals,
     WindowPublisher,
     describe_with_signals,
+    health_signals,
     restore_run_state,
     run_state,
 )
@@ -132,6 +137,12 @@ class Telemetry:
         world_size = group_world_size(resolved)
         self._user_leaves = metric_leaves(metrics, op="Telemetry")
         device = self._user_leaves[0][1].device if self._user_leaves else torch.device("cpu")
+        policy = export_policy(resolved, config.group)
+        self.is_exporting = policy.exporting
+        """Whether this rank exports: rank 0 of the group (`export_policy`)."""
+        run = RunInfo.create(config.run_id, world_size=world_size, config=config.run_config)
+        self.run = RunInfo(run_id=run.run_id + policy.run_id_suffix, world_size=world_size, config=run.config)
+        self._health = self._health_signals(config, world_size, group_rank(resolved), device)
         self._signals = (
             TrainingSignals(
                 world_size=world_size,
@@ -140,6 +151,7 @@ class Telemetry:
                 flops=ModelFlops.resolve(
                     config.flops_per_token, config.flops_per_sample, config.peak_flops, device
                 ),
+                health=self._health,
             )
             if config.signals
             else None
@@ -148,13 +160,8 @@ class Telemetry:
         self._leaves = self._user_leaves + metric_leaves(signal_metrics, op="Telemetry")
         ranks = RankSeriesLimit(world_size, config.max_rank_series)
         self._descriptors = describe_with_signals(metrics, self._signals, ranks)
-        policy = export_policy(resolved, config.group)
-        self.is_exporting = policy.exporting
-        """Whether this rank exports: rank 0 of the group (`export_policy`)."""
         if isinstance(exporters, str):
             exporters = exporters_from_spec(exporters)
-        run = RunInfo.create(config.run_id, world_size=world_size, config=config.run_config)
-        self.run = RunInfo(run_id=run.run_id + policy.run_id_suffix, world_size=world_size, config=run.config)
         if self.is_exporting:
             self.hub = ExportHub(exporters, run=self.run, queue_size=config.queue_size)
         self.hub.describe(self._descriptors)
@@ -165,6 +172,27 @@ class Telemetry:
             self.hub.submit,
             ranks,
             reserved=[descriptor.name for descriptor in HEALTH_DESCRIPTORS],
+        )
+
+    def _health_signals(
+        self, config: TelemetryConfig, world_size: int, rank: int, device: torch.device
+    ) -> SignalSet | None:
+        if not config.signals:
+            return None
+        context = SignalContext(world_size, rank, device, config.max_rank_series)
+        return SignalSet(
+            health_signals(
+                context,
+                leaves=self._user_leaves,
+                phases=config.phases,
+                straggler_top_k=config.straggler_top_k,
+                nonfinite=config.nonfinite,
+                spike_sigma=config.spike_sigma,
+                spike_windows=config.spike_windows,
+                run_id=self.run.run_id,
+                progress_file=config.progress_file,
+                nvml=config.nvml,
+            )
         )
 
     @property
@@ -209,6 +237,10 @@ class Telemetry:
                 learning_rate=learning_rate,
                 data_time=data_time,
             )
+        if self._health is not None:
+            self._health.record_step(
+                step, None if self._last_step_clock is None else now - self._last_step_clock, {}
+            )
         self._last_step_clock = now
         self._last_step = step
         self._steps_in_window += 1
@@ -231,6 +263,28 @@ class Telemetry:
         finally:
             if self._signals is not None:
                 self._signals.record_data_wait(time.perf_counter() - start)
+
+    def phase(self, name: str) -> PhaseTimer | contextlib.AbstractContextManager[None]:
+        """Time the block as phase `name` of the current step: `with telemetry.phase("forward"): ...`.
+
+        On CUDA, device time between two events recorded on the current stream (read off this
+        thread once completed: no sync); otherwise host time. Phases are declared in
+        `TelemetryConfig.phases`; "data" is `data_wait()`. Exports seconds per step per rank, over
+        ranks min/median/max with the ranks holding them, each phase's share of the step and
+        straggler scores (docs/signals.md). With `signals=False` the block is not timed.
+        """
+        if name == DATA_PHASE:
+            return self.data_wait()
+        if self._health is None:
+            return contextlib.nullcontext()
+        return self._health.phase(name)
+
+    def checkpoint_saved(self, step: int) -> None:
+        """Mark the checkpoint of `step` as durable (written and committed): for goodput, the
+        training up to when `state_dict()` was taken for it reached a checkpoint."""
+        self._require_open("checkpoint_saved")
+        if self._health is not None:
+            self._health.checkpoint_saved(step)
 
     def schedule_collection(self) -> None:
         """Schedule a collection of the steps since the last one now, without waiting for it.
@@ -259,19 +313,24 @@ class Telemetry:
         self._require_open("log")
         self._publisher.log(values, step)
 
-    def _flush_signals(self) -> float:
+    def _flush_signals(self, *, final: bool = False) -> float:
         now = time.perf_counter()
         if self._signals is not None:
-            self._signals.flush_to_device(now - self._signals_flushed)
+            self._signals.flush_to_device(now - self._signals_flushed, final=final)
         self._signals_flushed = now
         return now
 
-    def _schedule(self) -> None:
+    def _schedule(self, *, final: bool = False) -> None:
         if self._collector.pending >= self.max_pending:  # the collector's ring is full
             self.backpressure_waits += 1
             self._drain(block=True, limit=1)
-        now = self._flush_signals()
-        window = self._publisher.scheduled(self._last_step or 0, duration_s=now - self._window_start)
+        now = self._flush_signals(final=final)
+        window = self._publisher.scheduled(
+            self._last_step or 0,
+            duration_s=now - self._window_start,
+            steps=self._steps_in_window,
+            host=self._health.host_values() if self._health is not None else None,
+        )
         try:
             # The report is built on the collector's worker thread (naming, totals: work that grows
             # with the number of metrics); this thread only collects that it was done.
@@ -321,7 +380,7 @@ class Telemetry:
         try:
             if self._failure is None:
                 if self._steps_in_window:
-                    self._schedule()
+                    self._schedule(final=True)
                 self._drain(block=True)
         finally:
             self._closed = True
@@ -329,6 +388,8 @@ class Telemetry:
             self._collector.unbind(timeout_s=timeout_s)
             self.hub.close(timeout_s)
             self._every_rank.release()
+            if self._health is not None:
+                self._health.close()
 
     def _require_open(self, op: str) -> None:
         check_same_process(self._pid, f"Telemetry.{op}")
@@ -377,7 +438,7 @@ class Telemetry:
         self._every_rank.require("Telemetry.state_dict")
         if not self._closed:
             self._drain(block=True)
-            self._flush_signals()
+            self._flush_signals(final=True)
         return {
             **run_state(self._leaves, self._publisher.totals, self._signals, self.config.group),
             "step": -1 if self._last_step is None else self._last_step,

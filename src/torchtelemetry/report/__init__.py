@@ -1,9 +1,11 @@
 """Reports: a window's results as named values, the built-in training signals and the running totals.
 
 Between collection and export: `flatten_results` names each metric's results by its path in the
-tree (`train/loss`), `TrainingSignals` adds throughput and step-time statistics, `RunningTotals`
-turns counters and histograms into totals across windows and restarts, `WindowPublisher` submits
-one report per window in step order, and the naming rules say how each backend spells a path.
+tree (`train/loss`), `TrainingSignals` adds throughput and step-time statistics, the health
+signals of `report.signals` (phases, stragglers, non-finite counts, memory, goodput, GPU) theirs,
+`RunningTotals` turns counters and histograms into totals across windows and restarts,
+`WindowPublisher` submits one report per window in step order, and the naming rules say how each
+backend spells a path.
 """
 
 from torchtelemetry.report._checkpoint import restore_run_state, run_state
@@ -33,11 +35,30 @@ from torchtelemetry.report._naming import (
 )
 from torchtelemetry.report._publisher import WindowPublisher, describe_with_signals
 from torchtelemetry.report._ranks import RankSeriesLimit
-from torchtelemetry.report._signals import TrainingSignals, WindowTiming, signal_descriptors
+from torchtelemetry.report._signals import TrainingSignals, signal_descriptors
 from torchtelemetry.report._totals import RunningTotals, difference
 from torchtelemetry.report._values import HistogramValue, MetricDescriptor, Scalars, ScalarValue
+from torchtelemetry.report.signals import (
+    DATA_PHASE,
+    DEFAULT_PHASES,
+    MIN_HISTORY,
+    PhaseTimer,
+    SignalContext,
+    SignalSet,
+    WindowTiming,
+    check_phase_names,
+    health_signals,
+)
 
 __all__ = [
+    "DATA_PHASE",
+    "DEFAULT_PHASES",
+    "MIN_HISTORY",
+    "PhaseTimer",
+    "SignalContext",
+    "SignalSet",
+    "check_phase_names",
+    "health_signals",
     "LAST_UPDATE_METRIC",
     "RUN_FINISHED_METRIC",
     "MAX_NAME_LENGTH",

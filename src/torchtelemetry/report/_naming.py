@@ -72,6 +72,9 @@ _UCUM = {
     "tokens_per_second": "{token}/s",
     "samples_per_second": "{sample}/s",
     "tflops_per_second": "{TFLOP}/s",
+    "watts": "W",
+    "celsius": "Cel",
+    "megahertz": "MHz",
 }
 
 

@@ -13,9 +13,10 @@ from torchtelemetry.report._clock import wall_time
 from torchtelemetry.report._flatten import describe_metrics, flatten_results
 from torchtelemetry.report._naming import InvalidMetricNameError, NameCollisionError, sanitize_path
 from torchtelemetry.report._ranks import RankSeriesLimit
-from torchtelemetry.report._signals import TrainingSignals, WindowTiming
+from torchtelemetry.report._signals import TrainingSignals
 from torchtelemetry.report._totals import RunningTotals
 from torchtelemetry.report._values import MetricDescriptor, Scalars, ScalarValue
+from torchtelemetry.report.signals import WindowTiming
 
 __all__ = ["InFlight", "Submit", "WindowPublisher", "describe_with_signals"]
 
@@ -101,9 +102,15 @@ class WindowPublisher:
         self.latest: dict[str, ScalarValue] = {}
         self.latest_step: int | None = None
 
-    def scheduled(self, step: int, *, duration_s: float) -> InFlight:
-        """A window ending at `step` is being scheduled now; `publish` gets it with its results."""
-        window = InFlight(WindowTiming(step=step, timestamp=wall_time(), duration_s=duration_s))
+    def scheduled(
+        self, step: int, *, duration_s: float, steps: int = 0, host: Mapping[str, Any] | None = None
+    ) -> InFlight:
+        """A window of `steps` steps ending at `step` is being scheduled now, with the signals' `host`
+        values; `publish` gets it with its results."""
+        timing = WindowTiming(
+            step=step, timestamp=wall_time(), duration_s=duration_s, steps=steps, host=host or {}
+        )
+        window = InFlight(timing)
         with self._lock:
             self._in_flight.append(window)
         return window

@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,6 +24,7 @@ from torchtelemetry.report._flops import ModelFlops, model_flops
 from torchtelemetry.report._memory import AllocatorStats, allocator_metrics, peak_memory
 from torchtelemetry.report._ranks import RankSeriesLimit
 from torchtelemetry.report._values import MetricDescriptor, ScalarValue
+from torchtelemetry.report.signals import SignalSet, WindowTiming, health_descriptors
 
 __all__ = ["TrainingSignals", "WindowTiming", "signal_descriptors"]
 
@@ -41,18 +41,6 @@ LEARNING_RATE = "train/learning_rate"
 PEAK_MEMORY = "train/peak_memory"
 
 
-@dataclass(frozen=True, slots=True)
-class WindowTiming:
-    """Host wall-clock facts of one collection window."""
-
-    step: int
-    """Last training step in the window."""
-    timestamp: float
-    """Unix time at which the window was scheduled."""
-    duration_s: float
-    """Host time from the previous window's schedule to this one's."""
-
-
 class TrainingSignals:
     """Metrics and host accumulators for the built-in signals of one rank."""
 
@@ -63,8 +51,10 @@ class TrainingSignals:
         rank: int,
         device: torch.device,
         flops: ModelFlops | None = None,
+        health: SignalSet | None = None,
     ) -> None:
         self.world_size = world_size
+        self.health = health
         self.device = device
         self.flops = flops
 
@@ -95,7 +85,10 @@ class TrainingSignals:
         if self._allocator is not None:
             self.memory = allocator_metrics()
             train["memory"] = self.memory
-        self.metrics = {"train": train}
+        self.metrics: dict[str, Any] = {"train": train}
+        self._health_paths = tuple(health.metrics()) if health is not None else ()
+        for path, metric in (health.metrics() if health is not None else {}).items():
+            self.metrics[path] = metric
         for metric in metric_leaves(self.metrics, op="TrainingSignals"):
             metric[1].to(device)
         self._step_times: list[float] = []
@@ -148,15 +141,17 @@ class TrainingSignals:
 
     # -- per window ----------------------------------------------------------------------
 
-    def flush_to_device(self, duration_s: float) -> None:
+    def flush_to_device(self, duration_s: float, *, final: bool = False) -> None:
         """Hand the host accumulators to the metrics, as Python numbers in the kernels' arguments:
         no host-to-device copy, no pinned allocation, no sync.
 
         `duration_s` is this rank's host time since the previous flush; the data-wait share is
         the waits over the durations, so a flush in mid-window (a checkpoint) changes nothing.
         The values are the signals' own, already checked on the host, so they go straight into
-        the accumulators.
+        the accumulators. `final` (a checkpoint, close) waits, bounded, for device-timed phases.
         """
+        if self.health is not None:
+            self.health.flush(duration_s, final=final)
         self.step_time.update_total(sum(self._step_times), len(self._step_times))
         self.data_wait.update_total(self._data_wait, self._steps)
         self.data_wait_share.update_total(100 * self._data_wait, duration_s)
@@ -181,6 +176,11 @@ class TrainingSignals:
         times and the derived signals (values per rank above the limit are `RankSeriesLimit`'s)."""
         out = []
         for descriptor in described:
+            if any(
+                descriptor.name.startswith(f"{path}/") or descriptor.name == path
+                for path in self._health_paths
+            ):
+                continue  # a health signal's raw window state: it describes what it derives itself
             out.append(descriptor)
             if descriptor.name == STEP_TIME:
                 out.extend(
@@ -209,6 +209,8 @@ class TrainingSignals:
                         MFU, unit="percent", description="Model FLOPs utilization per device (PaLM)"
                     )
                 )
+        if self.health is not None:
+            out.extend(self.health.descriptors())
         return out
 
     def publish(self, window: dict[str, ScalarValue], timing: WindowTiming) -> None:
@@ -221,6 +223,8 @@ class TrainingSignals:
         if DATA_WAIT not in self._seen:
             window.pop(DATA_WAIT, None)
             window.pop(DATA_WAIT_SHARE, None)
+        if self.health is not None:  # before values per rank are reduced: phases read the data wait
+            self.health.derive(window, timing)
         if timing.duration_s > 0:
             if TOKENS in window:
                 window[TOKENS_PER_SECOND] = float(window[TOKENS]) / timing.duration_s  # type: ignore[arg-type]
@@ -248,16 +252,19 @@ class TrainingSignals:
                 )
 
     def state_dict(self) -> dict[str, Any]:
-        return {"seen": sorted(self._seen)}
+        health = self.health.state_dict() if self.health is not None else {}
+        return {"seen": sorted(self._seen), "health": health}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self._seen = set(state.get("seen", ()))
+        if self.health is not None:
+            self.health.load_state_dict(state.get("health", {}))
 
 
 def signal_descriptors() -> list[MetricDescriptor]:
     """Every name the built-in signals can export, in every shape: one series per rank and
-    min/median/max over ranks, model FLOPs with MFU, the CUDA allocator's detail (for dashboards
-    and alert rules that must know them all)."""
+    min/median/max over ranks, model FLOPs with MFU, the CUDA allocator's detail, the health
+    signals (for dashboards and alert rules that must know them all)."""
     from torchtelemetry.report._flatten import describe_metrics
 
     found: dict[str, MetricDescriptor] = {}
@@ -271,6 +278,7 @@ def signal_descriptors() -> list[MetricDescriptor]:
     described = signals.descriptors(describe_metrics(signals.metrics))
     for max_rank_series in (1, 0):
         found.update((d.name, d) for d in RankSeriesLimit(1, max_rank_series).describe(described))
+    found.update((d.name, d) for d in health_descriptors())
     return list(found.values())
 
 

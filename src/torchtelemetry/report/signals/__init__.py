@@ -9,7 +9,10 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from torchtelemetry.metric import Metric
+import torch
+
+from torchtelemetry.metric import Metric, SumMetric
+from torchtelemetry.report._values import MetricDescriptor
 from torchtelemetry.report.signals._base import (
     RankValues,
     Signal,
@@ -21,16 +24,23 @@ from torchtelemetry.report.signals._base import (
 )
 from torchtelemetry.report.signals._clock import EventClock, HostClock, PhaseClock, PhaseTimer
 from torchtelemetry.report.signals._goodput import Goodput
-from torchtelemetry.report.signals._memory_health import MemoryHealth, resident_bytes
+from torchtelemetry.report.signals._memory_health import MemoryHealth, memory_descriptors, resident_bytes
 from torchtelemetry.report.signals._nonfinite import CountingUpdate, NonFiniteSentinel, watched_metrics
-from torchtelemetry.report.signals._nvml import THROTTLE_REASONS, GpuHealth, NvmlReader, open_nvml
-from torchtelemetry.report.signals._phases import DATA_PHASE, Phases, check_phase_names
+from torchtelemetry.report.signals._nvml import (
+    THROTTLE_REASONS,
+    GpuHealth,
+    NvmlReader,
+    gpu_descriptors,
+    open_nvml,
+)
+from torchtelemetry.report.signals._phases import DATA_PHASE, DEFAULT_PHASES, Phases, check_phase_names
 from torchtelemetry.report.signals._set import SignalSet
 from torchtelemetry.report.signals._spikes import MIN_HISTORY, Spikes
 from torchtelemetry.report.signals._stragglers import MIN_SHARE, StragglerScores
 
 __all__ = [
     "DATA_PHASE",
+    "DEFAULT_PHASES",
     "MIN_HISTORY",
     "MIN_SHARE",
     "THROTTLE_REASONS",
@@ -54,6 +64,7 @@ __all__ = [
     "WindowTiming",
     "check_phase_names",
     "finite_by_rank",
+    "health_descriptors",
     "health_signals",
     "highest_rank",
     "lowest_rank",
@@ -89,3 +100,20 @@ def health_signals(
     if reader is not None:
         signals.append(GpuHealth(context, reader))
     return signals
+
+
+def health_descriptors() -> list[MetricDescriptor]:
+    """Every name the health signals can export, in every shape (on CUDA, with NVML, the default
+    phases per rank, a watched metric), for dashboards and alert rules that must know them all."""
+    context = SignalContext(world_size=1, rank=0, device=torch.device("cpu"))
+    watched = {"loss": SumMetric()}
+    signals = [
+        Phases(context, DEFAULT_PHASES),
+        NonFiniteSentinel(context, watched),
+        Spikes(context, tuple(watched), sigma=6.0, windows=MIN_HISTORY),
+        Goodput(context, run_id="", progress_file=None),
+    ]
+    described = [descriptor for signal in signals for descriptor in signal.descriptors()]
+    for signal in signals:
+        signal.close()
+    return described + memory_descriptors(cuda=True) + gpu_descriptors()

@@ -36,7 +36,7 @@ from torchtelemetry.report.signals._base import (
     lowest_rank,
 )
 
-__all__ = ["MemoryHealth", "resident_bytes"]
+__all__ = ["MemoryHealth", "memory_descriptors", "resident_bytes"]
 
 PREFIX = "train/memory"
 STATE = "train/memory/ranks"
@@ -78,30 +78,7 @@ class MemoryHealth(Signal):
         return state
 
     def descriptors(self) -> list[MetricDescriptor]:
-        out = []
-        for quantity in self.quantities:
-            unit, description = DESCRIPTIONS[quantity]
-            out.append(
-                MetricDescriptor(
-                    f"{PREFIX}/{quantity}/max", MetricKind.GAUGE, unit, f"{description}, max over ranks"
-                )
-            )
-            out.append(
-                MetricDescriptor(
-                    f"{PREFIX}/{quantity}/max_rank", description=f"Rank with the most {quantity}"
-                )
-            )
-        if self.headroom is not None:
-            unit, description = DESCRIPTIONS["headroom"]
-            out.append(
-                MetricDescriptor(
-                    f"{PREFIX}/headroom/min", MetricKind.GAUGE, unit, f"{description}, min over ranks"
-                )
-            )
-            out.append(
-                MetricDescriptor(f"{PREFIX}/headroom/min_rank", description="Rank with the least headroom")
-            )
-        return out
+        return memory_descriptors(cuda=self.cuda)
 
     def flush(self, duration_s: float, *, final: bool = False) -> None:
         values = {"rss": float(resident_bytes())}
@@ -138,6 +115,33 @@ class MemoryHealth(Signal):
             rank = lowest_rank(headroom)
             window[f"{PREFIX}/headroom/min"] = headroom[rank]
             window[f"{PREFIX}/headroom/min_rank"] = float(rank)
+
+
+def memory_descriptors(*, cuda: bool) -> list[MetricDescriptor]:
+    """What `MemoryHealth` exports, training on CUDA or not."""
+    quantities = (*CUDA_QUANTITIES, "rss") if cuda else ("rss",)
+    out = []
+    for quantity in quantities:
+        unit, description = DESCRIPTIONS[quantity]
+        out.append(
+            MetricDescriptor(
+                f"{PREFIX}/{quantity}/max", MetricKind.GAUGE, unit, f"{description}, max over ranks"
+            )
+        )
+        out.append(
+            MetricDescriptor(f"{PREFIX}/{quantity}/max_rank", description=f"Rank with the most {quantity}")
+        )
+    if cuda:
+        unit, description = DESCRIPTIONS["headroom"]
+        out.append(
+            MetricDescriptor(
+                f"{PREFIX}/headroom/min", MetricKind.GAUGE, unit, f"{description}, min over ranks"
+            )
+        )
+        out.append(
+            MetricDescriptor(f"{PREFIX}/headroom/min_rank", description="Rank with the least headroom")
+        )
+    return out
 
 
 _PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096

@@ -39,7 +39,7 @@ from torchtelemetry.report.signals._base import (
     lowest_rank,
 )
 
-__all__ = ["GpuHealth", "NvmlReader", "THROTTLE_REASONS", "open_nvml"]
+__all__ = ["THROTTLE_REASONS", "GpuHealth", "NvmlReader", "gpu_descriptors", "open_nvml"]
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +107,24 @@ def open_nvml(device: torch.device, module: str = "pynvml") -> NvmlReader | None
     return None
 
 
+def gpu_descriptors() -> list[MetricDescriptor]:
+    """What `GpuHealth` exports."""
+    out = []
+    for quantity, (unit, description) in QUANTITIES.items():
+        for stat in ("min", "max"):
+            out.append(
+                MetricDescriptor(
+                    f"hw/gpu/{quantity}/{stat}", MetricKind.GAUGE, unit, f"{description}, {stat} over ranks"
+                )
+            )
+            out.append(
+                MetricDescriptor(
+                    f"hw/gpu/{quantity}/{stat}_rank", description=f"Rank with the {stat} {quantity}"
+                )
+            )
+    return out
+
+
 class GpuHealth(Signal):
     """NVML readings per rank, reduced (see the module)."""
 
@@ -141,23 +159,7 @@ class GpuHealth(Signal):
         return {STATE: self.ranks}
 
     def descriptors(self) -> list[MetricDescriptor]:
-        out = []
-        for quantity, (unit, description) in QUANTITIES.items():
-            for stat in ("min", "max"):
-                out.append(
-                    MetricDescriptor(
-                        f"hw/gpu/{quantity}/{stat}",
-                        MetricKind.GAUGE,
-                        unit,
-                        f"{description}, {stat} over ranks",
-                    )
-                )
-                out.append(
-                    MetricDescriptor(
-                        f"hw/gpu/{quantity}/{stat}_rank", description=f"Rank with the {stat} {quantity}"
-                    )
-                )
-        return out
+        return gpu_descriptors()
 
     def flush(self, duration_s: float, *, final: bool = False) -> None:
         latest = self._latest

@@ -36,8 +36,10 @@ from torchtelemetry.report.signals._base import (
 from torchtelemetry.report.signals._clock import EventClock, HostClock, PhaseClock, PhaseTimer
 from torchtelemetry.report.signals._stragglers import StragglerScores
 
-__all__ = ["DATA_PHASE", "PhaseTimes", "Phases"]
+__all__ = ["DATA_PHASE", "DEFAULT_PHASES", "PhaseTimes", "Phases", "check_phase_names"]
 
+DEFAULT_PHASES = ("forward", "backward", "optimizer")
+"""`TelemetryConfig.phases` by default; a phase no rank enters costs its state, never a series."""
 DATA_PHASE = "data"
 """The phase timed by `Telemetry.data_wait()`, exported per rank as `train/data_wait`."""
 DATA_WAIT = "train/data_wait"
