@@ -1,13 +1,15 @@
 """One rank of a small training run that checkpoints `Telemetry` with torch.distributed.checkpoint.
 
     python -m tests.reliability.restart_train --rendezvous FILE --out run.jsonl --checkpoints DIR \
-        [--resume] [--stall-after STEP]
+        [--resume] [--stall-after STEP] [--progress-file FILE]
 
 Rank and world size come from RANK / WORLD_SIZE. Every `--save-every` steps the run saves
 `{"telemetry": telemetry, "app": {"step": step}}` with `dcp.save`; `--resume` loads the newest
-complete checkpoint and continues from the step after it. With `--stall-after`, the rank exports
-what it has, writes `<out>.stalled.<rank>` after that step and waits to be killed (the test
-kills every rank with SIGKILL there, as a preempted or crashed job would be).
+complete checkpoint and continues from the step after it; each save is marked durable with
+`checkpoint_saved` (goodput), and `--progress-file` is `TelemetryConfig.progress_file`. With
+`--stall-after`, the rank exports what it has (with a progress file, every window in flight too),
+writes `<out>.stalled.<rank>` after that step and waits to be killed (the test kills every rank
+with SIGKILL there, as a preempted or crashed job would be).
 The data of each (rank, step) is fixed, so an interrupted and restarted run can be compared
 with an uninterrupted one.
 """
@@ -72,6 +74,7 @@ def main() -> None:
     parser.add_argument("--save-every", type=int, default=4)
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--stall-after", type=int, default=None)
+    parser.add_argument("--progress-file", default=None)
     args = parser.parse_args()
 
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -83,7 +86,13 @@ def main() -> None:
         timeout=datetime.timedelta(seconds=60),
     )
     metrics = make_metrics()
-    telemetry = tt.Telemetry(metrics, [tt.JsonlExporter(args.out)], every=args.every, run_id="restart")
+    telemetry = tt.Telemetry(
+        metrics,
+        [tt.JsonlExporter(args.out)],
+        every=args.every,
+        run_id="restart",
+        progress_file=args.progress_file,
+    )
     app = {"step": -1}
     checkpoints = Path(args.checkpoints)
     if args.resume:
@@ -100,7 +109,10 @@ def main() -> None:
                 {"telemetry": telemetry, "app": {"step": step}},
                 checkpoint_id=str(checkpoints / f"step_{step}"),
             )
+            telemetry.checkpoint_saved(step)
         if step == args.stall_after:
+            if args.progress_file:  # the windows in flight are exported, and the progress file says so
+                telemetry.state_dict()
             telemetry.hub.force_flush(10.0)
             Path(f"{args.out}.stalled.{rank}").touch()
             while True:

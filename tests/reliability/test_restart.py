@@ -33,7 +33,14 @@ HOST_TIMED = {
     "train/tokens_per_second",
     "train/samples_per_second",
     "train/peak_memory",
+    "train/memory/rss/max",
+    "train/memory/rss/max_rank",
+    "train/goodput",
+    "train/goodput/productive_time",
+    "train/goodput/wall_time",
 }
+RESTART_COUNTED = {"train/goodput/restarts", "train/goodput/recomputed_steps"}
+"""The same in both runs but for the restart itself."""
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -102,6 +109,11 @@ def _kill_when_stalled(procs: list[subprocess.Popen], out: Path, timeout_s: floa
     assert [proc.returncode for proc in procs] == [-signal.SIGKILL] * WORLD_SIZE
 
 
+def _values(path: Path) -> dict[int, dict[str, Any]]:
+    """Every exported value by step."""
+    return {record["step"]: record["values"] for record in map(json.loads, path.read_text().splitlines())}
+
+
 def _reports(path: Path) -> dict[int, dict[str, Any]]:
     """Exported values by step, without the host-timed signals and the exporter health metrics."""
     reports = {}
@@ -110,7 +122,7 @@ def _reports(path: Path) -> dict[int, dict[str, Any]]:
         reports[record["step"]] = {
             name: value
             for name, value in record["values"].items()
-            if name not in HOST_TIMED and not name.startswith("exporter/")
+            if name not in HOST_TIMED | RESTART_COUNTED and not name.startswith("exporter/")
         }
     return reports
 
@@ -122,20 +134,23 @@ def test_a_run_killed_after_a_checkpoint_continues_exactly_where_it_left_off(tmp
     # The uninterrupted reference (own directory) runs alongside the run that gets killed.
     reference_run = _launch(tmp_path / "reference", "reference", reference_out, [])
     try:
+        progress = ["--progress-file", str(tmp_path / "progress.json")]
         _kill_when_stalled(
-            _launch(tmp_path, "killed", killed_out, ["--stall-after", str(STALL_AFTER)]), killed_out
+            _launch(tmp_path, "killed", killed_out, ["--stall-after", str(STALL_AFTER), *progress]),
+            killed_out,
         )
     finally:
         _finish(reference_run)
     checkpoints = sorted(path.name for path in (tmp_path / "checkpoints").iterdir())
     assert checkpoints == ["step_3", f"step_{CHECKPOINT_STEP}"]
-    _finish(_launch(tmp_path, "resumed", resumed_out, ["--resume"]))
+    started = time.time()
+    _finish(_launch(tmp_path, "resumed", resumed_out, ["--resume", *progress]))
 
     reference, killed, resumed = _reports(reference_out), _reports(killed_out), _reports(resumed_out)
     assert sorted(reference) == [2, 5, 8, 11, 14, 16]
     # Saving the checkpoint at step 7 exported every window collected by then; the window ending
-    # at 8 may have been exported too before the kill. The restart redoes it either way.
-    assert sorted(killed)[:2] == [2, 5] and set(killed) <= {2, 5, 8}
+    # at 8 was exported too before the kill. The restart redoes it.
+    assert sorted(killed) == [2, 5, 8]  # the killed run waited for its window in flight
     assert sorted(resumed) == [8, 11, 14, 16]
     for step in killed:
         assert killed[step] == reference[step], f"before the kill, step {step}"
@@ -144,3 +159,20 @@ def test_a_run_killed_after_a_checkpoint_continues_exactly_where_it_left_off(tmp
     # Counters kept counting from the checkpointed totals rather than starting again from zero.
     assert resumed[8]["train/seen"] > killed[5]["train/seen"] > 0
     assert resumed[16]["train/grad_norm"]["count"] == 4 * WORLD_SIZE * STEPS
+
+    # Goodput: one restart, the steps 8 of the killed run past its checkpoint at step 7 redone,
+    # and the time after that checkpoint's state was taken (the work redone, the restart) lost.
+    before, after = _values(killed_out), _values(resumed_out)
+    assert before[8]["train/goodput/restarts"] == 0 and before[8]["train/goodput/recomputed_steps"] == 0
+    assert after[8]["train/goodput/restarts"] == after[16]["train/goodput/restarts"] == 1
+    assert after[8]["train/goodput/recomputed_steps"] == after[16]["train/goodput/recomputed_steps"] == 1
+    for values in after.values():
+        assert 0 < values["train/goodput/productive_time"] < values["train/goodput/wall_time"]
+        assert values["train/goodput"] == pytest.approx(
+            values["train/goodput/productive_time"] / values["train/goodput/wall_time"]
+        )
+    # The run's first start is the killed run's: wall time spans both runs and the gap between.
+    assert after[8]["train/goodput/wall_time"] > time.time() - started
+    assert after[8]["train/goodput/wall_time"] - after[8]["train/goodput/productive_time"] > (
+        before[8]["train/goodput/wall_time"] - before[8]["train/goodput/productive_time"]
+    )
