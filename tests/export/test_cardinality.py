@@ -1,7 +1,9 @@
 """The cardinality budget (docs/scale.md): the series a run exports grow with its metrics, not its ranks.
 
 Rank 0 of a simulated world of 8, 1,024 and 16,384 ranks publishes two windows of a tree with a
-value per rank of its own (a gauge and a counter), besides the built-in signals. The world is
+value per rank of its own (a gauge and a counter), besides the built-in signals and the health
+signals (two phases and the data wait with their straggler scores, the non-finite sentinel and
+spike scores of the two losses, memory health, goodput). The world is
 simulated where the reports see it: the built-in signals and `PerRankMetric`s are built for that
 world size and hold every rank's slot, as after the window's all-reduce. The reports go through
 the real `ExportHub` to a real `PrometheusExporter` (its endpoint scraped over HTTP and parsed) and
@@ -29,9 +31,12 @@ from torchtelemetry.metric import metric_leaves
 from torchtelemetry.report import (
     ModelFlops,
     RankSeriesLimit,
+    SignalContext,
+    SignalSet,
     TrainingSignals,
     WindowPublisher,
     describe_with_signals,
+    health_signals,
 )
 
 pytest.importorskip("opentelemetry.exporter.otlp.proto.http")
@@ -52,6 +57,20 @@ COUNTERS_PER_RANK = 1
 """the tree's own tokens per rank."""
 HEALTH_PER_EXPORTER = 4
 EXPORTERS = 2
+PHASES = ("forward", "backward")
+TOP_K = 3
+WATCHED = 2
+"""train/loss and ranks/loss: the health sentinel watches every metric whose name ends in loss."""
+
+
+def health_series(world_size: int) -> int:
+    """The health signals' share of docs/scale.md's formula (on CPU, nothing non-finite seen)."""
+    phased = len(PHASES) + 1  # and the data wait
+    per_rank = len(PHASES) * world_size if world_size <= MAX_RANK_SERIES else 0
+    # min, median, max, min_rank, max_rank, share and four straggler scores per phase; the top k
+    # ranks and their scores; a non-finite and a spike counter per watched metric; RSS and its
+    # rank; goodput, productive and wall time, restarts and recomputed steps
+    return per_rank + 10 * phased + 2 * min(TOP_K, world_size) + 2 * WATCHED + 2 + 5
 
 
 def budget(world_size: int, backend: str) -> int:
@@ -60,7 +79,7 @@ def budget(world_size: int, backend: str) -> int:
         per_rank = (GAUGES_PER_RANK + COUNTERS_PER_RANK) * world_size + 2  # + step time's extreme ranks
     else:
         per_rank = 3 * GAUGES_PER_RANK + COUNTERS_PER_RANK + 2
-    health = HEALTH_PER_EXPORTER * EXPORTERS
+    health = HEALTH_PER_EXPORTER * EXPORTERS + health_series(world_size)
     if backend == "prometheus":  # step and last update; a histogram: its buckets, +Inf, sum and count
         return 2 + health + SCALARS + sum(b + 3 for b in HISTOGRAM_BOUNDS) + per_rank
     return 1 + health + SCALARS + len(HISTOGRAM_BOUNDS) + per_rank  # OTLP: the step; a histogram is a point
@@ -104,6 +123,11 @@ def _fill(tree: dict[str, Any], signals: TrainingSignals, world_size: int, windo
         metric.counts.update(ones)
     signals.data_wait_share.sums.update(ones)
     signals.data_wait_share.counts.update(ones)
+    assert signals.health is not None
+    phases, _, _, memory, _ = signals.health.signals
+    phases.times.seconds.local.copy_(torch.stack([_per_rank(world_size, window)] * len(PHASES)) / 10)
+    phases.times.steps.local.copy_(ones)
+    memory.ranks.values.local.copy_(_per_rank(world_size, window).unsqueeze(0) * 2**30)
 
 
 @dataclass
@@ -118,11 +142,25 @@ class Exported:
 
 def _export(world_size: int, max_rank_series: int = MAX_RANK_SERIES) -> Exported:
     tree = _tree(world_size)
+    context = SignalContext(world_size, 0, torch.device("cpu"), max_rank_series)
+    health = health_signals(
+        context,
+        leaves=metric_leaves(tree, op="test"),
+        phases=PHASES,
+        straggler_top_k=TOP_K,
+        nonfinite=None,
+        spike_sigma=6.0,
+        spike_windows=32,
+        run_id="budget",
+        progress_file=None,
+        nvml=False,
+    )
     signals = TrainingSignals(
         world_size=world_size,
         rank=0,
         device=torch.device("cpu"),
         flops=ModelFlops(per_unit=6e6, per_sample=False, peak=1e12),
+        health=SignalSet(health),
     )
     leaves = metric_leaves(tree, op="test") + metric_leaves(signals.metrics, op="test")
     ranks = RankSeriesLimit(world_size, max_rank_series)
@@ -138,7 +176,9 @@ def _export(world_size: int, max_rank_series: int = MAX_RANK_SERIES) -> Exported
             publisher = WindowPublisher(leaves, descriptors, signals, hub.submit, ranks)
             for window in range(2):  # the second report carries every exporter's health
                 _fill(tree, signals, world_size, window)
-                in_flight = publisher.scheduled(10 * (window + 1), duration_s=1.0)
+                in_flight = publisher.scheduled(
+                    10 * (window + 1), duration_s=1.0, steps=1, host=signals.health.host_values()
+                )
                 publisher.release()  # nothing logged at its step: submit it as soon as it is built
                 publisher.publish(in_flight, [to_python(metric.compute()) for _, metric in leaves])
                 for _, metric in leaves:
@@ -149,6 +189,7 @@ def _export(world_size: int, max_rank_series: int = MAX_RANK_SERIES) -> Exported
             (request, *_) = receiver.received[-1:]
         finally:
             hub.close(10)
+            signals.health.close()
     samples = {
         (sample.name, tuple(sorted(sample.labels.items()))): sample.value
         for family in prometheus_parser.text_string_to_metric_families(text)
@@ -172,7 +213,7 @@ def test_the_series_a_run_exports_follow_the_budget(exported: dict[int, Exported
     assert len(wire.prometheus) == budget(world_size, "prometheus")
     assert sum(len(points) for points in wire.otlp_points.values()) == budget(world_size, "otlp")
     # Bounded whatever the world size: at most max_rank_series series per value per rank.
-    per_rank_values = GAUGES_PER_RANK + COUNTERS_PER_RANK
+    per_rank_values = GAUGES_PER_RANK + COUNTERS_PER_RANK + len(PHASES)
     assert len(wire.prometheus) <= budget(1, "prometheus") + per_rank_values * (MAX_RANK_SERIES - 1)
 
 
@@ -202,6 +243,13 @@ def test_ranks_travel_as_values_and_statistics_are_exact(exported: dict[int, Exp
         assert samples[f"{stem}_median{unit}"] == statistics.median(expected.tolist())
     assert samples["torchtelemetry_train_step_time_min_rank"] == 1
     assert samples["torchtelemetry_train_step_time_max_rank"] == world_size - 1
+    # The health signals too: the slowest rank in a phase, the rank with the most memory.
+    by_label = {(name, labels): value for (name, labels), value in exported[world_size].prometheus.items()}
+    forward = (("phase", "forward"), ("run", "budget-16384"))
+    assert by_label[("torchtelemetry_train_straggler_rank", forward)] == world_size - 1
+    assert by_label[("torchtelemetry_train_phases_min_rank", forward)] == 1
+    assert by_label[("torchtelemetry_train_phases_max_seconds", forward)] == expected.max().item() / 10
+    assert samples["torchtelemetry_train_memory_rss_max_rank"] == world_size - 1
     # A counter per rank becomes its total over ranks (both windows: a running total).
     total = math.fsum(_per_rank(world_size, 0).tolist()) + math.fsum(expected.tolist())
     assert samples["torchtelemetry_ranks_tokens_total"] == pytest.approx(total, rel=1e-12)
