@@ -7,7 +7,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -33,6 +33,7 @@ from torchtelemetry.export import (
 from torchtelemetry.metric import metric_leaves
 from torchtelemetry.report import (
     DATA_PHASE,
+    HostTimer,
     MetricDescriptor,
     ModelFlops,
     PhaseTimer,
@@ -156,6 +157,8 @@ class Telemetry:
             if config.signals
             else None
         )
+        if self._signals is not None:
+            self._data_wait = HostTimer(self._signals.record_data_wait)
         signal_metrics = self._signals.metrics if self._signals else {}
         self._leaves = self._user_leaves + metric_leaves(signal_metrics, op="Telemetry")
         ranks = RankSeriesLimit(world_size, config.max_rank_series)
@@ -250,19 +253,15 @@ class Telemetry:
             self._steps_since_grid = 0
             self.schedule_collection()
 
-    @contextlib.contextmanager
-    def data_wait(self) -> Iterator[None]:
+    def data_wait(self) -> HostTimer | contextlib.AbstractContextManager[None]:
         """Time the block as waiting for data: `with telemetry.data_wait(): batch = next(batches)`.
 
-        Adds to the current step's `train/data_wait` (host wall time, no device sync);
-        `step(data_time=)` does the same with a duration measured elsewhere.
+        Adds to the current step's `train/data_wait` (host wall time, no device sync), the phase
+        "data"; `step(data_time=)` does the same with a duration measured elsewhere.
         """
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            if self._signals is not None:
-                self._signals.record_data_wait(time.perf_counter() - start)
+        if self._signals is None:
+            return contextlib.nullcontext()
+        return self._data_wait
 
     def phase(self, name: str) -> PhaseTimer | contextlib.AbstractContextManager[None]:
         """Time the block as phase `name` of the current step: `with telemetry.phase("forward"): ...`.

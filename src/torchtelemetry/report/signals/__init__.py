@@ -22,7 +22,7 @@ from torchtelemetry.report.signals._base import (
     highest_rank,
     lowest_rank,
 )
-from torchtelemetry.report.signals._clock import EventClock, HostClock, PhaseClock, PhaseTimer
+from torchtelemetry.report.signals._clock import EventClock, HostClock, HostTimer, PhaseClock, PhaseTimer
 from torchtelemetry.report.signals._goodput import Goodput
 from torchtelemetry.report.signals._memory_health import MemoryHealth, memory_descriptors, resident_bytes
 from torchtelemetry.report.signals._nonfinite import CountingUpdate, NonFiniteSentinel, watched_metrics
@@ -49,6 +49,7 @@ __all__ = [
     "GpuHealth",
     "Goodput",
     "HostClock",
+    "HostTimer",
     "MemoryHealth",
     "NonFiniteSentinel",
     "NvmlReader",

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 import torch
 
-__all__ = ["EventClock", "HostClock", "PhaseClock", "PhaseTimer"]
+__all__ = ["EventClock", "HostClock", "HostTimer", "PhaseClock", "PhaseTimer"]
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +56,23 @@ class PhaseTimer:
 
     def __exit__(self, *exc: object) -> None:
         self._clock.stop(self._index, self._started.pop())
+
+
+class HostTimer:
+    """`with timer:` hands the block's host seconds to `record` (reusable, nestable; the data wait)."""
+
+    __slots__ = ("_record", "_started")
+
+    def __init__(self, record: Callable[[float], None]) -> None:
+        self._record = record
+        self._started: list[float] = []
+
+    def __enter__(self) -> HostTimer:
+        self._started.append(time.perf_counter())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._record(time.perf_counter() - self._started.pop())
 
 
 class HostClock:

@@ -145,12 +145,17 @@ def memory_descriptors(*, cuda: bool) -> list[MetricDescriptor]:
 
 
 _PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+_STATM: dict[int, int] = {}
+"""An open `/proc/<pid>/statm` per process id: one `pread` per reading (a fork reads its own)."""
 
 
 def resident_bytes() -> int:
-    """The process's resident set now (Linux `/proc/self/statm`), else its peak (`getrusage`)."""
+    """The process's resident set now (Linux `/proc/<pid>/statm`), else its peak (`getrusage`)."""
+    pid = os.getpid()
     try:
-        with open("/proc/self/statm", "rb") as statm:
-            return int(statm.read().split()[1]) * _PAGE_SIZE
+        if pid not in _STATM:
+            _STATM.clear()
+            _STATM[pid] = os.open(f"/proc/{pid}/statm", os.O_RDONLY)
+        return int(os.pread(_STATM[pid], 256, 0).split()[1]) * _PAGE_SIZE
     except (OSError, IndexError, ValueError):
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

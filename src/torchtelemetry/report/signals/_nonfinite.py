@@ -43,6 +43,10 @@ class NonFiniteCounts(Metric):
             torch.full((watched,), math.inf), ReduceOp.MIN, dtype=DEFAULT_STATE_DTYPE
         )
         self._host = [0] * watched
+        self._seen_by = torch.tensor(float(rank), dtype=DEFAULT_STATE_DTYPE)
+        self._unseen = torch.tensor(math.inf, dtype=DEFAULT_STATE_DTYPE)
+        self._slots: list[torch.Tensor] = []
+        self._slots_of: torch.Tensor | None = None
 
     def count(self, index: int, value: Any) -> None:
         """Count the non-finite entries of `value`: on the device for tensors (no sync), on the host
@@ -50,20 +54,28 @@ class NonFiniteCounts(Metric):
         if isinstance(value, torch.Tensor):
             if not value.is_floating_point():
                 return
-            difference = value.detach() - value.detach()  # NaN exactly where value is NaN or +-Inf
+            value = value.detach()
+            difference = value - value  # NaN exactly where value is NaN or +-Inf
             bad = difference.ne(difference)
-            self.counts.local[index].add_(bad if bad.dim() == 0 else bad.sum())
+            self._slot(index).add_(bad if bad.dim() == 0 else bad.sum())
         elif isinstance(value, float) and not math.isfinite(value):
             self._host[index] += 1
 
+    def _slot(self, index: int) -> torch.Tensor:
+        """The view of watched metric `index`'s count (kept while the state keeps its storage)."""
+        local = self.counts.local
+        if self._slots_of is not local:
+            self._slots, self._slots_of = list(local.unbind(0)), local
+        return self._slots[index]
+
     def flush(self) -> None:
-        """Add the host counts; mark this rank in `first_rank` where it saw any (device ops only)."""
+        """Add the host counts; mark this rank in `first_rank` where it saw any (device ops only:
+        the window's local state starts at +inf, and only this rank writes to it)."""
         for index, count in enumerate(self._host):
             if count:
-                self.counts.local[index].add_(count)
+                self._slot(index).add_(count)
         self._host = [0] * len(self._host)
-        seen = torch.where(self.counts.local > 0, float(self.rank), math.inf)
-        self.first_rank.local.copy_(torch.minimum(self.first_rank.local, seen))
+        torch.where(self.counts.local > 0, self._seen_by, self._unseen, out=self.first_rank.local)
 
     def compute(self) -> dict[str, torch.Tensor]:
         return {"count": self.counts.value.clone(), "first_rank": self.first_rank.value.clone()}
