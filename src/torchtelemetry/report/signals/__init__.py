@@ -22,6 +22,7 @@ from torchtelemetry.report.signals._base import (
     highest_rank,
     lowest_rank,
 )
+from torchtelemetry.report.signals._builtin import builtin_descriptors, builtin_signals
 from torchtelemetry.report.signals._clock import EventClock, HostClock, HostTimer, PhaseClock, PhaseTimer
 from torchtelemetry.report.signals._goodput import Goodput
 from torchtelemetry.report.signals._memory_health import MemoryHealth, memory_descriptors, resident_bytes
@@ -63,6 +64,8 @@ __all__ = [
     "Spikes",
     "StragglerScores",
     "WindowTiming",
+    "builtin_descriptors",
+    "builtin_signals",
     "check_phase_names",
     "finite_by_rank",
     "health_descriptors",

@@ -9,9 +9,10 @@ from typing import Any
 from torchtelemetry.metric import Metric
 from torchtelemetry.report._values import MetricDescriptor, ScalarValue
 from torchtelemetry.report.signals._base import Signal, WindowTiming
-from torchtelemetry.report.signals._clock import PhaseTimer
+from torchtelemetry.report.signals._clock import HostTimer, PhaseTimer
+from torchtelemetry.report.signals._data_wait import DataWait
 from torchtelemetry.report.signals._goodput import Goodput
-from torchtelemetry.report.signals._phases import Phases
+from torchtelemetry.report.signals._phases import DATA_PHASE, Phases
 
 __all__ = ["SignalSet"]
 
@@ -27,12 +28,16 @@ class SignalSet:
         self.signals = tuple(signals)
         names = collections.Counter(signal.name for signal in self.signals)
         keywords = collections.Counter(keyword for signal in self.signals for keyword in signal.keywords)
-        repeated = sorted(name for name, count in (names + keywords).items() if count > 1)
+        repeated = sorted(
+            name for counted in (names, keywords) for name, count in counted.items() if count > 1
+        )
         if repeated:
             raise ValueError(f"SignalSet: signal names or step keywords {repeated} are used twice")
         self._by_keyword = {keyword: signal for signal in self.signals for keyword in signal.keywords}
         self._phases = next((signal for signal in self.signals if isinstance(signal, Phases)), None)
         self._goodput = next((signal for signal in self.signals if isinstance(signal, Goodput)), None)
+        data_wait = next((signal for signal in self.signals if isinstance(signal, DataWait)), None)
+        self._data_wait = HostTimer(data_wait.record_wait) if data_wait is not None else None
 
     @property
     def keywords(self) -> frozenset[str]:
@@ -69,8 +74,16 @@ class SignalSet:
         for signal in self.signals:
             signal.on_step(step, step_time)
 
-    def phase(self, name: str) -> PhaseTimer:
-        """The timer of phase `name` (`TelemetryConfig.phases`)."""
+    def data_wait_timer(self) -> HostTimer:
+        """The timer of the data wait (the phase "data")."""
+        if self._data_wait is None:
+            raise ValueError("Telemetry.data_wait: no data wait signal in this SignalSet")
+        return self._data_wait
+
+    def phase(self, name: str) -> PhaseTimer | HostTimer:
+        """The timer of phase `name` (`TelemetryConfig.phases`, or "data": the data wait)."""
+        if name == DATA_PHASE:
+            return self.data_wait_timer()
         if self._phases is None:
             raise ValueError(
                 f"Telemetry.phase: no phases are timed (phase {name!r}); set TelemetryConfig.phases"

@@ -1,0 +1,91 @@
+"""The built-in signals of one `Telemetry`, in derive order, and every name they can export."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+
+from torchtelemetry.metric import Metric, SumMetric
+from torchtelemetry.report._flops import ModelFlops
+from torchtelemetry.report._values import MetricDescriptor
+from torchtelemetry.report.signals._base import Signal, SignalContext
+from torchtelemetry.report.signals._data_wait import DataWait
+from torchtelemetry.report.signals._goodput import Goodput
+from torchtelemetry.report.signals._learning_rate import LearningRate
+from torchtelemetry.report.signals._memory_health import MemoryHealth, memory_descriptors
+from torchtelemetry.report.signals._nonfinite import NonFiniteSentinel, watched_metrics
+from torchtelemetry.report.signals._nvml import GpuHealth, gpu_descriptors, open_nvml
+from torchtelemetry.report.signals._peak_memory import PeakMemory
+from torchtelemetry.report.signals._phases import DEFAULT_PHASES, Phases
+from torchtelemetry.report.signals._spikes import MIN_HISTORY, Spikes
+from torchtelemetry.report.signals._step_time import StepTime
+from torchtelemetry.report.signals._throughput import Count, ModelFlopsSignal
+
+__all__ = ["builtin_descriptors", "builtin_signals"]
+
+
+def builtin_signals(
+    context: SignalContext,
+    *,
+    leaves: Sequence[tuple[str, Metric]],
+    flops: ModelFlops | None,
+    phases: Sequence[str],
+    straggler_top_k: int,
+    nonfinite: Sequence[str] | None,
+    spike_sigma: float,
+    spike_windows: int,
+    run_id: str,
+    progress_file: str | os.PathLike[str] | None,
+    nvml: bool,
+) -> list[Signal]:
+    """Every built-in signal of one `Telemetry` (its `TelemetryConfig` fields of the same names),
+    in the order they derive: a signal that reads another's window values comes after it (model
+    FLOPs after the counts, the phases after the data wait)."""
+    watched = watched_metrics(leaves, nonfinite)
+    signals: list[Signal] = [
+        StepTime(context),
+        DataWait(context),
+        Count(context, "tokens", "tokens", "Tokens trained on"),
+        Count(context, "samples", "samples", "Samples trained on"),
+        LearningRate(context),
+        PeakMemory(context),
+        Phases(context, phases, top_k=straggler_top_k),
+        NonFiniteSentinel(context, watched),
+        Spikes(context, tuple(watched), sigma=spike_sigma, windows=spike_windows),
+        MemoryHealth(context),
+        Goodput(context, run_id=run_id, progress_file=progress_file),
+    ]
+    if flops is not None:
+        signals.insert(4, ModelFlopsSignal(context, flops))
+    reader = open_nvml(context.device) if nvml and context.device.type == "cuda" else None
+    if reader is not None:
+        signals.append(GpuHealth(context, reader))
+    return signals
+
+
+def builtin_descriptors() -> list[MetricDescriptor]:
+    """Every name the built-in signals can export, in every shape (with model FLOPs and MFU, on
+    CUDA, with NVML, the default phases per rank, one watched metric), for dashboards and alert
+    rules that must know them all. Values per rank are listed once per rank here; above
+    `max_rank_series` ranks `RankSeriesLimit` says what becomes of them."""
+    context = SignalContext(world_size=1, rank=0, device=torch.device("cpu"))
+    signals = builtin_signals(
+        context,
+        leaves=[("loss", SumMetric())],
+        flops=ModelFlops(per_unit=1.0, per_sample=False, peak=1.0),
+        phases=DEFAULT_PHASES,
+        straggler_top_k=1,
+        nonfinite=None,
+        spike_sigma=6.0,
+        spike_windows=MIN_HISTORY,
+        run_id="",
+        progress_file=None,
+        nvml=False,
+    )
+    described = [descriptor for signal in signals for descriptor in signal.descriptors()]
+    for signal in signals:
+        signal.close()
+    cuda_only = memory_descriptors(cuda=True) + PeakMemory.cuda_descriptors() + gpu_descriptors()
+    return list({d.name: d for d in described + cuda_only}.values())

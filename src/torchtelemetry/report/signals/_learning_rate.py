@@ -1,0 +1,51 @@
+"""The learning rate at the end of each window (`step(learning_rate=)`), max over ranks."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from torchtelemetry.metric import MaxMetric, Metric, MetricKind
+from torchtelemetry.report._values import MetricDescriptor, ScalarValue
+from torchtelemetry.report.signals._base import Signal, SignalContext, WindowTiming
+
+__all__ = ["LEARNING_RATE", "LearningRate"]
+
+LEARNING_RATE = "train/learning_rate"
+
+
+class LearningRate(Signal):
+    """The last learning rate given in the window; not exported until given on the exporting rank."""
+
+    name = "learning_rate"
+    keywords = ("learning_rate",)
+
+    def __init__(self, context: SignalContext) -> None:
+        super().__init__(context)
+        self.metric = MaxMetric(description="Learning rate at the end of the window").to(context.device)
+        self._value: float | None = None
+        self._seen = False
+
+    def metrics(self) -> dict[str, Metric]:
+        return {LEARNING_RATE: self.metric}
+
+    def descriptors(self) -> list[MetricDescriptor]:
+        return [MetricDescriptor(LEARNING_RATE, MetricKind.GAUGE, "", self.metric.description)]
+
+    def record(self, keyword: str, value: Any) -> None:
+        self._seen = True
+        self._value = float(value)
+
+    def flush(self, duration_s: float, *, final: bool = False) -> None:
+        self.metric.extremum.local.clamp_(min=-math.inf if self._value is None else self._value)
+
+    def derive(self, window: dict[str, ScalarValue], timing: WindowTiming) -> None:
+        if not self._seen:
+            window.pop(LEARNING_RATE, None)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"seen": self._seen}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self._seen = bool(state.get("seen", self._seen))

@@ -1,0 +1,90 @@
+"""The built-in signals as objects: each says what it exports, and exports nothing else."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torchtelemetry as tt
+from tests.report.windows import collect_window, context
+from torchtelemetry.metric import metric_leaves
+from torchtelemetry.report import ModelFlops, RankSeriesLimit
+from torchtelemetry.report.signals import Signal, SignalSet, builtin_descriptors, builtin_signals
+
+
+def _signals(max_rank_series: int = 64, **overrides) -> tuple[SignalSet, dict]:
+    metrics = {"train": {"loss": tt.WeightedMeanMetric()}}
+    options = {
+        "leaves": metric_leaves(metrics),
+        "flops": ModelFlops(per_unit=6e6, per_sample=False, peak=1e12),
+        "phases": ("forward", "backward"),
+        "straggler_top_k": 2,
+        "nonfinite": None,
+        "spike_sigma": 6.0,
+        "spike_windows": 8,
+        "run_id": "objects",
+        "progress_file": None,
+        "nvml": False,
+    }
+    return SignalSet(
+        builtin_signals(context(max_rank_series=max_rank_series), **options | overrides)
+    ), metrics
+
+
+def _feed(signals: SignalSet, metrics: dict, steps: int) -> None:
+    for step in range(steps):
+        with signals.data_wait_timer():
+            pass
+        with signals.phase("forward"):
+            metrics["train"]["loss"].update(torch.tensor([2.0, float("nan")]))
+        with signals.phase("backward"):
+            pass
+        signals.record_step(
+            step,
+            None if step == 0 else 0.01,
+            {"tokens": torch.tensor(128), "samples": 4, "learning_rate": 1e-3, "data_time": 0.001},
+        )
+
+
+@pytest.mark.parametrize("max_rank_series", [64, 0])
+def test_every_name_a_window_exports_is_described_and_no_raw_state_leaks(max_rank_series: int) -> None:
+    signals, metrics = _signals(max_rank_series)
+    _feed(signals, metrics, 3)
+    ranks = RankSeriesLimit(1, max_rank_series)  # what the publisher does after the signals
+    names = {descriptor.name for descriptor in ranks.describe(signals.descriptors())}
+    window = collect_window(signals, step=2, steps=3, duration_s=0.1)
+    ranks.publish(window)
+    signals.close()
+    assert set(window) <= names, sorted(set(window) - names)
+    for name in ("train/tokens", "train/tokens_per_second", "train/mfu", "train/learning_rate"):
+        assert name in window
+    assert window["train/nonfinite/count"] == {"train/loss": 3.0}
+    assert window["train/tokens"] == 3 * 128 and window["train/samples"] == 12
+
+
+def test_unfed_signals_export_nothing() -> None:
+    signals, _ = _signals()
+    signals.record_step(0, None, {})
+    window = collect_window(signals)
+    signals.close()
+    for name in ("train/tokens", "train/samples", "train/learning_rate", "train/data_wait", "train/mfu"):
+        assert name not in window
+    assert not any(name.startswith(("train/phase/", "train/phases/")) for name in window)
+
+
+def test_every_signal_is_one_object_with_a_unique_name_and_keywords() -> None:
+    signals, _ = _signals()
+    assert all(isinstance(signal, Signal) for signal in signals.signals)
+    assert signals.keywords == {"tokens", "samples", "learning_rate", "data_time"}
+    with pytest.raises(ValueError, match=r"used twice"):
+        SignalSet([*signals.signals, signals.signals[0]])
+    with pytest.raises(TypeError, match=r"no signal takes \['token'\]"):
+        signals.record_step(0, None, {"token": 3})
+    signals.close()
+
+
+def test_builtin_descriptors_name_every_shape_once() -> None:
+    names = [descriptor.name for descriptor in builtin_descriptors()]
+    assert len(names) == len(set(names))
+    for name in ("train/memory/max_active", "hw/gpu/power/max", "train/memory/headroom/min", "train/mfu"):
+        assert name in names
