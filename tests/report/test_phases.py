@@ -6,6 +6,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from tests.distributed import run_ranks
 from tests.report.windows import collect_window, context
@@ -160,3 +161,30 @@ def test_two_ranks_name_the_slow_rank_in_its_phase_as_values(max_rank_series: in
         assert set(window["train/phase/forward"]) == {"0", "1"}
     else:  # above the per-rank series limit: values over ranks only
         assert not any(name.startswith("train/phase/") for name in window)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA events need a GPU")
+def test_cuda_phases_time_the_device_with_no_host_sync_on_the_training_thread() -> None:
+    import torchtelemetry as tt
+
+    device = torch.device("cuda")
+    loss = tt.WeightedMeanMetric().to(device)
+    telemetry = tt.Telemetry({"train": {"loss": loss}}, [], every=4, phases=("forward", "backward"))
+    weight = torch.randn(2048, 2048, device=device)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any synchronizing CUDA call raises
+    try:
+        for step in range(8):
+            with telemetry.phase("forward"):
+                out = weight @ weight
+            with telemetry.phase("backward"):
+                out = out.relu()
+            loss.update(out.mean(), 1)  # counted by the sentinel on the device
+            telemetry.step(step)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    telemetry.close()
+    latest = telemetry.latest
+    assert latest["train/phases/median"]["forward"] > latest["train/phases/median"]["backward"] > 0
+    assert latest["train/nonfinite/count"] == {"train/loss": 0.0}
