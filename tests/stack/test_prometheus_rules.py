@@ -164,13 +164,18 @@ def test_the_required_alerts_exist() -> None:
         by_name["AllocatorRetriesRising"]
     )
     assert "torchtelemetry_train_memory_ooms_total" in queried_metrics(by_name["CudaOutOfMemory"])
+    assert "torchtelemetry_train_nonfinite_count_total" in queried_metrics(by_name["NonFiniteValues"])
+    assert "torchtelemetry_train_spike_count_total" in queried_metrics(by_name["LossSpike"])
+    assert "torchtelemetry_train_memory_headroom_min_bytes" in queried_metrics(by_name["MemoryHeadroomLow"])
+    assert "torchtelemetry_train_goodput_ratio" in queried_metrics(by_name["GoodputLow"])
+    assert "torchtelemetry_hw_gpu_throttled_max" in queried_metrics(by_name["GpuThrottled"])
 
 
 def test_no_alert_watches_step_time_across_ranks() -> None:
     """In synchronous training every rank's step time is the slowest rank's: a straggler alert on
-    it cannot fire (docs/stack.md), so there is none until a measure that differs between ranks."""
-    names = {rule["alert"] for rule in alert_rules()}
-    assert "RankStraggler" not in names
+    it cannot fire (docs/stack.md); RankStraggler reads the phases' straggler scores instead."""
+    by_name = {rule["alert"]: rule["expr"] for rule in alert_rules()}
+    assert "torchtelemetry_train_straggler_score" in queried_metrics(by_name["RankStraggler"])
     for rule in alert_rules():
         assert not {m for m in queried_metrics(rule["expr"]) if "step_time" in m}, rule["alert"]
 
@@ -179,7 +184,7 @@ def test_no_alert_watches_step_time_across_ranks() -> None:
 def test_every_alert_leaves_finished_runs_alone_and_fires_once_per_run(rule: dict) -> None:
     expr = " ".join(rule["expr"].split())
     assert expr.endswith(f"unless on (job, run) {FINISHED}"), f"{rule['alert']}: {expr}"
-    assert re.search(r"^(time\(\) - )?\(?\s*(max|count) by \(job, run\b", expr), (
+    assert re.search(r"^(time\(\) - )?\(?\s*(max|min|count) by \(job, run\b", expr), (
         f"{rule['alert']} must aggregate the routes' copies of a run by (job, run, ...): {expr}"
     )
 
