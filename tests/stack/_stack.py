@@ -33,6 +33,7 @@ from torchtelemetry.report import (
     prometheus_name,
     signal_descriptors,
 )
+from torchtelemetry.report.signals import gpu_descriptors, memory_descriptors
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
@@ -124,8 +125,17 @@ def training_descriptors() -> tuple[MetricDescriptor, ...]:
 
 
 def cuda_only_names() -> frozenset[str]:
-    """Sample names only a CUDA run emits (the allocator's detail)."""
+    """Sample names only a CUDA run emits (the allocator's detail, memory health's device
+    quantities, GPU health through NVML)."""
     described = describe_metrics({"train": {"memory": allocator_metrics()}})
+    on_cpu = {d.name for d in memory_descriptors(cuda=False)}
+    described += [d for d in (*memory_descriptors(cuda=True), *gpu_descriptors()) if d.name not in on_cpu]
+    return frozenset(name for descriptor in described for name in sample_names(descriptor))
+
+
+def event_only_names() -> frozenset[str]:
+    """Sample names exported only once something happened: the first non-finite value."""
+    described = [d for d in signal_descriptors() if d.name.startswith("train/nonfinite/first_")]
     return frozenset(name for descriptor in described for name in sample_names(descriptor))
 
 
@@ -195,10 +205,16 @@ def dashboards() -> dict[Path, dict[str, Any]]:
 
 
 def panels(dashboard: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    """Every panel, including those nested in rows."""
+    """Every panel that shows data, including those nested in collapsed rows (not the rows)."""
     for panel in dashboard.get("panels", []):
-        yield panel
+        if panel["type"] != "row":
+            yield panel
         yield from panel.get("panels", [])
+
+
+def rows(dashboard: dict[str, Any]) -> list[str]:
+    """The titles of a dashboard's rows."""
+    return [panel["title"] for panel in dashboard.get("panels", []) if panel["type"] == "row"]
 
 
 def rules() -> list[dict[str, Any]]:

@@ -25,13 +25,14 @@ from tests.stack._stack import (
     panels,
     queried_labels,
     queried_metrics,
+    rows,
     sample_names,
     substitute,
     training_descriptors,
     tree_descriptors,
     variables_used,
 )
-from torchtelemetry.report import signal_descriptors
+from torchtelemetry.report import DEFAULT_PHASES, signal_descriptors
 
 PANEL_TYPES = {"timeseries", "heatmap", "stat"}
 EXPECTED = {
@@ -155,9 +156,14 @@ def test_panels_query_only_what_the_library_emits(path: Path) -> None:
         )
 
 
-NOT_SHOWN = frozenset({"torchtelemetry_train_step_time_min_rank", "torchtelemetry_train_step_time_max_rank"})
-"""Exported but not shown: in synchronous training every rank's step time is the slowest rank's, so
-the ranks holding the longest and shortest one are noise (docs/stack.md)."""
+STEP_TIME_RANKS = frozenset(
+    {"torchtelemetry_train_step_time_min_rank", "torchtelemetry_train_step_time_max_rank"}
+)
+"""In synchronous training every rank's step time is the slowest rank's, so the ranks holding the
+longest and shortest one are noise (docs/stack.md)."""
+NOT_SHOWN = STEP_TIME_RANKS | {f"torchtelemetry_train_phase_{phase}_seconds" for phase in DEFAULT_PHASES}
+"""Exported but not shown: the step time's extreme ranks; the phases' times per rank (one series
+per rank and user-named phase), shown over ranks instead (min / median / max and their ranks)."""
 
 
 def test_dashboards_show_everything_the_library_emits() -> None:
@@ -188,13 +194,32 @@ def test_discovery_variables_list_exactly_the_trees_own_metrics(tree: str) -> No
 
 
 def test_no_panel_ranks_step_times_or_divides_them_into_a_straggler_ratio() -> None:
-    """Synchronous training makes every rank's step time the slowest rank's (docs/stack.md)."""
+    """Synchronous training makes every rank's step time the slowest rank's (docs/stack.md): the
+    straggler panels read the phases' straggler scores."""
     for dashboard in DASHBOARDS.values():
         for panel in panels(dashboard):
-            assert "straggler" not in panel["title"].lower(), panel["title"]
             for target in panel["targets"]:
-                assert not queried_metrics(target["expr"]) & NOT_SHOWN, panel["title"]
+                queried = queried_metrics(target["expr"])
+                assert not queried & STEP_TIME_RANKS, panel["title"]
                 assert "step_time" not in target["expr"] or "/" not in target["expr"], panel["title"]
+                if "straggler" in panel["title"].lower():
+                    assert all("_straggler_" in name for name in queried), panel["title"]
+
+
+def test_the_training_dashboard_has_a_health_row_read_from_the_signals() -> None:
+    dashboard = DASHBOARDS[DASHBOARD_DIR / "training.json"]
+    assert any(title.startswith("Health") for title in rows(dashboard))
+    queried = {name for query in _queries(dashboard) for name in queried_metrics(query)}
+    for name in (
+        "torchtelemetry_train_phases_share_percent",
+        "torchtelemetry_train_straggler_score",
+        "torchtelemetry_train_straggler_top_rank",
+        "torchtelemetry_train_nonfinite_count_total",
+        "torchtelemetry_train_memory_headroom_min_bytes",
+        "torchtelemetry_train_goodput_ratio",
+        "torchtelemetry_hw_gpu_throttled_max",
+    ):
+        assert name in queried, name
 
 
 def test_fixed_panels_are_only_for_the_built_in_signals() -> None:

@@ -81,7 +81,10 @@ def _train(
                     break
             with telemetry.data_wait():
                 time.sleep(0.002)
-            feed(tree, metrics, generator)
+            with telemetry.phase("forward"):
+                feed(tree, metrics, generator)
+            with telemetry.phase("backward"):
+                time.sleep(0.001 * (1 + rank))
             telemetry.step(step, tokens=TOKENS, samples=SAMPLES, learning_rate=1e-3 / (1 + step))
             time.sleep(0.02 * (1 + rank))  # rank 1 is the slower one
             step += 1
