@@ -14,7 +14,7 @@ import math
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
@@ -76,9 +76,9 @@ class Signal:
     order. State that `derive` keeps across windows is the signal's to guard.
     """
 
-    name: ClassVar[str] = ""
+    name: str = ""
     """Short name, the key of this signal's `host_values` and state."""
-    keywords: ClassVar[tuple[str, ...]] = ()
+    keywords: tuple[str, ...] = ()
     """`Telemetry.step()` keywords this signal takes."""
 
     def __init__(self, context: SignalContext) -> None:

@@ -32,8 +32,8 @@ class Count(Signal):
 
     def __init__(self, context: SignalContext, keyword: str, unit: str, description: str) -> None:
         super().__init__(context)
-        self.name = keyword  # type: ignore[misc]
-        self.keywords = (keyword,)  # type: ignore[misc]
+        self.name = keyword
+        self.keywords = (keyword,)
         self.path = f"train/{keyword}"
         self.rate = f"{self.path}_per_second"
         self.unit = unit
