@@ -80,6 +80,7 @@ def main() -> None:
             run(args.steps)
             best[name] = min(best[name], (time.perf_counter() - start) / args.steps)
     pieces = _pieces(telemetries[-1])
+    syncs = _host_syncs(loops[next(reversed(loops))])
     for telemetry in telemetries:
         telemetry.close()
     bare = best[next(iter(best))]
@@ -95,6 +96,21 @@ def main() -> None:
         "per call (timeit, fastest of 5):",
         ", ".join(f"{name} {1e6 * t:.2f} µs" for name, t in pieces.items()),
     )
+    print(f"host syncs seen by tests.hostsync.NoHostSync in 100 steps, phases and sentinel on: {len(syncs)}")
+    for sync in sorted(set(syncs)):
+        print("  ", sync)
+
+
+def _host_syncs(run: Callable[[int], None]) -> list[str]:
+    """What issue 20's detector sees in 100 steps (every read of a value on this thread counts, the
+    CPU-only negative-count check aside)."""
+    from tests.hostsync import NoHostSync
+
+    from torchtelemetry.metric._aggregation import _any_negative
+
+    with NoHostSync(exempt=[_any_negative], collect=True) as detector:
+        run(100)
+    return detector.seen
 
 
 def _pieces(telemetry: tt.Telemetry) -> dict[str, float]:
