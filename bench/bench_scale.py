@@ -36,7 +36,7 @@ from tests.sync.collectives import GLOO_HEADER_BYTES, CollectiveCounter, measure
 import torchtelemetry as tt
 from torchtelemetry.collect import AsyncMetricCollector, WindowPlan
 from torchtelemetry.metric import metric_leaves
-from torchtelemetry.report import TrainingSignals
+from torchtelemetry.report import SignalContext, SignalSet, builtin_signals
 from torchtelemetry.sync import window_cost
 
 _KINDS = (tt.WeightedMeanMetric, tt.SumMetric, tt.MaxMetric, tt.MinMetric)
@@ -44,20 +44,20 @@ GLOO_WRITES_PER_RING_STEP = 6
 """Write calls per ring step of gloo's TCP all-reduce (measured with 2-32 ranks, torch 2.13)."""
 
 
-def bound_metrics(count: int, world_size: int, rank: int) -> tuple[dict[str, Any], TrainingSignals]:
+def bound_metrics(count: int, world_size: int, rank: int) -> tuple[dict[str, Any], SignalSet]:
     """What `Telemetry` binds for a tree of `count` metrics: the tree and the signals' metrics."""
     tree = {f"m{i:04d}": _KINDS[i % len(_KINDS)]() for i in range(count)}
-    signals = TrainingSignals(world_size=world_size, rank=rank, device=torch.device("cpu"))
-    return {"tree": tree, **signals.metrics}, signals
+    signals = SignalSet(builtin_signals(SignalContext(world_size, rank, torch.device("cpu"))))
+    return {"tree": tree, **signals.metrics()}, signals
 
 
-def fill(metrics: dict[str, Any], signals: TrainingSignals, rank: int) -> None:
+def fill(metrics: dict[str, Any], signals: SignalSet, rank: int) -> None:
     """One update of every metric of the tree, and one window of signals."""
     value = torch.tensor(float(rank + 1))
     for metric in metrics["tree"].values():
         metric.update(value)
-    signals.record_step(0.1 * (rank + 1), tokens=1024, data_time=0.01)
-    signals.flush_to_device(1.0)
+    signals.record_step(0, 0.1 * (rank + 1), {"tokens": 1024, "data_time": 0.01})
+    signals.flush(1.0)
 
 
 def _measure(rank: int, world_size: int, count: int, windows: int, counter: CollectiveCounter) -> dict:

@@ -30,6 +30,7 @@ from panels import (
     _thresholds,
     heatmap,
     layout,
+    metric,
     over_ranks,
     repeated,
     selected,
@@ -103,25 +104,25 @@ def builtin_panels() -> list[dict[str, Any]]:
             "Tokens seen",
             "Tokens trained on since the run started, all ranks (torchtelemetry_train_tokens_total).",
             "short",
-            targets((f"sum by (job, run) ({selected('torchtelemetry_train_tokens_total')})", "{{run}}")),
+            targets((f"sum by (job, run) ({selected(metric('train/tokens'))})", "{{run}}")),
         ),
         stat(
             "Samples seen",
             "Samples trained on since the run started, all ranks (torchtelemetry_train_samples_total).",
             "short",
-            targets((f"sum by (job, run) ({selected('torchtelemetry_train_samples_total')})", "{{run}}")),
+            targets((f"sum by (job, run) ({selected(metric('train/samples'))})", "{{run}}")),
         ),
         stat(
             "Tokens per second",
             "Token throughput of all ranks over the latest window.",
             "short",
-            targets((f"sum by (job, run) ({selected('torchtelemetry_train_tokens_per_second')})", "{{run}}")),
+            targets((f"sum by (job, run) ({selected(metric('train/tokens_per_second'))})", "{{run}}")),
         ),
         stat(
             "MFU",
             "Model FLOPs utilization per device (torchtitan's formula; needs flops_per_token).",
             "percent",
-            targets((f"max by (job, run) ({selected('torchtelemetry_train_mfu_percent')})", "{{run}}")),
+            targets((f"max by (job, run) ({selected(metric('train/mfu'))})", "{{run}}")),
         ),
         stat(
             "Data wait",
@@ -134,28 +135,28 @@ def builtin_panels() -> list[dict[str, Any]]:
             "Throughput: tokens per second",
             "Tokens per second of all ranks together, per window.",
             "short",
-            targets((selected("torchtelemetry_train_tokens_per_second"), "{{run}}")),
+            targets((selected(metric("train/tokens_per_second")), "{{run}}")),
             axis_label="tokens/s",
         ),
         timeseries(
             "Throughput: samples per second",
             "Samples per second of all ranks together, per window.",
             "short",
-            targets((selected("torchtelemetry_train_samples_per_second"), "{{run}}")),
+            targets((selected(metric("train/samples_per_second")), "{{run}}")),
             axis_label="samples/s",
         ),
         timeseries(
             "Model TFLOP/s per device",
             "Model FLOPs achieved per device and second, in TFLOP/s (flops_per_token x tokens/s per device).",
             "short",
-            targets((selected("torchtelemetry_train_tflops_per_second"), "{{run}}")),
+            targets((selected(metric("train/tflops_per_second")), "{{run}}")),
             axis_label="TFLOP/s",
         ),
         timeseries(
             "MFU over time",
             "Model FLOPs utilization per device: achieved model FLOP/s over the device's dense BF16 peak.",
             "percent",
-            targets((selected("torchtelemetry_train_mfu_percent"), "{{run}}")),
+            targets((selected(metric("train/mfu")), "{{run}}")),
         ),
         timeseries(
             "Step time per rank",
@@ -175,7 +176,7 @@ def builtin_panels() -> list[dict[str, Any]]:
             "Learning rate",
             "Learning rate at the end of each window (torchtelemetry_train_learning_rate).",
             "sci",
-            targets((selected("torchtelemetry_train_learning_rate"), "{{run}}")),
+            targets((selected(metric("train/learning_rate")), "{{run}}")),
         ),
         timeseries(
             "Data wait per step over ranks: min / median / max",
@@ -194,15 +195,15 @@ def builtin_panels() -> list[dict[str, Any]]:
             "Peak memory over time",
             "Peak CUDA memory allocated, or peak resident memory on CPU, max over ranks.",
             "bytes",
-            targets((selected("torchtelemetry_train_peak_memory_bytes"), "{{run}}")),
+            targets((selected(metric("train/peak_memory")), "{{run}}")),
         ),
         timeseries(
             "CUDA allocator: max active / max reserved",
             "Peaks of the CUDA caching allocator, max over ranks (CUDA runs only).",
             "bytes",
             targets(
-                (selected("torchtelemetry_train_memory_max_active_bytes"), "{{run}} max active"),
-                (selected("torchtelemetry_train_memory_max_reserved_bytes"), "{{run}} max reserved"),
+                (selected(metric("train/memory/max_active")), "{{run}} max active"),
+                (selected(metric("train/memory/max_reserved")), "{{run}} max reserved"),
             ),
         ),
         timeseries(
@@ -212,11 +213,11 @@ def builtin_panels() -> list[dict[str, Any]]:
             "short",
             targets(
                 (
-                    f"increase({selected('torchtelemetry_train_memory_alloc_retries_total')}[$__rate_interval])",
+                    f"increase({selected(metric('train/memory/alloc_retries'))}[$__rate_interval])",
                     "{{run}} retries",
                 ),
                 (
-                    f"increase({selected('torchtelemetry_train_memory_ooms_total')}[$__rate_interval])",
+                    f"increase({selected(metric('train/memory/ooms'))}[$__rate_interval])",
                     "{{run}} OOMs",
                 ),
             ),
@@ -225,7 +226,7 @@ def builtin_panels() -> list[dict[str, Any]]:
             "Tokens seen over time",
             "Tokens trained on since the run started (torchtelemetry_train_tokens_total).",
             "short",
-            targets((selected("torchtelemetry_train_tokens_total"), "{{run}}")),
+            targets((selected(metric("train/tokens")), "{{run}}")),
         ),
     ]
 

@@ -5,15 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from panels import _thresholds, selected, stat, targets, timeseries
-
-
-def metric(path: str) -> str:
-    """The Prometheus name of the built-in signal at `path`, read from the signal objects."""
-    from torchtelemetry.report import prometheus_name, signal_descriptors
-
-    (descriptor,) = [d for d in signal_descriptors() if d.name == path]
-    return prometheus_name(descriptor)
+from panels import _thresholds, metric, selected, stat, targets, timeseries
 
 
 def row(title: str) -> dict[str, Any]:

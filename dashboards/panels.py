@@ -190,3 +190,11 @@ def layout(panels: list[dict[str, Any]]) -> list[dict[str, Any]]:
         x += grid["w"]
         row_height = max(row_height, grid["h"])
     return panels
+
+
+def metric(path: str) -> str:
+    """The Prometheus name of the built-in signal at `path`, read from the signal objects."""
+    from torchtelemetry.report import prometheus_name, signal_descriptors
+
+    (descriptor,) = [d for d in signal_descriptors() if d.name == path]
+    return prometheus_name(descriptor)

@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import torchtelemetry as tt
 from tests.hostsync import NoHostSync
 from torchtelemetry.metric._aggregation import _any_negative  # the CPU-only check, exempt by design
-from torchtelemetry.report._signals import _check_count  # step(tokens=)'s, CPU-only as well
+from torchtelemetry.report.signals import check_count  # step(tokens=)'s, CPU-only as well
 
 EVERY = 2
 STEPS = 12
@@ -128,7 +128,7 @@ def test_step_in_steady_state_never_syncs_the_device() -> None:
             metrics["loss"].update(torch.tensor(2.0), 512)
             metrics["accuracy"].update(torch.randn(4, 3), torch.tensor([0, 1, 2, 0]))
             metrics["grad_norm"].update(torch.tensor(1.5))
-            with NoHostSync(exempt=[_any_negative, _check_count]):
+            with NoHostSync(exempt=[_any_negative, check_count]):
                 with telemetry.data_wait():
                     pass
                 telemetry.step(step, tokens=torch.tensor(512), samples=4, learning_rate=0.1)

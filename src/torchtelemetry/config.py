@@ -10,7 +10,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torchtelemetry.collect import check_collection_limits
-from torchtelemetry.report import DEFAULT_PHASES, MIN_HISTORY, check_phase_names
+from torchtelemetry.report import (
+    DEFAULT_PHASES,
+    DEFAULT_SPIKE_SIGMA,
+    DEFAULT_SPIKE_WINDOWS,
+    DEFAULT_TOP_K,
+    MIN_HISTORY,
+    check_phase_names,
+)
 from torchtelemetry.sync import GroupLike
 
 __all__ = ["TelemetryConfig"]
@@ -36,15 +43,15 @@ class TelemetryConfig:
     phases: Sequence[str] = DEFAULT_PHASES
     """Sections `Telemetry.phase(name)` times, per rank (the data wait is always the phase "data");
     every rank declares the same, as their times ride the window's collective."""
-    straggler_top_k: int = 3
+    straggler_top_k: int = DEFAULT_TOP_K
     """How many of the slowest ranks `train/straggler/top_rank` names, every window."""
     nonfinite: Sequence[str] | None = None
     """Paths of the metrics whose inputs the health sentinel counts non-finite values of (and
     spike-scores); None: every metric whose name ends in `loss`."""
-    spike_sigma: float = 6.0
+    spike_sigma: float = DEFAULT_SPIKE_SIGMA
     """A watched metric's window value is a spike above its recent mean plus this many standard
     deviations."""
-    spike_windows: int = 32
+    spike_windows: int = DEFAULT_SPIKE_WINDOWS
     """Windows the spike score's mean and standard deviation are taken over."""
     progress_file: str | os.PathLike[str] | None = None
     """A file the exporting rank rewrites every window with the run id and step; after a restart

@@ -32,7 +32,6 @@ from torchtelemetry.export import (
 )
 from torchtelemetry.metric import metric_leaves
 from torchtelemetry.report import (
-    DATA_PHASE,
     HostTimer,
     MetricDescriptor,
     ModelFlops,
@@ -41,10 +40,9 @@ from torchtelemetry.report import (
     ScalarValue,
     SignalContext,
     SignalSet,
-    TrainingSignals,
     WindowPublisher,
+    builtin_signals,
     describe_with_signals,
-    health_signals,
     restore_run_state,
     run_state,
 )
@@ -143,24 +141,9 @@ class Telemetry:
         """Whether this rank exports: rank 0 of the group (`export_policy`)."""
         run = RunInfo.create(config.run_id, world_size=world_size, config=config.run_config)
         self.run = RunInfo(run_id=run.run_id + policy.run_id_suffix, world_size=world_size, config=run.config)
-        self._health = self._health_signals(config, world_size, group_rank(resolved), device)
-        self._signals = (
-            TrainingSignals(
-                world_size=world_size,
-                rank=group_rank(resolved),
-                device=device,
-                flops=ModelFlops.resolve(
-                    config.flops_per_token, config.flops_per_sample, config.peak_flops, device
-                ),
-                health=self._health,
-            )
-            if config.signals
-            else None
-        )
-        if self._signals is not None:
-            self._data_wait = HostTimer(self._signals.record_data_wait)
-        signal_metrics = self._signals.metrics if self._signals else {}
-        self._leaves = self._user_leaves + metric_leaves(signal_metrics, op="Telemetry")
+        self._signals = self._builtin_signals(config, world_size, group_rank(resolved), device)
+        signal_metrics = self._signals.metrics() if self._signals is not None else {}
+        self._leaves = self._user_leaves + list(signal_metrics.items())
         ranks = RankSeriesLimit(world_size, config.max_rank_series)
         self._descriptors = describe_with_signals(metrics, self._signals, ranks)
         if isinstance(exporters, str):
@@ -177,16 +160,19 @@ class Telemetry:
             reserved=[descriptor.name for descriptor in HEALTH_DESCRIPTORS],
         )
 
-    def _health_signals(
+    def _builtin_signals(
         self, config: TelemetryConfig, world_size: int, rank: int, device: torch.device
     ) -> SignalSet | None:
         if not config.signals:
             return None
         context = SignalContext(world_size, rank, device, config.max_rank_series)
         return SignalSet(
-            health_signals(
+            builtin_signals(
                 context,
                 leaves=self._user_leaves,
+                flops=ModelFlops.resolve(
+                    config.flops_per_token, config.flops_per_sample, config.peak_flops, device
+                ),
                 phases=config.phases,
                 straggler_top_k=config.straggler_top_k,
                 nonfinite=config.nonfinite,
@@ -233,17 +219,14 @@ class Telemetry:
         self._require_open("step")
         now = time.perf_counter()
         if self._signals is not None:
-            self._signals.record_step(
-                None if self._last_step_clock is None else now - self._last_step_clock,
-                tokens=tokens,
-                samples=samples,
-                learning_rate=learning_rate,
-                data_time=data_time,
-            )
-        if self._health is not None:
-            self._health.record_step(
-                step, None if self._last_step_clock is None else now - self._last_step_clock, {}
-            )
+            inputs = {
+                "tokens": tokens,
+                "samples": samples,
+                "learning_rate": learning_rate,
+                "data_time": data_time,
+            }
+            step_time = None if self._last_step_clock is None else now - self._last_step_clock
+            self._signals.record_step(step, step_time, inputs)
         self._last_step_clock = now
         self._last_step = step
         self._steps_in_window += 1
@@ -261,9 +244,9 @@ class Telemetry:
         """
         if self._signals is None:
             return contextlib.nullcontext()
-        return self._data_wait
+        return self._signals.data_wait_timer()
 
-    def phase(self, name: str) -> PhaseTimer | contextlib.AbstractContextManager[None]:
+    def phase(self, name: str) -> PhaseTimer | HostTimer | contextlib.AbstractContextManager[None]:
         """Time the block as phase `name` of the current step: `with telemetry.phase("forward"): ...`.
 
         On CUDA, device time between two events recorded on the current stream (read off this
@@ -272,18 +255,16 @@ class Telemetry:
         ranks min/median/max with the ranks holding them, each phase's share of the step and
         straggler scores (docs/signals.md). With `signals=False` the block is not timed.
         """
-        if name == DATA_PHASE:
-            return self.data_wait()
-        if self._health is None:
+        if self._signals is None:
             return contextlib.nullcontext()
-        return self._health.phase(name)
+        return self._signals.phase(name)
 
     def checkpoint_saved(self, step: int) -> None:
         """Mark the checkpoint of `step` as durable (written and committed): for goodput, the
         training up to when `state_dict()` was taken for it reached a checkpoint."""
         self._require_open("checkpoint_saved")
-        if self._health is not None:
-            self._health.checkpoint_saved(step)
+        if self._signals is not None:
+            self._signals.checkpoint_saved(step)
 
     def schedule_collection(self) -> None:
         """Schedule a collection of the steps since the last one now, without waiting for it.
@@ -315,7 +296,7 @@ class Telemetry:
     def _flush_signals(self, *, final: bool = False) -> float:
         now = time.perf_counter()
         if self._signals is not None:
-            self._signals.flush_to_device(now - self._signals_flushed, final=final)
+            self._signals.flush(now - self._signals_flushed, final=final)
         self._signals_flushed = now
         return now
 
@@ -328,7 +309,7 @@ class Telemetry:
             self._last_step or 0,
             duration_s=now - self._window_start,
             steps=self._steps_in_window,
-            host=self._health.host_values() if self._health is not None else None,
+            host=self._signals.host_values() if self._signals is not None else None,
         )
         try:
             # The report is built on the collector's worker thread (naming, totals: work that grows
@@ -387,8 +368,8 @@ class Telemetry:
             self._collector.unbind(timeout_s=timeout_s)
             self.hub.close(timeout_s)
             self._every_rank.release()
-            if self._health is not None:
-                self._health.close()
+            if self._signals is not None:
+                self._signals.close()
 
     def _require_open(self, op: str) -> None:
         check_same_process(self._pid, f"Telemetry.{op}")

@@ -33,11 +33,11 @@ from torchtelemetry.report import (
     RankSeriesLimit,
     SignalContext,
     SignalSet,
-    TrainingSignals,
     WindowPublisher,
+    builtin_signals,
     describe_with_signals,
-    health_signals,
 )
+from torchtelemetry.report.signals import DataWait, MemoryHealth, Phases, StepTime
 
 pytest.importorskip("opentelemetry.exporter.otlp.proto.http")
 prometheus_parser = pytest.importorskip("prometheus_client.parser")
@@ -107,24 +107,24 @@ def _per_rank(world_size: int, window: int) -> torch.Tensor:
     return values
 
 
-def _fill(tree: dict[str, Any], signals: TrainingSignals, world_size: int, window: int) -> None:
+def _fill(tree: dict[str, Any], signals: SignalSet, world_size: int, window: int) -> None:
     """One window's updates, with every rank's slot of the values per rank filled (as reduced)."""
     tree["train"]["loss"].update(torch.tensor(2.0), 8)
     tree["train"]["accuracy"].update(torch.randn(8, 4), torch.randint(0, 4, (8,)))
     tree["train"]["grad_norm"].update(torch.tensor([0.3, 4.0]))
     tree["data"]["skipped"].update(torch.tensor(1.0))
-    signals.record_step(
-        None if window == 0 else 0.1, tokens=1024, samples=8, learning_rate=1e-3, data_time=0.01
-    )
-    signals.flush_to_device(1.0)
+    inputs = {"tokens": 1024, "samples": 8, "learning_rate": 1e-3, "data_time": 0.01}
+    signals.record_step(10 * window, None if window == 0 else 0.1, inputs)
+    signals.flush(1.0)
+    by_type = {type(signal): signal for signal in signals.signals}
+    step_time, data_wait = by_type[StepTime], by_type[DataWait]
+    phases, memory = by_type[Phases], by_type[MemoryHealth]
     ones = torch.ones(world_size, dtype=torch.float64)
-    for metric in (tree["ranks"]["loss"], tree["ranks"]["tokens"], signals.step_time, signals.data_wait):
+    for metric in (tree["ranks"]["loss"], tree["ranks"]["tokens"], step_time.metric, data_wait.wait):
         metric.sums.update(_per_rank(world_size, window))
         metric.counts.update(ones)
-    signals.data_wait_share.sums.update(ones)
-    signals.data_wait_share.counts.update(ones)
-    assert signals.health is not None
-    phases, _, _, memory, _ = signals.health.signals
+    data_wait.share.sums.update(ones)
+    data_wait.share.counts.update(ones)
     phases.times.seconds.local.copy_(torch.stack([_per_rank(world_size, window)] * len(PHASES)) / 10)
     phases.times.steps.local.copy_(ones)
     memory.ranks.values.local.copy_(_per_rank(world_size, window).unsqueeze(0) * 2**30)
@@ -143,26 +143,17 @@ class Exported:
 def _export(world_size: int, max_rank_series: int = MAX_RANK_SERIES) -> Exported:
     tree = _tree(world_size)
     context = SignalContext(world_size, 0, torch.device("cpu"), max_rank_series)
-    health = health_signals(
-        context,
-        leaves=metric_leaves(tree, op="test"),
-        phases=PHASES,
-        straggler_top_k=TOP_K,
-        nonfinite=None,
-        spike_sigma=6.0,
-        spike_windows=32,
-        run_id="budget",
-        progress_file=None,
-        nvml=False,
+    signals = SignalSet(
+        builtin_signals(
+            context,
+            leaves=metric_leaves(tree, op="test"),
+            flops=ModelFlops(per_unit=6e6, per_sample=False, peak=1e12),
+            phases=PHASES,
+            straggler_top_k=TOP_K,
+            run_id="budget",
+        )
     )
-    signals = TrainingSignals(
-        world_size=world_size,
-        rank=0,
-        device=torch.device("cpu"),
-        flops=ModelFlops(per_unit=6e6, per_sample=False, peak=1e12),
-        health=SignalSet(health),
-    )
-    leaves = metric_leaves(tree, op="test") + metric_leaves(signals.metrics, op="test")
+    leaves = metric_leaves(tree, op="test") + list(signals.metrics().items())
     ranks = RankSeriesLimit(world_size, max_rank_series)
     descriptors = describe_with_signals(tree, signals, ranks)
     prometheus = PrometheusExporter(port=0, linger_s=0)
@@ -177,7 +168,7 @@ def _export(world_size: int, max_rank_series: int = MAX_RANK_SERIES) -> Exported
             for window in range(2):  # the second report carries every exporter's health
                 _fill(tree, signals, world_size, window)
                 in_flight = publisher.scheduled(
-                    10 * (window + 1), duration_s=1.0, steps=1, host=signals.health.host_values()
+                    10 * (window + 1), duration_s=1.0, steps=1, host=signals.host_values()
                 )
                 publisher.release()  # nothing logged at its step: submit it as soon as it is built
                 publisher.publish(in_flight, [to_python(metric.compute()) for _, metric in leaves])
@@ -189,7 +180,7 @@ def _export(world_size: int, max_rank_series: int = MAX_RANK_SERIES) -> Exported
             (request, *_) = receiver.received[-1:]
         finally:
             hub.close(10)
-            signals.health.close()
+            signals.close()
     samples = {
         (sample.name, tuple(sorted(sample.labels.items()))): sample.value
         for family in prometheus_parser.text_string_to_metric_families(text)

@@ -11,7 +11,7 @@ import torch
 from tests.distributed import run_ranks
 from tests.report import fake_nvml
 from tests.report.windows import collect_window, context
-from torchtelemetry.report.signals import GpuHealth, SignalSet, health_signals, open_nvml
+from torchtelemetry.report.signals import GpuHealth, SignalSet, builtin_signals, open_nvml
 
 
 def _gpu_health(rank: int, world_size: int) -> tuple[dict, list]:
@@ -47,18 +47,7 @@ def test_without_nvml_nothing_is_exported_and_one_line_says_why(caplog: pytest.L
     with caplog.at_level(logging.INFO, logger="torchtelemetry.report.signals._nvml"):
         assert open_nvml(torch.device("cuda", 0), module="tests.report.no_such_nvml") is None
     assert len(caplog.records) == 1 and "pip install 'torchtelemetry[nvml]'" in caplog.text
-    signals = health_signals(
-        context(),
-        leaves=[],
-        phases=(),
-        straggler_top_k=3,
-        nonfinite=None,
-        spike_sigma=6.0,
-        spike_windows=32,
-        run_id="r",
-        progress_file=None,
-        nvml=True,
-    )
+    signals = builtin_signals(context(), nvml=True)
     assert not any(isinstance(signal, GpuHealth) for signal in signals)  # CPU training: no GPU to read
 
 

@@ -95,11 +95,12 @@ def test_collectives_ring_steps_and_bytes_are_what_the_model_predicts(world_size
 
 def _mixed_layout(count: int, world_size: int, *, signals: bool = True) -> Any:
     """What `Telemetry` collects for a tree of `count` mixed metrics at `world_size` ranks."""
-    from torchtelemetry.report import TrainingSignals
+    from torchtelemetry.report import SignalContext, SignalSet, builtin_signals
 
     metrics: dict[str, Any] = {"tree": {f"m{i:04d}": _KINDS[i % len(_KINDS)]() for i in range(count)}}
     if signals:
-        metrics |= TrainingSignals(world_size=world_size, rank=0, device=torch.device("cpu")).metrics
+        context = SignalContext(world_size, 0, torch.device("cpu"))
+        metrics |= SignalSet(builtin_signals(context)).metrics()
     return WindowPlan(metric_leaves(metrics, op="test"), world_size).layout
 
 

@@ -1,9 +1,9 @@
 """Reports: a window's results as named values, the built-in training signals and the running totals.
 
 Between collection and export: `flatten_results` names each metric's results by its path in the
-tree (`train/loss`), `TrainingSignals` adds throughput and step-time statistics, the health
-signals of `report.signals` (phases, stragglers, non-finite counts, memory, goodput, GPU) theirs,
-`RunningTotals` turns counters and histograms into totals across windows and restarts,
+tree (`train/loss`), the built-in signals of `report.signals` (one object each, routed by a
+`SignalSet`: step time, throughput, phases, stragglers, non-finite counts, memory, goodput, GPU)
+add theirs, `RunningTotals` turns counters and histograms into totals across windows and restarts,
 `WindowPublisher` submits one report per window in step order, and the naming rules say how each
 backend spells a path.
 """
@@ -35,32 +35,38 @@ from torchtelemetry.report._naming import (
 )
 from torchtelemetry.report._publisher import WindowPublisher, describe_with_signals
 from torchtelemetry.report._ranks import RankSeriesLimit
-from torchtelemetry.report._signals import TrainingSignals, signal_descriptors
 from torchtelemetry.report._totals import RunningTotals, difference
 from torchtelemetry.report._values import HistogramValue, MetricDescriptor, Scalars, ScalarValue
 from torchtelemetry.report.signals import (
     DATA_PHASE,
     DEFAULT_PHASES,
+    DEFAULT_SPIKE_SIGMA,
+    DEFAULT_SPIKE_WINDOWS,
+    DEFAULT_TOP_K,
     MIN_HISTORY,
     HostTimer,
     PhaseTimer,
     SignalContext,
     SignalSet,
     WindowTiming,
+    builtin_signals,
     check_phase_names,
-    health_signals,
+    signal_descriptors,
 )
 
 __all__ = [
     "DATA_PHASE",
     "DEFAULT_PHASES",
+    "DEFAULT_SPIKE_SIGMA",
+    "DEFAULT_SPIKE_WINDOWS",
+    "DEFAULT_TOP_K",
     "MIN_HISTORY",
     "HostTimer",
     "PhaseTimer",
     "SignalContext",
     "SignalSet",
     "check_phase_names",
-    "health_signals",
+    "builtin_signals",
     "LAST_UPDATE_METRIC",
     "RUN_FINISHED_METRIC",
     "MAX_NAME_LENGTH",
@@ -77,7 +83,6 @@ __all__ = [
     "ScalarValue",
     "Scalars",
     "TrackerKeys",
-    "TrainingSignals",
     "WindowPublisher",
     "WindowTiming",
     "allocator_metrics",

@@ -7,8 +7,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from torchtelemetry.metric import Metric, gather_local_states, restore_local_states
-from torchtelemetry.report._signals import TrainingSignals
 from torchtelemetry.report._totals import RunningTotals
+from torchtelemetry.report.signals import SignalSet
 from torchtelemetry.sync import GroupLike
 
 __all__ = ["restore_run_state", "run_state"]
@@ -17,7 +17,7 @@ __all__ = ["restore_run_state", "run_state"]
 def run_state(
     leaves: Sequence[tuple[str, Metric]],
     totals: RunningTotals,
-    signals: TrainingSignals | None,
+    signals: SignalSet | None,
     group: GroupLike,
 ) -> dict[str, Any]:
     """The partial window of every metric of `leaves` on every rank (collective over `group`), the
@@ -35,7 +35,7 @@ def restore_run_state(
     leaves: Sequence[tuple[str, Metric]],
     user_leaves: Sequence[tuple[str, Metric]],
     totals: RunningTotals,
-    signals: TrainingSignals | None,
+    signals: SignalSet | None,
     group: GroupLike,
 ) -> None:
     """Restore a `run_state()`, also one saved at another world size (see `restore_local_states`);

@@ -13,10 +13,9 @@ from torchtelemetry.report._clock import wall_time
 from torchtelemetry.report._flatten import describe_metrics, flatten_results
 from torchtelemetry.report._naming import InvalidMetricNameError, NameCollisionError, sanitize_path
 from torchtelemetry.report._ranks import RankSeriesLimit
-from torchtelemetry.report._signals import TrainingSignals
 from torchtelemetry.report._totals import RunningTotals
 from torchtelemetry.report._values import MetricDescriptor, Scalars, ScalarValue
-from torchtelemetry.report.signals import WindowTiming
+from torchtelemetry.report.signals import SignalSet, WindowTiming
 
 __all__ = ["InFlight", "Submit", "WindowPublisher", "describe_with_signals"]
 
@@ -32,22 +31,22 @@ class Submit(Protocol):
 
 
 def describe_with_signals(
-    metrics: Any, signals: TrainingSignals | None, ranks: RankSeriesLimit
+    metrics: Any, signals: SignalSet | None, ranks: RankSeriesLimit
 ) -> list[MetricDescriptor]:
     """What is exported of the user's metrics and the built-in signals, values per rank within
     `ranks`' limit; a name defined twice raises."""
     described = describe_metrics(metrics)
-    if signals is not None:
-        described += signals.descriptors(describe_metrics(signals.metrics))
-    described = ranks.describe(described)
+    builtin = signals.descriptors() if signals is not None else []
+    described = ranks.describe(described + builtin)
     seen: dict[str, int] = collections.Counter(d.name for d in described)
     duplicates = sorted(name for name, count in seen.items() if count > 1)
     if duplicates:
+        taken = sorted({d.name for d in builtin} & set(duplicates))
         raise ValueError(
-            f"Telemetry: metric names {duplicates} are defined twice (the built-in signals use "
-            "train/step_time, train/data_wait, train/tokens, train/samples, train/learning_rate, "
-            "train/peak_memory, train/memory/..., train/tokens_per_second, train/mfu, ...); "
-            "rename yours or pass signals=False"
+            f"Telemetry: metric names {duplicates} are defined twice"
+            + (f" ({taken} by the built-in signals)" if taken else "")
+            + "; rename yours"
+            + (" or pass signals=False" if taken else "")
         )
     return described
 
@@ -80,7 +79,7 @@ class WindowPublisher:
         self,
         leaves: Sequence[tuple[str, Metric]],
         descriptors: Sequence[MetricDescriptor],
-        signals: TrainingSignals | None,
+        signals: SignalSet | None,
         submit: Submit,
         ranks: RankSeriesLimit,
         *,
@@ -132,7 +131,7 @@ class WindowPublisher:
         timing = in_flight.timing
         window = flatten_results(self._leaves, results)
         if self._signals is not None:
-            self._signals.publish(window, timing)
+            self._signals.derive(window, timing)
         self._ranks.publish(window)
         with self._lock:
             reported = self.totals.add(window)

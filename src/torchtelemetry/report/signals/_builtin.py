@@ -9,6 +9,7 @@ import torch
 
 from torchtelemetry.metric import Metric, SumMetric
 from torchtelemetry.report._flops import ModelFlops
+from torchtelemetry.report._ranks import RankSeriesLimit
 from torchtelemetry.report._values import MetricDescriptor
 from torchtelemetry.report.signals._base import Signal, SignalContext
 from torchtelemetry.report.signals._data_wait import DataWait
@@ -19,36 +20,51 @@ from torchtelemetry.report.signals._nonfinite import NonFiniteSentinel, watched_
 from torchtelemetry.report.signals._nvml import GpuHealth, gpu_descriptors, open_nvml
 from torchtelemetry.report.signals._peak_memory import PeakMemory
 from torchtelemetry.report.signals._phases import DEFAULT_PHASES, Phases
-from torchtelemetry.report.signals._spikes import MIN_HISTORY, Spikes
+from torchtelemetry.report.signals._spikes import Spikes
 from torchtelemetry.report.signals._step_time import StepTime
 from torchtelemetry.report.signals._throughput import Count, ModelFlopsSignal
 
-__all__ = ["builtin_descriptors", "builtin_signals"]
+__all__ = [
+    "DEFAULT_SPIKE_SIGMA",
+    "DEFAULT_SPIKE_WINDOWS",
+    "DEFAULT_TOP_K",
+    "builtin_descriptors",
+    "builtin_signals",
+    "signal_descriptors",
+]
+
+DEFAULT_TOP_K = 3
+"""`TelemetryConfig.straggler_top_k` by default."""
+DEFAULT_SPIKE_SIGMA = 6.0
+"""`TelemetryConfig.spike_sigma` by default (OLMo-core's)."""
+DEFAULT_SPIKE_WINDOWS = 32
+"""`TelemetryConfig.spike_windows` by default."""
 
 
 def builtin_signals(
     context: SignalContext,
     *,
-    leaves: Sequence[tuple[str, Metric]],
-    flops: ModelFlops | None,
-    phases: Sequence[str],
-    straggler_top_k: int,
-    nonfinite: Sequence[str] | None,
-    spike_sigma: float,
-    spike_windows: int,
-    run_id: str,
-    progress_file: str | os.PathLike[str] | None,
-    nvml: bool,
+    leaves: Sequence[tuple[str, Metric]] = (),
+    flops: ModelFlops | None = None,
+    phases: Sequence[str] = DEFAULT_PHASES,
+    straggler_top_k: int = DEFAULT_TOP_K,
+    nonfinite: Sequence[str] | None = None,
+    spike_sigma: float = DEFAULT_SPIKE_SIGMA,
+    spike_windows: int = DEFAULT_SPIKE_WINDOWS,
+    run_id: str = "",
+    progress_file: str | os.PathLike[str] | None = None,
+    nvml: bool = False,
 ) -> list[Signal]:
-    """Every built-in signal of one `Telemetry` (its `TelemetryConfig` fields of the same names),
-    in the order they derive: a signal that reads another's window values comes after it (model
-    FLOPs after the counts, the phases after the data wait)."""
+    """Every built-in signal of one `Telemetry` (its `TelemetryConfig` fields of the same names;
+    `leaves` are the user's metrics, `flops` from `ModelFlops.resolve`), in the order they derive:
+    a signal that reads another's window values comes after it (model FLOPs after the counts, the
+    phases after the data wait)."""
     watched = watched_metrics(leaves, nonfinite)
     signals: list[Signal] = [
         StepTime(context),
         DataWait(context),
-        Count(context, "tokens", "tokens", "Tokens trained on"),
-        Count(context, "samples", "samples", "Samples trained on"),
+        Count(context, "tokens", "tokens", "Tokens trained on", "Token throughput"),
+        Count(context, "samples", "samples", "Samples trained on", "Sample throughput"),
         LearningRate(context),
         PeakMemory(context),
         Phases(context, phases, top_k=straggler_top_k),
@@ -65,27 +81,27 @@ def builtin_signals(
     return signals
 
 
-def builtin_descriptors() -> list[MetricDescriptor]:
+def builtin_descriptors(max_rank_series: int = 1) -> list[MetricDescriptor]:
     """Every name the built-in signals can export, in every shape (with model FLOPs and MFU, on
     CUDA, with NVML, the default phases per rank, one watched metric), for dashboards and alert
-    rules that must know them all. Values per rank are listed once per rank here; above
-    `max_rank_series` ranks `RankSeriesLimit` says what becomes of them."""
-    context = SignalContext(world_size=1, rank=0, device=torch.device("cpu"))
+    rules that must know them all. With `max_rank_series` 0, as a run wider than its limit
+    describes them (before `RankSeriesLimit` turns the rest of its values per rank into statistics)."""
+    context = SignalContext(world_size=1, rank=0, device=torch.device("cpu"), max_rank_series=max_rank_series)
     signals = builtin_signals(
-        context,
-        leaves=[("loss", SumMetric())],
-        flops=ModelFlops(per_unit=1.0, per_sample=False, peak=1.0),
-        phases=DEFAULT_PHASES,
-        straggler_top_k=1,
-        nonfinite=None,
-        spike_sigma=6.0,
-        spike_windows=MIN_HISTORY,
-        run_id="",
-        progress_file=None,
-        nvml=False,
+        context, leaves=[("loss", SumMetric())], flops=ModelFlops(per_unit=1.0, per_sample=False, peak=1.0)
     )
     described = [descriptor for signal in signals for descriptor in signal.descriptors()]
     for signal in signals:
         signal.close()
     cuda_only = memory_descriptors(cuda=True) + PeakMemory.cuda_descriptors() + gpu_descriptors()
     return list({d.name: d for d in described + cuda_only}.values())
+
+
+def signal_descriptors() -> list[MetricDescriptor]:
+    """Every name the built-in signals can export, in every shape: the values per rank both as one
+    series per rank and as a run above `max_rank_series` ranks exports them."""
+    found: dict[str, MetricDescriptor] = {}
+    for max_rank_series in (1, 0):
+        described = RankSeriesLimit(1, max_rank_series).describe(builtin_descriptors(max_rank_series))
+        found.update((d.name, d) for d in described)
+    return list(found.values())

@@ -12,6 +12,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+import torch
+
 from torchtelemetry.metric import Metric, MetricKind, PerRankMetric
 from torchtelemetry.report._values import MetricDescriptor, ScalarValue
 from torchtelemetry.report.signals._base import Signal, SignalContext, WindowTiming
@@ -85,7 +87,7 @@ class DataWait(Signal):
 
 def check_seconds(seconds: Any) -> None:
     """Raise, naming `train/data_wait`, unless `seconds` is a finite number of host seconds >= 0."""
-    if isinstance(seconds, bool) or not isinstance(seconds, int | float):
+    if isinstance(seconds, torch.Tensor) or not isinstance(seconds, int | float):
         kind = type(seconds).__name__
         raise TypeError(f"{DATA_WAIT}: data wait must be host seconds (a float), got {kind}")
     if not (math.isfinite(seconds) and seconds >= 0):

@@ -30,13 +30,16 @@ MFU = "train/mfu"
 class Count(Signal):
     """A counter fed by the `step()` keyword `keyword` (`train/<keyword>`), and its rate."""
 
-    def __init__(self, context: SignalContext, keyword: str, unit: str, description: str) -> None:
+    def __init__(
+        self, context: SignalContext, keyword: str, unit: str, description: str, rate_description: str
+    ) -> None:
         super().__init__(context)
         self.name = keyword
         self.keywords = (keyword,)
         self.path = f"train/{keyword}"
         self.rate = f"{self.path}_per_second"
         self.unit = unit
+        self.rate_description = rate_description
         self.metric = SumMetric(kind="counter", unit=unit, description=description).to(context.device)
         self._host = 0.0
         self._seen = False
@@ -47,9 +50,7 @@ class Count(Signal):
     def descriptors(self) -> list[MetricDescriptor]:
         return [
             MetricDescriptor(self.path, MetricKind.COUNTER, self.unit, self.metric.description),
-            MetricDescriptor(
-                self.rate, MetricKind.GAUGE, f"{self.unit}_per_second", f"{self.unit.capitalize()} per second"
-            ),
+            MetricDescriptor(self.rate, MetricKind.GAUGE, f"{self.unit}_per_second", self.rate_description),
         ]
 
     def check(self, keyword: str, value: Any) -> None:
@@ -126,13 +127,13 @@ def check_count(name: str, value: Any) -> None:
     if isinstance(value, torch.Tensor):
         if value.is_complex() or value.dtype == torch.bool:
             raise TypeError(f"{name}: step({keyword}=) must hold real counts, got a {value.dtype} tensor")
-        if value.device.type != "cpu":
+        if not value.is_cpu:
             return
         finite = not value.is_floating_point() or bool(torch.isfinite(value).all())
         if finite and not bool((value < 0).any()):
             return
         shown: Any = value.tolist() if value.numel() <= 4 else f"a tensor of {value.numel()} holding that"
-    elif isinstance(value, numbers.Real) and not isinstance(value, bool):
+    elif isinstance(value, numbers.Real):
         if math.isfinite(value) and value >= 0:
             return
         shown = value
