@@ -98,6 +98,7 @@ class Telemetry:
         self._pid = current_pid()
         self._thread = threading.get_ident()
         self.hub: ExportHub | NullHub = NullHub()
+        self._signals: SignalSet | None = None
         failure: Exception | None = None
         try:
             self._set_up(metrics, exporters, (config or TelemetryConfig()).replace(**fields))
@@ -114,6 +115,8 @@ class Telemetry:
             self._collector = collector.bind()
         except BaseException:
             self.hub.close()  # started exporters (open ports, threads) must not outlive a failed set-up
+            if self._signals is not None:  # nor the signals' threads and their counting in update()
+                self._signals.close()
             self._every_rank.release()
             raise
         self._steps_in_window = 0

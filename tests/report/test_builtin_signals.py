@@ -88,3 +88,10 @@ def test_builtin_descriptors_name_every_shape_once() -> None:
     assert len(names) == len(set(names))
     for name in ("train/memory/max_active", "hw/gpu/power/max", "train/memory/headroom/min", "train/mfu"):
         assert name in names
+
+
+def test_a_failed_set_up_leaves_the_users_metrics_as_they_were() -> None:
+    loss = tt.WeightedMeanMetric()
+    with pytest.raises(ValueError, match=r"\['train/tokens'\] are defined twice"):
+        tt.Telemetry({"train": {"loss": loss, "tokens": tt.SumMetric()}})
+    assert "update" not in loss.__dict__, "the sentinel's counting stays only while a Telemetry runs"
