@@ -57,8 +57,9 @@ def test_gpu_check_on_the_gpu_image_without_a_device_collects_every_cuda_test_an
 
 
 def test_make_gpu_check_needs_no_venv_and_no_pip() -> None:
-    command = ["make", "-n", "-B", "gpu-check", "PYTHON=python3"]  # -B: as if nothing were built (no venv)
-    dry_run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    command = ["make", "--no-print-directory", "-n", "-B", "gpu-check", "PYTHON=python3"]  # -B: nothing built
+    env = {key: value for key, value in os.environ.items() if key not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+    dry_run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, check=True).stdout
     assert dry_run.strip() == "PYTHONPATH=src python3 -m bench.gpu_check"
 
 
