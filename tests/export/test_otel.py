@@ -23,7 +23,15 @@ from tests.receivers import (
     resource_attributes,
 )
 from torchtelemetry.collect import to_python
-from torchtelemetry.export import ExportHub, ExportResult, MetricDescriptor, NullHub, OTelExporter, RunInfo
+from torchtelemetry.export import (
+    OTEL_SCHEMA_URL,
+    ExportHub,
+    ExportResult,
+    MetricDescriptor,
+    NullHub,
+    OTelExporter,
+    RunInfo,
+)
 from torchtelemetry.metric import MetricKind, metric_leaves, sync_metrics
 from torchtelemetry.report import NameCollisionError, describe_metrics, flatten_results
 
@@ -294,6 +302,26 @@ def test_service_name_from_environment(http_receiver, monkeypatch):
     (resource,) = resource_attributes(http_receiver.received[0].request)
     assert resource["service.name"] == "trainer-a"
     assert resource["service.instance.id"] == "env-name"
+
+
+def test_the_resource_carries_the_schema_url_of_its_attribute_names(http_receiver, monkeypatch):
+    from opentelemetry.semconv._incubating.attributes.process_attributes import PROCESS_PID
+    from opentelemetry.semconv._incubating.attributes.service_attributes import SERVICE_INSTANCE_ID
+    from opentelemetry.semconv.attributes.service_attributes import SERVICE_NAME
+    from opentelemetry.semconv.schemas import Schemas
+
+    monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "deployment.environment.name=test")
+    exporter = OTelExporter(endpoint=http_receiver.metrics_endpoint, timeout_s=5)
+    exporter.describe([LOSS], RunInfo(run_id="schema"))
+    assert exporter.export(1, {"train/loss": 1.0}, time.time()) is ExportResult.SUCCESS
+    exporter.close()
+    request = http_receiver.received[0].request
+    (resource_metrics,) = request.resource_metrics
+    assert resource_metrics.schema_url == OTEL_SCHEMA_URL
+    assert OTEL_SCHEMA_URL in {schema.value for schema in Schemas}, "a version the conventions define"
+    (resource,) = resource_attributes(request)
+    assert {SERVICE_NAME, SERVICE_INSTANCE_ID, PROCESS_PID, "deployment.environment.name"} <= set(resource)
+    assert all(scope.schema_url == "" for scope in resource_metrics.scope_metrics), "metric names are ours"
 
 
 def test_bad_protocol(monkeypatch, caplog):

@@ -12,7 +12,7 @@ from torchtelemetry.export._histograms import OUTER_BUCKET_FIELDS, DrawnHistogra
 from torchtelemetry.export._hub import ExportHub, NullHub
 from torchtelemetry.export._jsonl import JsonlExporter
 from torchtelemetry.export._mlflow import MLflowExporter
-from torchtelemetry.export._otel import OTelExporter
+from torchtelemetry.export._otel import OTEL_SCHEMA_URL, OTelExporter
 from torchtelemetry.export._prometheus import UNKNOWN_INTERVAL_S, PrometheusExporter, final_scrape_due
 from torchtelemetry.export._protocol import RUN_ID_ENV, Exporter, ExporterStartError, ExportResult, RunInfo
 from torchtelemetry.export._pushgateway import PushgatewayExporter
@@ -24,6 +24,7 @@ from torchtelemetry.report import HistogramValue, MetricDescriptor, Scalars, Sca
 
 __all__ = [
     "HEALTH_DESCRIPTORS",
+    "OTEL_SCHEMA_URL",
     "OUTER_BUCKET_FIELDS",
     "ROUTES",
     "ROUTE_LABEL",

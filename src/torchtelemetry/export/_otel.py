@@ -58,6 +58,7 @@ from torchtelemetry.report import (
 __all__ = [
     "DEFAULT_SERVICE_NAME",
     "METRICS_PROTOCOL_ENV",
+    "OTEL_SCHEMA_URL",
     "OTelExporter",
     "PROTOCOL_ENV",
     "SDK_DISABLED_ENV",
@@ -72,6 +73,11 @@ DEFAULT_SERVICE_NAME = "torchtelemetry"
 """`service.name` unless `OTEL_SERVICE_NAME`, `OTEL_RESOURCE_ATTRIBUTES` or code says otherwise."""
 WORLD_SIZE_ATTRIBUTE = "torchtelemetry.world_size"
 """Resource attribute holding the run's number of ranks."""
+OTEL_SCHEMA_URL = "https://opentelemetry.io/schemas/1.44.0"
+"""Schema URL of the resource: the semantic conventions its attribute names follow (`service.name`,
+`service.instance.id`, `process.pid`, the SDK's `telemetry.sdk.*`), the newest version that the
+opentelemetry-semantic-conventions package paired with the SDK installed here (0.66b2 with 1.45)
+knows. Metric names are the library's own (exporters/signals.json), so the scope carries none."""
 
 _COMPRESSIONS = ("none", "gzip", "deflate")
 
@@ -96,7 +102,8 @@ class OTelExporter(BaseExporter):
     The resource carries `service.name` ("torchtelemetry", overridden by
     `OTEL_SERVICE_NAME` / `OTEL_RESOURCE_ATTRIBUTES`, then by `service_name`),
     `service.instance.id` (the run id), `torchtelemetry.world_size` and
-    `process.pid`; `resource_attributes` override any of them.
+    `process.pid`; `resource_attributes` override any of them. Its schema URL is
+    `OTEL_SCHEMA_URL`.
 
     The constructor only checks its arguments; the OTLP client is created by the
     first `describe()`. Each `export()` is one blocking push bounded by the
@@ -243,7 +250,8 @@ class OTelExporter(BaseExporter):
                         SERVICE_INSTANCE_ID: run.run_id,
                         WORLD_SIZE_ATTRIBUTE: run.world_size,
                         PROCESS_PID: os.getpid(),
-                    }
+                    },
+                    OTEL_SCHEMA_URL,
                 )
             )
             .merge(Resource(self._resource_overrides))
@@ -309,6 +317,10 @@ class OTelExporter(BaseExporter):
             scope=InstrumentationScope("torchtelemetry", __version__), metrics=metrics, schema_url=""
         )
         data = MetricsData(
-            resource_metrics=[ResourceMetrics(resource=self._resource, scope_metrics=[scope], schema_url="")]
+            resource_metrics=[
+                ResourceMetrics(
+                    resource=self._resource, scope_metrics=[scope], schema_url=self._resource.schema_url
+                )
+            ]
         )
         return data, now_ns
