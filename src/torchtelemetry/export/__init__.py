@@ -17,6 +17,11 @@ from torchtelemetry.export._prometheus import UNKNOWN_INTERVAL_S, PrometheusExpo
 from torchtelemetry.export._protocol import RUN_ID_ENV, Exporter, ExporterStartError, ExportResult, RunInfo
 from torchtelemetry.export._pushgateway import PushgatewayExporter
 from torchtelemetry.export._registry import available_exporters, exporter_class, exporters_from_spec
+from torchtelemetry.export._signal_registry import (
+    SIGNAL_REGISTRY_SCHEMA_VERSION,
+    render_signal_registry,
+    signal_registry,
+)
 from torchtelemetry.export._temporality import Temporality
 from torchtelemetry.export._tensorboard import TensorBoardExporter
 from torchtelemetry.export._wandb import WandbExporter
@@ -30,6 +35,7 @@ __all__ = [
     "ROUTE_LABEL",
     "RUN_ID_ENV",
     "RUN_LABEL",
+    "SIGNAL_REGISTRY_SCHEMA_VERSION",
     "UNKNOWN_INTERVAL_S",
     "BaseExporter",
     "ConsoleExporter",
@@ -59,4 +65,6 @@ __all__ = [
     "exporter_class",
     "exporters_from_spec",
     "final_scrape_due",
+    "render_signal_registry",
+    "signal_registry",
 ]
