@@ -58,15 +58,16 @@ MEGATRON_SOURCE = (
     "https://github.com/NVIDIA/Megatron-LM/blob/68f6422756fb370274f9b671b26d029e020d5203/"
     "megatron/core/telemetry/training_metrics.py"
 )
-SEMCONV_SOURCE = "https://opentelemetry.io/docs/specs/semconv/hardware/gpu/"
+SEMCONV_GPU = "https://opentelemetry.io/docs/specs/semconv/hardware/gpu/"
+SEMCONV_COMMON = "https://opentelemetry.io/docs/specs/semconv/hardware/common/"
 
 
 def _megatron(name: str, unit: str, note: str) -> dict[str, str]:
     return {"name": name, "unit": unit, "source": MEGATRON_SOURCE, "note": note}
 
 
-def _semconv(name: str, unit: str, note: str) -> dict[str, str]:
-    return {"name": name, "unit": unit, "source": SEMCONV_SOURCE, "note": f"development status; {note}"}
+def _semconv(name: str, unit: str, source: str, note: str) -> dict[str, str]:
+    return {"name": name, "unit": unit, "source": source, "note": f"development status; {note}"}
 
 
 _MAPPED: dict[str, list[dict[str, str]]] = {
@@ -97,6 +98,7 @@ _MAPPED: dict[str, list[dict[str, str]]] = {
             _semconv(
                 "hw.gpu.utilization",
                 "1",
+                SEMCONV_GPU,
                 f"one series per GPU (hw.id) as a fraction; ours the {stat} over ranks in percent (/ 100)",
             )
         ]
@@ -107,7 +109,9 @@ _MAPPED: dict[str, list[dict[str, str]]] = {
             _semconv(
                 "hw.power",
                 "W",
-                f"with hw.type=gpu, one series per GPU (hw.id); ours the {stat} over ranks",
+                SEMCONV_COMMON,
+                f"a common hardware metric, with hw.type=gpu one series per GPU (hw.id); ours the {stat} "
+                "over ranks",
             )
         ]
         for stat in ("min", "max")
