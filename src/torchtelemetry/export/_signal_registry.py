@@ -54,16 +54,16 @@ _COVERS = (
 _PROMETHEUS_ONLY = {LAST_UPDATE_METRIC.name, RUN_FINISHED_METRIC.name}
 _OTEL_TYPE = {MetricKind.GAUGE: "gauge", MetricKind.COUNTER: "sum", MetricKind.HISTOGRAM: "histogram"}
 
-MEGATRON_SOURCE = (
+_MEGATRON_SOURCE = (
     "https://github.com/NVIDIA/Megatron-LM/blob/68f6422756fb370274f9b671b26d029e020d5203/"
     "megatron/core/telemetry/training_metrics.py"
 )
-SEMCONV_GPU = "https://opentelemetry.io/docs/specs/semconv/hardware/gpu/"
-SEMCONV_COMMON = "https://opentelemetry.io/docs/specs/semconv/hardware/common/"
+_SEMCONV_GPU = "https://opentelemetry.io/docs/specs/semconv/hardware/gpu/"
+_SEMCONV_COMMON = "https://opentelemetry.io/docs/specs/semconv/hardware/common/"
 
 
 def _megatron(name: str, unit: str, note: str) -> dict[str, str]:
-    return {"name": name, "unit": unit, "source": MEGATRON_SOURCE, "note": note}
+    return {"name": name, "unit": unit, "source": _MEGATRON_SOURCE, "note": note}
 
 
 def _semconv(name: str, unit: str, source: str, note: str) -> dict[str, str]:
@@ -98,7 +98,7 @@ _MAPPED: dict[str, list[dict[str, str]]] = {
             _semconv(
                 "hw.gpu.utilization",
                 "1",
-                SEMCONV_GPU,
+                _SEMCONV_GPU,
                 f"one series per GPU (hw.id) as a fraction; ours the {stat} over ranks in percent (/ 100)",
             )
         ]
@@ -109,7 +109,7 @@ _MAPPED: dict[str, list[dict[str, str]]] = {
             _semconv(
                 "hw.power",
                 "W",
-                SEMCONV_COMMON,
+                _SEMCONV_COMMON,
                 f"a common hardware metric, with hw.type=gpu one series per GPU (hw.id); ours the {stat} "
                 "over ranks",
             )
