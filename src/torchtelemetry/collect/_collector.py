@@ -21,6 +21,7 @@ from torchtelemetry.collect._device import DeviceTransport
 from torchtelemetry.collect._executors import ThreadExecutor
 from torchtelemetry.collect._transports import (
     DEFAULT_MAX_PENDING,
+    DEFAULT_TIMEOUT_S,
     CollectionError,
     HostTransport,
     Plan,
@@ -83,8 +84,9 @@ class AsyncMetricCollector:
         group: ranks to reduce over (ProcessGroup, DeviceMesh, (mesh, dim) or None).
         timeout_s: bound on one collection; a rank that never schedules, or
             dies, makes `collect_results` raise within it instead of hanging.
-        max_pending: scheduled windows allowed before `collect_results` must be called
-            (the ring of slots allocated at `bind()` has this many).
+        max_pending: scheduled windows allowed before `collect_results` must be called; the ring
+            of slots allocated at `bind()` has this many (default `DEFAULT_MAX_PENDING`, which
+            `TelemetryConfig.max_pending` shares).
         device: where `bind()` moves the metrics (e.g. the rank's GPU); None keeps them where
             they are.
         transport: `"host"`, `"device"` or `"auto"`, as above.
@@ -95,7 +97,7 @@ class AsyncMetricCollector:
         metrics: Any,
         group: GroupLike = None,
         *,
-        timeout_s: float = 300.0,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
         max_pending: int = DEFAULT_MAX_PENDING,
         device: torch.device | str | None = None,
         transport: TransportName = "auto",

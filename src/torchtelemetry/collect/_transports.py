@@ -40,6 +40,7 @@ from torchtelemetry.sync import BucketKey, LayoutMismatchError, Slot, WindowExch
 
 __all__ = [
     "DEFAULT_MAX_PENDING",
+    "DEFAULT_TIMEOUT_S",
     "HOST_TRANSPORT_LIMIT_BYTES",
     "CollectionError",
     "Finish",
@@ -56,9 +57,13 @@ __all__ = [
 HOST_TRANSPORT_LIMIT_BYTES = 1 << 20
 """`transport="auto"` moves a window of CUDA metrics through the host up to this many packed bytes."""
 
-DEFAULT_MAX_PENDING = 8
-"""Windows in flight before `collect_results()` must be called: the size of the ring of slots (on
-CUDA with the host transport, pinned host memory of this many times the packed state)."""
+DEFAULT_MAX_PENDING = 2
+"""Windows in flight before `collect_results()` must be called, and so the size of the ring of
+slots (on CUDA with the host transport, pinned host memory of this many times the packed state).
+The one default: `AsyncMetricCollector` and `TelemetryConfig` both take it from here."""
+
+DEFAULT_TIMEOUT_S = 300.0
+"""Bound on one collection, the one default of `AsyncMetricCollector` and `TelemetryConfig`."""
 
 TransportName = Literal["host", "device", "auto"]
 
@@ -71,8 +76,9 @@ class CollectionError(RuntimeError):
 
 
 def check_collection_limits(owner: str, *, timeout_s: float, max_pending: int) -> None:
-    """The one check of the collection bounds, for the collector and for `TelemetryConfig`
-    (`owner` prefixes the key in the error, e.g. "TelemetryConfig.")."""
+    """The one rule for the collection bounds. `TelemetryConfig` and `AsyncMetricCollector` each call it
+    where they are built (the first place a bad value can be named to its user); nothing else checks
+    them (`owner` prefixes the key in the error, e.g. "TelemetryConfig.")."""
     if not timeout_s > 0:
         raise ValueError(f"{owner}timeout_s must be positive, got {timeout_s}")
     if max_pending < 1:
