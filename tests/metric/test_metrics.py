@@ -611,3 +611,25 @@ def test_per_rank_update_total_adds_a_presummed_total_to_this_ranks_slot() -> No
     means = metric.compute().tolist()
     assert means[1] == 2.0  # (6 + 2) / (3 + 1)
     assert np.isnan(means[0]) and np.isnan(means[2])
+
+
+# -- one prologue -------------------------------------------------------------------------------------
+
+
+def test_every_builtin_update_runs_the_one_prologue_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The thread check, the input conversion and nan_policy live in `_begin_update` only: each
+    built-in `update()` calls it exactly once (a second input goes through `_input`)."""
+    from torchtelemetry.metric._inputs import UpdateInputs
+
+    calls: list[str] = []
+    prologue = UpdateInputs._begin_update
+
+    def counted(self: tt.Metric, *args, **kwargs):
+        calls.append(type(self).__name__)
+        return prologue(self, *args, **kwargs)
+
+    monkeypatch.setattr(UpdateInputs, "_begin_update", counted)
+    metrics = _fresh_metrics()
+    for metric in metrics.values():
+        metric.update(*_good_input(metric))
+    assert calls == [type(metric).__name__ for metric in metrics.values()]

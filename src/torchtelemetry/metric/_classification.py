@@ -48,13 +48,12 @@ class _LabelledMetric(Metric):
                 f"{preds.dtype}, expected integer labels of the target's shape {tuple(target.shape)}"
             )
 
-    def _finite_rows(self, preds: torch.Tensor) -> torch.Tensor | None:
-        """nan_policy on logits: "error" raises on NaN or Inf; "ignore" gives the samples whose
-        logits are all finite (the others are skipped); "propagate" gives None (they count as
-        argmax / top-k rank them: NaN above everything)."""
-        self._check_finite(preds, "preds")
-        mask = self._finite_mask(preds)
-        return None if mask is None else mask.all(dim=-1)
+    def _begin_labelled(self, preds: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The prologue with nan_policy on logits: "error" raises on NaN or Inf; "ignore" gives the
+        samples whose logits are all finite (the others are skipped); "propagate" gives None (they
+        count as argmax / top-k rank them: NaN above everything)."""
+        preds, mask = self._begin_update(preds, "preds")
+        return preds, None if mask is None else mask.all(dim=-1)
 
     def _valid(self, target: torch.Tensor, num_classes: int | None) -> torch.Tensor:
         """Entries that count: not `ignore_index`, and (device-side) inside [0, num_classes)."""
@@ -108,12 +107,9 @@ class AccuracyMetric(_LabelledMetric):
 
     def update(self, preds: Any, target: Any) -> None:
         """Count correct predictions; `preds` are logits/probabilities or integer labels."""
-        if not torch.compiler.is_compiling():
-            self._check_thread()
-        preds = self._as_tensor(preds, "preds")
+        preds, finite = self._begin_labelled(preds)
         target = self._labels(target)
         self._check_preds(preds, target)
-        finite = self._finite_rows(preds)
         num_classes = self._num_classes(preds)
         if preds.is_floating_point():
             if self.top_k > preds.shape[-1]:
@@ -167,12 +163,9 @@ class ConfusionMatrixMetric(_LabelledMetric):
 
     def update(self, preds: Any, target: Any) -> None:
         """Count (target, prediction) pairs; `preds` are logits or integer labels."""
-        if not torch.compiler.is_compiling():
-            self._check_thread()
-        preds = self._as_tensor(preds, "preds")
+        preds, finite = self._begin_labelled(preds)
         target = self._labels(target)
         self._check_preds(preds, target)
-        finite = self._finite_rows(preds)
         labels = preds.argmax(dim=-1) if preds.is_floating_point() else preds.long()
         valid = self._valid(target, self.num_classes)
         if finite is not None:
@@ -264,9 +257,7 @@ class BinaryAUROCMetric(Metric):
 
     def update(self, preds: Any, target: Any) -> None:
         """Add scores `preds` with binary labels `target` (0/1 integers or booleans)."""
-        if not torch.compiler.is_compiling():
-            self._check_thread()
-        preds = self._as_tensor(preds, "preds")
+        preds, _ = self._begin_update(preds, "preds")  # non-finite scores are never counted
         target = self._as_tensor(target, "target")
         if not preds.is_floating_point():
             raise TypeError(f"{self.display_name()}: preds must be floating point scores, got {preds.dtype}")
@@ -280,7 +271,6 @@ class BinaryAUROCMetric(Metric):
             )
         if self._inspects_values(target) and bool(((target != 0) & (target != 1)).any()):
             raise ValueError(f"{self.display_name()}: target must be 0 or 1")
-        self._check_finite(preds, "preds")
         scores = torch.sigmoid(preds) if self.from_logits else preds
         valid = torch.isfinite(scores)
         bins = (scores.nan_to_num(0.0).clamp(0, 1) * self.num_bins).long().clamp_(max=self.num_bins - 1)

@@ -50,11 +50,9 @@ class HistogramMetric(Metric):
 
     def update(self, value: Any) -> None:
         """Add every entry of `value` to its bucket."""
-        if not torch.compiler.is_compiling():
-            self._check_thread()
-        value = self._as_tensor(value, "value").reshape(-1)
-        self._check_finite(value, "value")
-        mask = self._finite_mask(value)
+        value, mask = self._begin_update(value)
+        value = value.reshape(-1)
+        mask = None if mask is None else mask.reshape(-1)
         weights = torch.ones_like(value, dtype=self.counts.dtype)
         if mask is not None:
             weights = mask.to(weights.dtype)
