@@ -7,6 +7,7 @@ import itertools
 import numpy as np
 import pytest
 import torch
+from torch.utils import _pytree as pytree
 
 import torchtelemetry as tt
 
@@ -633,3 +634,17 @@ def test_every_builtin_update_runs_the_one_prologue_once(monkeypatch: pytest.Mon
     for metric in metrics.values():
         metric.update(*_good_input(metric))
     assert calls == [type(metric).__name__ for metric in metrics.values()]
+
+
+def test_every_builtin_compute_is_its_batched_rule_with_one_instance() -> None:
+    """Each built-in's formula exists once: `compute()` runs the rule a window batches K instances
+    with, and gives new tensors (a later update does not change a result already computed)."""
+    from torchtelemetry.metric import batched_rule
+
+    for name, metric in _filled_metrics().items():
+        assert type(metric).compute is tt.Metric.compute, name
+        assert batched_rule(metric) is type(metric).batched is not None, name
+        before = computed(metric)
+        kept = pytree.tree_map(torch.clone, before)
+        metric.update(*_good_input(metric))
+        torch.testing.assert_close(before, kept, rtol=0, atol=0, equal_nan=True, msg=name)

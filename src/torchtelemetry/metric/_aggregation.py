@@ -8,12 +8,15 @@ import torch
 
 from torchtelemetry.metric._accumulator import DEFAULT_STATE_DTYPE, MetricAccumulator, ReduceOp
 from torchtelemetry.metric._base import Metric, MetricKind
+from torchtelemetry.metric._batched import BatchedRule
 
 __all__ = ["MaxMetric", "MinMetric", "PerRankMetric", "SumMetric", "WeightedMeanMetric"]
 
 
 class SumMetric(Metric):
     """Sum of every value seen; `kind="counter"` exports a running total (tokens, samples)."""
+
+    batched = BatchedRule(lambda states, _: states["total"])
 
     def __init__(
         self,
@@ -36,16 +39,16 @@ class SumMetric(Metric):
             raise ValueError(f"{self.display_name()}: a counter cannot decrease, got a negative value")
         self.total.update(self._batch_sum(self.total, value))
 
-    def compute(self) -> torch.Tensor:
-        return self.total.value.clone()
-
 
 class WeightedMeanMetric(Metric):
     """Mean of values weighted by `weight` (e.g. loss weighted by token count).
 
     The state is the weighted sum and the total weight, never the mean, so it
-    reduces exactly across ranks and windows.
+    reduces exactly across ranks and windows. `compute()`: the weighted mean; NaN when no weight
+    was seen.
     """
+
+    batched = BatchedRule(lambda states, _: states["weighted_sum"] / states["total_weight"])
 
     def __init__(self, *, dtype: torch.dtype = DEFAULT_STATE_DTYPE, **options: Any) -> None:
         super().__init__(**options)
@@ -92,10 +95,6 @@ class WeightedMeanMetric(Metric):
         weighted_sum.update(weighted)
         total_weight.update(weights)
 
-    def compute(self) -> torch.Tensor:
-        """The weighted mean; NaN when no weight was seen."""
-        return self.weighted_sum.value / self.total_weight.value
-
 
 def _any_negative(tensor: torch.Tensor) -> bool:
     if tensor.dim() == 0:
@@ -104,7 +103,10 @@ def _any_negative(tensor: torch.Tensor) -> bool:
 
 
 class _ExtremumMetric(Metric):
+    """`compute()`: the extremum; -inf (max) or +inf (min) when nothing was seen."""
+
     _op: ReduceOp
+    batched = BatchedRule(lambda states, _: states["extremum"])
 
     def __init__(self, *, dtype: torch.dtype = DEFAULT_STATE_DTYPE, **options: Any) -> None:
         super().__init__(**options)
@@ -119,10 +121,6 @@ class _ExtremumMetric(Metric):
         if mask is not None:
             value = torch.where(mask, value, self.extremum.initial)
         self.extremum.update(value.amax() if self._op is ReduceOp.MAX else value.amin())
-
-    def compute(self) -> torch.Tensor:
-        """The extremum; -inf (max) or +inf (min) when nothing was seen."""
-        return self.extremum.value.clone()
 
 
 class MaxMetric(_ExtremumMetric):
@@ -141,10 +139,12 @@ class PerRankMetric(Metric):
     """Mean of a value per rank (e.g. step time, to spot stragglers).
 
     The state is a world-sized vector in which each rank fills its own slot, so
-    it rides in the SUM bucket and costs no extra collective.
+    it rides in the SUM bucket and costs no extra collective. `compute()`: one mean per rank; NaN
+    for a rank that reported nothing.
     """
 
     label_name = "rank"
+    batched = BatchedRule(lambda states, _: states["sums"] / states["counts"])
 
     def __init__(
         self,
@@ -181,7 +181,3 @@ class PerRankMetric(Metric):
         metric's device), e.g. host timings accumulated over a window; no checks, no reduction."""
         self.sums.update(self.slot * total)
         self.counts.update(self.slot * count)
-
-    def compute(self) -> torch.Tensor:
-        """One mean per rank; NaN for a rank that reported nothing."""
-        return self.sums.value / self.counts.value

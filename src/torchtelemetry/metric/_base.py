@@ -5,11 +5,12 @@ from __future__ import annotations
 import enum
 import threading
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from torchtelemetry.metric._accumulator import MetricAccumulator, rank_local, rank_sharded
+from torchtelemetry.metric._batched import BatchedRule
 from torchtelemetry.metric._inputs import NAN_POLICIES, NanPolicy, UpdateInputs
 from torchtelemetry.sync import GroupLike
 
@@ -47,6 +48,8 @@ class Metric(UpdateInputs):
     """How exporters present the results; built-ins set it per class or per instance."""
     unit: str = ""
     """Unit of the results ("seconds", "bytes", "ratio", ...); exporters add it to names."""
+    batched: ClassVar[BatchedRule | None] = None
+    """A built-in's compute of K instances at once, which its `compute()` runs with K = 1."""
     label_name: str = "index"
     """Label exporters give the entries of 1-D results (e.g. "class", "rank")."""
 
@@ -106,8 +109,11 @@ class Metric(UpdateInputs):
         raise NotImplementedError(f"{type(self).__name__} must implement update()")
 
     def compute(self) -> Any:
-        """Turn the synchronized state into a PyTree of tensors."""
-        raise NotImplementedError(f"{type(self).__name__} must implement compute()")
+        """Turn the synchronized state into a PyTree of tensors (a built-in: its `batched` rule with
+        K = 1)."""
+        if self.batched is None:
+            raise NotImplementedError(f"{type(self).__name__} must implement compute()")
+        return self.batched.compute_one(self)
 
     # -- what comes for free ----------------------------------------------------
 

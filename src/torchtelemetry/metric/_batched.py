@@ -1,43 +1,35 @@
-"""Batched compute of the built-in metrics: K instances of one class from their stacked states at once.
+"""`BatchedRule`: a built-in metric's compute, written once for K instances at once.
 
-A window of many metrics then costs a few tensor ops per class, not per metric. Each rule turns
-`states` (attribute name -> the K instances' states stacked along a new leading dim) into the
-PyTree `compute()` returns, with the same leading dim on every leaf, and gives the same values
-as `compute()` of each instance. Only exact classes have a rule: a subclass (which may override
-`compute()`) goes through its own `compute()`.
+A built-in class holds its rule (`Metric.batched`); its `compute()` is that rule with K = 1, and a
+collection window computes the K instances of the class that it holds with one call of the same
+rule (`batched_rule`), so a window of many metrics costs a few tensor ops per class, not per
+metric. A rule turns `states` (attribute name -> the K instances' states stacked along a new
+leading dim) into the PyTree of results, with the same leading dim on every leaf.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.utils import _pytree as pytree
 
-from torchtelemetry.metric._aggregation import (
-    MaxMetric,
-    MinMetric,
-    PerRankMetric,
-    SumMetric,
-    WeightedMeanMetric,
-)
-from torchtelemetry.metric._base import Metric
-from torchtelemetry.metric._classification import (
-    AccuracyMetric,
-    BinaryAUROCMetric,
-    ConfusionMatrixMetric,
-    confusion_scores,
-)
-from torchtelemetry.metric._histogram import HistogramMetric
+if TYPE_CHECKING:
+    from torchtelemetry.metric._base import Metric
 
-__all__ = ["BatchedRule", "batched_rule"]
+__all__ = ["BatchedRule", "States", "batched_rule"]
 
 States = Mapping[str, torch.Tensor]
 
 
 def _no_constants(metrics: Sequence[Metric], device: torch.device) -> None:
     return None
+
+
+def _one(leaf: Any) -> Any:
+    return leaf[0].clone() if isinstance(leaf, torch.Tensor) else leaf
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,36 +41,18 @@ class BatchedRule:
     constants: Callable[[Sequence[Metric], torch.device], Any] = _no_constants
     """Per-instance constants the results need (histogram bounds), stacked once on `device`."""
 
-
-def _auroc(states: States, constants: None) -> torch.Tensor:
-    tp = states["positives"].flip(-1).cumsum(-1)
-    fp = states["negatives"].flip(-1).cumsum(-1)
-    zeros = tp.new_zeros(tp.shape[0], 1)
-    tpr = torch.cat([zeros, tp / tp[:, -1:]], dim=-1)
-    fpr = torch.cat([zeros, fp / fp[:, -1:]], dim=-1)
-    return torch.trapezoid(tpr, fpr, dim=-1)
-
-
-def _histogram_bounds(metrics: Sequence[Metric], device: torch.device) -> torch.Tensor:
-    return torch.stack([metric.bounds for metric in metrics]).to(device)  # type: ignore[attr-defined]
-
-
-_RULES: dict[type, BatchedRule] = {
-    SumMetric: BatchedRule(lambda s, c: s["total"]),
-    MaxMetric: BatchedRule(lambda s, c: s["extremum"]),
-    MinMetric: BatchedRule(lambda s, c: s["extremum"]),
-    WeightedMeanMetric: BatchedRule(lambda s, c: s["weighted_sum"] / s["total_weight"]),
-    AccuracyMetric: BatchedRule(lambda s, c: s["correct"] / s["total"]),
-    PerRankMetric: BatchedRule(lambda s, c: s["sums"] / s["counts"]),
-    ConfusionMatrixMetric: BatchedRule(lambda s, c: confusion_scores(s["matrix"])),
-    BinaryAUROCMetric: BatchedRule(_auroc),
-    HistogramMetric: BatchedRule(
-        lambda s, bounds: {"bounds": bounds, "counts": s["counts"], "sum": s["sum"], "count": s["count"]},
-        _histogram_bounds,
-    ),
-}
+    def compute_one(self, metric: Metric) -> Any:
+        """`metric`'s results: the rule with K = 1, on the state each accumulator's `value` gives
+        (new tensors, never views of the state)."""
+        states = {attr: acc.value.unsqueeze(0) for attr, acc in metric._accumulators.items()}
+        results = self.compute(states, self.constants([metric], metric.device))
+        return pytree.tree_map(_one, results)
 
 
 def batched_rule(metric: Metric) -> BatchedRule | None:
-    """The batched compute of `metric`'s exact class, or None (its own `compute()` is used)."""
-    return _RULES.get(type(metric))
+    """The rule of `metric`'s class when its `compute()` is that rule, else None (a custom metric,
+    or a subclass overriding `compute()`, computes through its own `compute()`)."""
+    from torchtelemetry.metric._base import Metric  # _base imports this module
+
+    cls = type(metric)
+    return cls.batched if cls.compute is Metric.compute else None

@@ -11,8 +11,19 @@ import torch
 
 from torchtelemetry.metric._accumulator import DEFAULT_STATE_DTYPE, MetricAccumulator, ReduceOp
 from torchtelemetry.metric._base import Metric, MetricKind
+from torchtelemetry.metric._batched import BatchedRule, States
 
 __all__ = ["HistogramMetric"]
+
+
+def _results(states: States, bounds: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The histograms as `compute()` gives them, with each one's bounds."""
+    return {"bounds": bounds, "counts": states["counts"], "sum": states["sum"], "count": states["count"]}
+
+
+def _stacked_bounds(metrics: Sequence[Metric], device: torch.device) -> torch.Tensor:
+    """The bounds of `metrics` (histograms), stacked on `device`."""
+    return torch.stack([metric.bounds for metric in metrics]).to(device)  # type: ignore[attr-defined]
 
 
 class HistogramMetric(Metric):
@@ -22,9 +33,12 @@ class HistogramMetric(Metric):
     semantics: a value on an edge falls in the bucket that edge closes); the last
     bucket counts values above `bins[-1]` (`le="+Inf"`). Floating point values are compared
     in their own precision; integer values compare exactly against the bounds, at any size.
+    `compute()`: `bounds` (upper bounds), non-cumulative `counts` (one more than bounds), `sum`,
+    `count`.
     """
 
     kind = MetricKind.HISTOGRAM
+    batched = BatchedRule(_results, _stacked_bounds)
 
     def __init__(
         self,
@@ -72,15 +86,6 @@ class HistogramMetric(Metric):
 
     def configuration(self) -> dict[str, Any]:
         return {**super().configuration(), "bins": list(self.bins)}
-
-    def compute(self) -> dict[str, torch.Tensor]:
-        """`bounds` (upper bounds), non-cumulative `counts` (one more than bounds), `sum`, `count`."""
-        return {
-            "bounds": self.bounds.clone(),
-            "counts": self.counts.value.clone(),
-            "sum": self.sum.value.clone(),
-            "count": self.count.value.clone(),
-        }
 
 
 def _floor_int64(bound: float) -> int:
