@@ -29,7 +29,11 @@ def _no_constants(metrics: Sequence[Metric], device: torch.device) -> None:
 
 
 def _one(leaf: Any) -> Any:
-    return leaf[0].clone() if isinstance(leaf, torch.Tensor) else leaf
+    """The only instance of a K = 1 result leaf: a copy where it is a view (of the state, maybe)."""
+    if not isinstance(leaf, torch.Tensor):
+        return leaf
+    one = leaf.squeeze(0)
+    return one.clone() if leaf._is_view() else one
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,7 +49,12 @@ class BatchedRule:
         """`metric`'s results: the rule with K = 1, on the state each accumulator's `value` gives
         (new tensors, never views of the state)."""
         states = {attr: acc.value.unsqueeze(0) for attr, acc in metric._accumulators.items()}
-        results = self.compute(states, self.constants([metric], metric.device))
+        constants = None if self.constants is _no_constants else self.constants([metric], metric.device)
+        results = self.compute(states, constants)
+        if isinstance(results, torch.Tensor):
+            return _one(results)
+        if type(results) is dict:
+            return {key: _one(leaf) for key, leaf in results.items()}
         return pytree.tree_map(_one, results)
 
 
