@@ -4,9 +4,8 @@ from torchtelemetry.metric._accumulator import (
     DEFAULT_STATE_DTYPE,
     MetricAccumulator,
     ReduceOp,
-    same_layout,
-    state_layout,
-    window_state,
+    same_identity,
+    state_identity,
 )
 from torchtelemetry.metric._aggregation import (
     MaxMetric,
@@ -48,9 +47,8 @@ __all__ = [
     "metric_leaves",
     "named_accumulators",
     "restore_local_states",
-    "same_layout",
-    "state_layout",
+    "same_identity",
+    "state_identity",
     "sync_accumulators",
     "sync_metrics",
-    "window_state",
 ]

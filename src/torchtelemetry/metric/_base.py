@@ -81,13 +81,14 @@ class Metric(UpdateInputs):
         accumulators = self.__dict__.setdefault("_accumulators", {})
         if isinstance(value, MetricAccumulator):
             accumulators[attr] = value
-            self._layout_changed()
+            self._accumulators_changed()
         elif accumulators.pop(attr, None) is not None:
-            self._layout_changed()
+            self._accumulators_changed()
         object.__setattr__(self, attr, value)
 
-    def _layout_changed(self) -> None:
-        """Tell the collector holding this metric (if any) that its accumulators changed; no one else."""
+    def _accumulators_changed(self) -> None:
+        """Tell the collector holding this metric (if any) that its accumulators were registered, replaced,
+        dropped or moved; no one else."""
         binding = self.__dict__.get("_binding")
         if binding is not None:
             binding.stale = True
@@ -157,7 +158,7 @@ class Metric(UpdateInputs):
                 value.to(device)
             elif isinstance(value, torch.Tensor):
                 object.__setattr__(self, attr, value.to(device))
-        self._layout_changed()
+        self._accumulators_changed()
         return self
 
     def state_dict(self) -> dict[str, torch.Tensor]:
