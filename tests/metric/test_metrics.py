@@ -648,3 +648,27 @@ def test_every_builtin_compute_is_its_batched_rule_with_one_instance() -> None:
         kept = pytree.tree_map(torch.clone, before)
         metric.update(*_good_input(metric))
         torch.testing.assert_close(before, kept, rtol=0, atol=0, equal_nan=True, msg=name)
+
+
+def test_a_metric_that_names_no_label_uses_the_exporters_default() -> None:
+    """One default label for the entries of a 1-D result: what a custom metric's entries are exported
+    under is what exporters call a labelled value without a name ("label", once "index")."""
+    from torchtelemetry.export._hub import _inferred_descriptor
+    from torchtelemetry.metric import DEFAULT_LABEL_NAME
+    from torchtelemetry.report import describe_metrics, flatten_results
+
+    class Spread(tt.Metric):
+        def __init__(self) -> None:
+            super().__init__()
+            self.values = tt.MetricAccumulator(torch.zeros(2))
+
+        def update(self, value: torch.Tensor) -> None:
+            self.values.update(value)
+
+        def compute(self) -> torch.Tensor:
+            return self.values.value.clone()
+
+    (descriptor,) = describe_metrics({"spread": Spread()})
+    assert descriptor.label_name == DEFAULT_LABEL_NAME == "label"
+    assert _inferred_descriptor("x", {"0": 1.0}).label_name == descriptor.label_name
+    assert flatten_results([("spread", Spread())], [[1.0, 2.0]]) == {"spread": {"0": 1.0, "1": 2.0}}

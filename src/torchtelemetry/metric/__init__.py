@@ -14,7 +14,7 @@ from torchtelemetry.metric._aggregation import (
     SumMetric,
     WeightedMeanMetric,
 )
-from torchtelemetry.metric._base import Metric, MetricKind, NanPolicy
+from torchtelemetry.metric._base import DEFAULT_LABEL_NAME, Metric, MetricKind, NanPolicy
 from torchtelemetry.metric._batched import BatchedRule, batched_rule
 from torchtelemetry.metric._binding import MetricBinding
 from torchtelemetry.metric._classification import AccuracyMetric, BinaryAUROCMetric, ConfusionMatrixMetric
@@ -24,6 +24,7 @@ from torchtelemetry.metric._sync import SyncHandle, sync_accumulators, sync_metr
 from torchtelemetry.metric._tree import metric_leaves, named_accumulators
 
 __all__ = [
+    "DEFAULT_LABEL_NAME",
     "DEFAULT_STATE_DTYPE",
     "AccuracyMetric",
     "BatchedRule",

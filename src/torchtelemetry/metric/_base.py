@@ -14,7 +14,10 @@ from torchtelemetry.metric._batched import BatchedRule
 from torchtelemetry.metric._inputs import NAN_POLICIES, NanPolicy, UpdateInputs
 from torchtelemetry.sync import GroupLike
 
-__all__ = ["Metric", "MetricKind", "NanPolicy"]
+__all__ = ["DEFAULT_LABEL_NAME", "Metric", "MetricKind", "NanPolicy"]
+
+DEFAULT_LABEL_NAME = "label"
+"""The label of the entries of a 1-D result whose metric names none, for every exporter."""
 
 
 class MetricKind(enum.Enum):
@@ -50,7 +53,7 @@ class Metric(UpdateInputs):
     """Unit of the results ("seconds", "bytes", "ratio", ...); exporters add it to names."""
     batched: ClassVar[BatchedRule | None] = None
     """A built-in's compute of K instances at once, which its `compute()` runs with K = 1."""
-    label_name: str = "index"
+    label_name: str = DEFAULT_LABEL_NAME
     """Label exporters give the entries of 1-D results (e.g. "class", "rank")."""
 
     def __init__(
