@@ -4,9 +4,10 @@ Run from the repository root (real gloo ranks on this machine's CPUs):
 
     .venv/bin/python -m bench.bench_state [--world-size 2] [--metrics 128] [--calls 100] [--rounds 5]
 
-Each cache is documented in docs/collection.md ("State"). On rank 0, µs per call for a tree of
-`--metrics` mixed built-in metrics (weighted mean / sum / max / min), with the cache and with it
-emptied before every call (every rank empties it at the same point, so the collectives match):
+Each cache is documented in docs/collection.md ("State"). On rank 0, µs and collectives per call
+for a tree of `--metrics` mixed built-in metrics (weighted mean / sum / max / min), with the cache
+and with it emptied before every call (every rank empties it at the same point, so the
+collectives match):
 
 - `_SYNC_VIEWS` (metric/_sync.py): `tt.sync_metrics(tree)` reuses the bucket layout and flat views of
   the tree's accumulators;
@@ -30,6 +31,7 @@ from typing import Any
 
 import torch
 from tests.distributed import run_ranks
+from tests.sync.collectives import CollectiveCounter
 
 import torchtelemetry as tt
 from torchtelemetry.collect import _blocking
@@ -62,9 +64,17 @@ def _emptied(cache: Any, fn: Callable[[], Any]) -> Callable[[], Any]:
     return call
 
 
-def _bench_rank(rank: int, world_size: int, count: int, calls: int, rounds: int) -> dict[str, float]:
+def _collectives(fn: Callable[[], Any], counter: CollectiveCounter) -> int:
+    fn()
+    with counter.counting() as calls:
+        fn()
+    return sum(calls.values())
+
+
+def _bench_rank(rank: int, world_size: int, count: int, calls: int, rounds: int) -> dict[str, list[float]]:
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
+    counter = CollectiveCounter()
     metrics = _metrics(count, rank)
     sync = lambda: tt.sync_metrics(metrics)  # noqa: E731
     blocking = lambda: tt.sync_and_compute(metrics)  # noqa: E731
@@ -76,10 +86,10 @@ def _bench_rank(rank: int, world_size: int, count: int, calls: int, rounds: int)
         "sync_metrics, _VERIFIED_LAYOUTS kept": sync,
         "sync_metrics, _VERIFIED_LAYOUTS emptied": _emptied(_reduce._VERIFIED_LAYOUTS, sync),
     }
-    best = dict.fromkeys(contestants, float("inf"))
+    best = {name: [float("inf"), _collectives(fn, counter)] for name, fn in contestants.items()}
     for _ in range(rounds):
         for name, fn in contestants.items():
-            best[name] = min(best[name], _timed(fn, calls))
+            best[name][0] = min(best[name][0], _timed(fn, calls))
     return best
 
 
@@ -92,12 +102,14 @@ def main() -> None:
     args = parser.parse_args()
     print(f"torch {torch.__version__}, {platform.processor() or platform.machine()}, gloo")
     best = run_ranks(_bench_rank, args.world_size, args.metrics, args.calls, args.rounds, timeout_s=3600)[0]
-    print(f"| world size {args.world_size}, {args.metrics} metrics | µs per call | emptied / kept |")
-    print("|---|---|---|")
+    title = f"world size {args.world_size}, {args.metrics} metrics"
+    print(f"| {title} | µs per call | emptied / kept | collectives |")
+    print("|---|---|---|---|")
     names = list(best)
     for kept, emptied in zip(names[::2], names[1::2], strict=True):
-        print(f"| {kept} | {best[kept]:.0f} | |")
-        print(f"| {emptied} | {best[emptied]:.0f} | {best[emptied] / best[kept]:.2f}x |")
+        (kept_us, kept_calls), (emptied_us, emptied_calls) = best[kept], best[emptied]
+        print(f"| {kept} | {kept_us:.0f} | | {kept_calls} |")
+        print(f"| {emptied} | {emptied_us:.0f} | {emptied_us / kept_us:.2f}x | {emptied_calls} |")
 
 
 if __name__ == "__main__":

@@ -1,10 +1,9 @@
-"""`BatchedRule`: a built-in metric's compute, written once for K instances at once.
+"""`BatchedRule`: a built-in metric's compute, written once for one instance and for K at once.
 
-A built-in class holds its rule (`Metric.batched`); its `compute()` is that rule with K = 1, and a
-collection window computes the K instances of the class that it holds with one call of the same
-rule (`batched_rule`), so a window of many metrics costs a few tensor ops per class, not per
-metric. A rule turns `states` (attribute name -> the K instances' states stacked along a new
-leading dim) into the PyTree of results, with the same leading dim on every leaf.
+A built-in class holds its rule (`Metric.batched`). A rule takes states with any leading dims:
+`compute()` runs it on the instance's own states, and a collection window on the K instances of
+the class it holds, their states stacked along a new leading dim (`batched_rule`), so a window of
+many metrics costs a few tensor ops per class, not per metric.
 """
 
 from __future__ import annotations
@@ -24,38 +23,45 @@ __all__ = ["BatchedRule", "States", "batched_rule"]
 States = Mapping[str, torch.Tensor]
 
 
-def _no_constants(metrics: Sequence[Metric], device: torch.device) -> None:
-    return None
-
-
-def _one(leaf: Any) -> Any:
-    """The only instance of a K = 1 result leaf: a copy where it is a view (of the state, maybe)."""
-    if not isinstance(leaf, torch.Tensor):
-        return leaf
-    one = leaf.squeeze(0)
-    return one.clone() if leaf._is_view() else one
+def _copied(leaf: Any, inputs: tuple[Any, ...]) -> Any:
+    """A result leaf that is (a view of) an input, copied: a result never aliases a state."""
+    if isinstance(leaf, torch.Tensor):
+        if leaf._is_view():
+            return leaf.clone()
+        for given in inputs:
+            if leaf is given:
+                return leaf.clone()
+    return leaf
 
 
 @dataclass(frozen=True, slots=True)
 class BatchedRule:
-    """How one built-in class computes K instances at once."""
+    """How one built-in class computes its results, for one instance or K at once."""
 
     compute: Callable[[States, Any], Any]
-    """(stacked states, constants) -> the results PyTree, every leaf with a leading dim of K."""
-    constants: Callable[[Sequence[Metric], torch.device], Any] = _no_constants
-    """Per-instance constants the results need (histogram bounds), stacked once on `device`."""
+    """(states, constant) -> the results PyTree. States (and constants) with a leading dim of K give
+    every leaf that leading dim; the states of one instance, its results."""
+    constant: Callable[[Metric], torch.Tensor] | None = None
+    """The per-instance tensor the results need besides the states (a histogram's bounds)."""
+
+    def constants(self, metrics: Sequence[Metric], device: torch.device) -> torch.Tensor | None:
+        """The constants of `metrics` stacked along a new leading dim on `device` (None without)."""
+        if self.constant is None:
+            return None
+        return torch.stack([self.constant(metric) for metric in metrics]).to(device)
 
     def compute_one(self, metric: Metric) -> Any:
-        """`metric`'s results: the rule with K = 1, on the state each accumulator's `value` gives
-        (new tensors, never views of the state)."""
-        states = {attr: acc.value.unsqueeze(0) for attr, acc in metric._accumulators.items()}
-        constants = None if self.constants is _no_constants else self.constants([metric], metric.device)
-        results = self.compute(states, constants)
+        """`metric`'s results from the state each accumulator's `value` gives (new tensors, never
+        the state or a view of it)."""
+        states = {attr: acc.value for attr, acc in metric._accumulators.items()}
+        constant = None if self.constant is None else self.constant(metric)
+        results = self.compute(states, constant)
+        inputs = (*states.values(), constant)
         if isinstance(results, torch.Tensor):
-            return _one(results)
+            return _copied(results, inputs)
         if type(results) is dict:
-            return {key: _one(leaf) for key, leaf in results.items()}
-        return pytree.tree_map(_one, results)
+            return {key: _copied(leaf, inputs) for key, leaf in results.items()}
+        return pytree.tree_map(lambda leaf: _copied(leaf, inputs), results)
 
 
 def batched_rule(metric: Metric) -> BatchedRule | None:

@@ -227,12 +227,12 @@ def _in_top_k(logits: torch.Tensor, target: torch.Tensor, k: int) -> torch.Tenso
 
 
 def _auroc(states: States, constants: None) -> torch.Tensor:
-    """The trapezoid rule over the binned ROC curves `[K, num_bins]`, thresholds from high to low."""
+    """The trapezoid rule over the binned ROC curves `[..., num_bins]`, thresholds from high to low."""
     tp = states["positives"].flip(-1).cumsum(-1)
     fp = states["negatives"].flip(-1).cumsum(-1)
-    zeros = tp.new_zeros(tp.shape[0], 1)
-    tpr = torch.cat([zeros, tp / tp[:, -1:]], dim=-1)
-    fpr = torch.cat([zeros, fp / fp[:, -1:]], dim=-1)
+    zeros = tp.new_zeros((*tp.shape[:-1], 1))
+    tpr = torch.cat([zeros, tp / tp[..., -1:]], dim=-1)
+    fpr = torch.cat([zeros, fp / fp[..., -1:]], dim=-1)
     return torch.trapezoid(tpr, fpr, dim=-1)
 
 

@@ -21,11 +21,6 @@ def _results(states: States, bounds: torch.Tensor) -> dict[str, torch.Tensor]:
     return {"bounds": bounds, "counts": states["counts"], "sum": states["sum"], "count": states["count"]}
 
 
-def _stacked_bounds(metrics: Sequence[Metric], device: torch.device) -> torch.Tensor:
-    """The bounds of `metrics` (histograms), stacked on `device`."""
-    return torch.stack([metric.bounds for metric in metrics]).to(device)  # type: ignore[attr-defined]
-
-
 class HistogramMetric(Metric):
     """Counts per bucket with fixed upper bounds, plus the sum and count of values.
 
@@ -38,7 +33,7 @@ class HistogramMetric(Metric):
     """
 
     kind = MetricKind.HISTOGRAM
-    batched = BatchedRule(_results, _stacked_bounds)
+    batched = BatchedRule(_results, lambda metric: metric.bounds)  # type: ignore[attr-defined]
 
     def __init__(
         self,
