@@ -8,7 +8,7 @@ refused), and `nan_policy` ("error" raises, "ignore" masks, "propagate" passes v
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import torch
 
@@ -18,9 +18,9 @@ if TYPE_CHECKING:
 __all__ = ["NAN_POLICIES", "NanPolicy", "UpdateInputs"]
 
 NanPolicy = Literal["error", "ignore", "propagate"]
-NAN_POLICIES = ("error", "ignore", "propagate")
+NAN_POLICIES: tuple[str, ...] = get_args(NanPolicy)
+
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
-_NAN_POLICIES = ("error", "ignore", "propagate")
 # Input dtypes that most PyTorch ops do not implement, widened exactly before any check reads them:
 # every float8 value is a float32, every uint16/uint32 an int64. uint64 has no exact wider type
 # (None): refused.
