@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from torchtelemetry.collect import check_collection_limits
+from torchtelemetry.collect import DEFAULT_MAX_PENDING, DEFAULT_TIMEOUT_S, check_collection_limits
 from torchtelemetry.report import (
     DEFAULT_PHASES,
     DEFAULT_SPIKE_SIGMA,
@@ -73,9 +73,9 @@ class TelemetryConfig:
     peak_flops: float | None = None
     """Peak FLOP/s of one accelerator for `train/mfu`; default: the CUDA device's dense BF16 peak
     from `torchtelemetry.report.PEAK_FLOPS` (no MFU when the device is not listed)."""
-    timeout_s: float = 300.0
+    timeout_s: float = DEFAULT_TIMEOUT_S
     """Bound on one collection: a dead or missing rank raises instead of hanging."""
-    max_pending: int = 2
+    max_pending: int = DEFAULT_MAX_PENDING
     """Collections in flight before `step()` waits for the oldest (the collector's ring of slots
     has this many)."""
     queue_size: int = 8

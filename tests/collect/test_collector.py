@@ -182,7 +182,7 @@ def collector_threads() -> list[threading.Thread]:
 def _windows_rank(rank: int, world_size: int, num_windows: int, in_flight: int) -> list[Any]:
     metrics = make_metrics(rank, world_size)
     results = []
-    with AsyncMetricCollector(metrics, timeout_s=60) as collector:
+    with AsyncMetricCollector(metrics, timeout_s=60, max_pending=in_flight + 1) as collector:
         for window in range(num_windows):
             feed_window(metrics, rank, window)
             collector.schedule_collection()
@@ -218,7 +218,7 @@ def _group_rank(rank: int, world_size: int) -> dict[str, Any]:
     dist.all_reduce = recording_all_reduce
     try:
         metrics = make_metrics(rank, world_size)
-        with AsyncMetricCollector(metrics) as collector:
+        with AsyncMetricCollector(metrics, max_pending=3) as collector:
             bind_threads = sorted({thread for _, thread in calls})
             calls.clear()  # bind() checked the layout across the ranks, on the collector's group
             for window in range(3):
@@ -318,7 +318,7 @@ def test_no_thread_or_group_leak_after_1000_collections_and_unbind_in_flight() -
 def test_non_distributed_windows_are_exact_and_in_order() -> None:
     assert not dist.is_initialized()
     metrics = make_metrics(0, 1)
-    collector = AsyncMetricCollector(metrics).bind()
+    collector = AsyncMetricCollector(metrics, max_pending=3).bind()
     try:
         results = []
         for window in range(7):
@@ -429,6 +429,20 @@ def test_too_many_pending_windows_says_to_collect() -> None:
         with pytest.raises(RuntimeError, match=r"2 collections are pending; call collect_results\(\) first"):
             collector.schedule_collection()
         assert collector.pending == 2
+
+
+def test_a_collector_built_directly_has_the_configs_bounds() -> None:
+    """`max_pending` (back-pressure and ring size) and `timeout_s` have one default, not one per owner."""
+    collector = AsyncMetricCollector(tt.SumMetric())
+    config = tt.TelemetryConfig()
+    assert (
+        (collector.max_pending, collector.timeout_s) == (config.max_pending, config.timeout_s) == (2, 300.0)
+    )
+    with collector:
+        collector.schedule_collection()
+        collector.schedule_collection()
+        with pytest.raises(RuntimeError, match="2 collections are pending"):
+            collector.schedule_collection()
 
 
 def test_bad_arguments_name_the_key() -> None:

@@ -186,7 +186,7 @@ def _shared_gpu_rank(rank: int, world_size: int) -> dict[str, Any]:
     for metric in metrics.values():
         metric.to(DEVICE)
     results = []
-    with AsyncMetricCollector(metrics, timeout_s=60) as collector:
+    with AsyncMetricCollector(metrics, timeout_s=60, max_pending=4) as collector:
         in_use = collector.transport_in_use()
         for window in range(4):
             for step in range(2):
@@ -215,7 +215,7 @@ def test_device_transport_at_world_size_one_with_nccl() -> None:
     with nccl_world_of_one():
         metrics = {name: metric.to(DEVICE) for name, metric in _metrics().items()}
         groups_before = len(_world.pg_map)
-        with AsyncMetricCollector(metrics, transport="device") as collector:
+        with AsyncMetricCollector(metrics, transport="device", max_pending=3) as collector:
             assert len(_world.pg_map) == groups_before  # the training's own group, no second one
             windows = [range(0, 3), range(3, 5), range(5, 9)]
             for steps in windows:

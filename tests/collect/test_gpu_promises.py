@@ -113,7 +113,7 @@ def test_telemetry_step_returns_while_the_training_stream_is_busy() -> None:
 def test_windows_under_nccl_sync_nothing_and_issue_nccl_only_from_the_training_thread(transport: str) -> None:
     with nccl_world_of_one(), CollectiveRecorder() as calls:
         metrics = _metrics()
-        with AsyncMetricCollector(metrics, transport=transport) as collector:  # type: ignore[arg-type]
+        with AsyncMetricCollector(metrics, transport=transport, max_pending=3) as collector:  # type: ignore[arg-type]
             assert collector.transport_in_use() == transport
             _update(metrics, 0)
             collector.schedule_collection()

@@ -104,7 +104,7 @@ def _device_transport_rank(rank: int, world_size: int) -> dict[str, Any]:
     results = []
     with (
         CollectiveRecorder() as calls,
-        AsyncMetricCollector(metrics, transport="device", timeout_s=60) as collector,
+        AsyncMetricCollector(metrics, transport="device", timeout_s=60, max_pending=3) as collector,
     ):
         groups_while_bound = len(_world.pg_map) - groups_before
         for window in range(5):

@@ -7,6 +7,7 @@ import itertools
 import numpy as np
 import pytest
 import torch
+from torch.utils import _pytree as pytree
 
 import torchtelemetry as tt
 
@@ -611,3 +612,63 @@ def test_per_rank_update_total_adds_a_presummed_total_to_this_ranks_slot() -> No
     means = metric.compute().tolist()
     assert means[1] == 2.0  # (6 + 2) / (3 + 1)
     assert np.isnan(means[0]) and np.isnan(means[2])
+
+
+# -- one prologue -------------------------------------------------------------------------------------
+
+
+def test_every_builtin_update_runs_the_one_prologue_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The thread check, the input conversion and nan_policy live in `_begin_update` only: each
+    built-in `update()` calls it exactly once (a second input goes through `_input`)."""
+    from torchtelemetry.metric._inputs import UpdateInputs
+
+    calls: list[str] = []
+    prologue = UpdateInputs._begin_update
+
+    def counted(self: tt.Metric, *args, **kwargs):
+        calls.append(type(self).__name__)
+        return prologue(self, *args, **kwargs)
+
+    monkeypatch.setattr(UpdateInputs, "_begin_update", counted)
+    metrics = _fresh_metrics()
+    for metric in metrics.values():
+        metric.update(*_good_input(metric))
+    assert calls == [type(metric).__name__ for metric in metrics.values()]
+
+
+def test_every_builtin_compute_is_its_batched_rule_with_one_instance() -> None:
+    """Each built-in's formula exists once: `compute()` runs the rule a window batches K instances
+    with, and gives new tensors (a later update does not change a result already computed)."""
+    from torchtelemetry.metric import batched_rule
+
+    for name, metric in _filled_metrics().items():
+        assert type(metric).compute is tt.Metric.compute, name
+        assert batched_rule(metric) is type(metric).batched is not None, name
+        before = computed(metric)
+        kept = pytree.tree_map(torch.clone, before)
+        metric.update(*_good_input(metric))
+        torch.testing.assert_close(before, kept, rtol=0, atol=0, equal_nan=True, msg=name)
+
+
+def test_a_metric_that_names_no_label_uses_the_exporters_default() -> None:
+    """One default label for the entries of a 1-D result: what a custom metric's entries are exported
+    under is what exporters call a labelled value without a name ("label", once "index")."""
+    from torchtelemetry.export._hub import _inferred_descriptor
+    from torchtelemetry.metric import DEFAULT_LABEL_NAME
+    from torchtelemetry.report import describe_metrics, flatten_results
+
+    class Spread(tt.Metric):
+        def __init__(self) -> None:
+            super().__init__()
+            self.values = tt.MetricAccumulator(torch.zeros(2))
+
+        def update(self, value: torch.Tensor) -> None:
+            self.values.update(value)
+
+        def compute(self) -> torch.Tensor:
+            return self.values.value.clone()
+
+    (descriptor,) = describe_metrics({"spread": Spread()})
+    assert descriptor.label_name == DEFAULT_LABEL_NAME == "label"
+    assert _inferred_descriptor("x", {"0": 1.0}).label_name == descriptor.label_name
+    assert flatten_results([("spread", Spread())], [[1.0, 2.0]]) == {"spread": {"0": 1.0, "1": 2.0}}

@@ -5,6 +5,7 @@ from torchtelemetry.collect._collector import AsyncMetricCollector
 from torchtelemetry.collect._results import to_python
 from torchtelemetry.collect._transports import (
     DEFAULT_MAX_PENDING,
+    DEFAULT_TIMEOUT_S,
     HOST_TRANSPORT_LIMIT_BYTES,
     CollectionError,
     check_collection_limits,
@@ -13,6 +14,7 @@ from torchtelemetry.collect._window import STEPS_ENTRY, WindowMismatchError, Win
 
 __all__ = [
     "DEFAULT_MAX_PENDING",
+    "DEFAULT_TIMEOUT_S",
     "HOST_TRANSPORT_LIMIT_BYTES",
     "STEPS_ENTRY",
     "AsyncMetricCollector",

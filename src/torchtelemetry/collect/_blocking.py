@@ -56,5 +56,5 @@ def sync_and_compute(metrics: Any, group: GroupLike = None) -> Any:
     torch._foreach_copy_(prepared.targets, plan.local_tensors())
     plan.layout.negate_min_(slot.buffers)
     exchange.reduce(slot)
-    flat, layout = plan.compute(exchange.reduced(slot))
-    return pytree.tree_unflatten(plan.results(flat.cpu(), layout), spec)
+    flat, placement = plan.compute(exchange.reduced(slot))
+    return pytree.tree_unflatten(plan.results(flat.cpu(), placement), spec)

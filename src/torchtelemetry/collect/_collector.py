@@ -21,9 +21,10 @@ from torchtelemetry.collect._device import DeviceTransport
 from torchtelemetry.collect._executors import ThreadExecutor
 from torchtelemetry.collect._transports import (
     DEFAULT_MAX_PENDING,
+    DEFAULT_TIMEOUT_S,
+    BoundStorage,
     CollectionError,
     HostTransport,
-    Plan,
     Transport,
     TransportName,
     check_collection_limits,
@@ -83,8 +84,9 @@ class AsyncMetricCollector:
         group: ranks to reduce over (ProcessGroup, DeviceMesh, (mesh, dim) or None).
         timeout_s: bound on one collection; a rank that never schedules, or
             dies, makes `collect_results` raise within it instead of hanging.
-        max_pending: scheduled windows allowed before `collect_results` must be called
-            (the ring of slots allocated at `bind()` has this many).
+        max_pending: scheduled windows allowed before `collect_results` must be called; the ring
+            of slots allocated at `bind()` has this many (default `DEFAULT_MAX_PENDING`, which
+            `TelemetryConfig.max_pending` shares).
         device: where `bind()` moves the metrics (e.g. the rank's GPU); None keeps them where
             they are.
         transport: `"host"`, `"device"` or `"auto"`, as above.
@@ -95,7 +97,7 @@ class AsyncMetricCollector:
         metrics: Any,
         group: GroupLike = None,
         *,
-        timeout_s: float = 300.0,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
         max_pending: int = DEFAULT_MAX_PENDING,
         device: torch.device | str | None = None,
         transport: TransportName = "auto",
@@ -113,7 +115,7 @@ class AsyncMetricCollector:
         self.max_pending = max_pending
         self.device = None if device is None else torch.device(device)
         self.transport: TransportName = transport
-        self._plan: Plan | None = None
+        self._storage: BoundStorage | None = None
         self._transport: Transport | None = None
         self._executor: ThreadExecutor | None = None
         self._bound_group: dist.ProcessGroup | None = None
@@ -149,14 +151,14 @@ class AsyncMetricCollector:
                 for _, metric in self._named:
                     metric.to(self.device)
             resolved = resolve_group(self._group, op="AsyncMetricCollector")
-            self._plan = Plan.build(self._named, group_world_size(resolved))
+            self._storage = BoundStorage.build(self._named, group_world_size(resolved))
             self._binding.attach(self._named)
-            self._transport = self._make_transport(self._plan, resolved)
+            self._transport = self._make_transport(self._storage, resolved)
         except BaseException:
             self._binding.release(self._named)
             raise
         self._windows = itertools.count()
-        device = self._plan.device
+        device = self._storage.device
         # The worker waits on CUDA events: on the metrics' device, not on a context it would create on GPU 0.
         initializer = functools.partial(_set_device, device) if device.type == "cuda" else None
         self._executor = ThreadExecutor(f"{_THREAD_PREFIX}-{next(_collector_ids)}", initializer=initializer)
@@ -168,23 +170,27 @@ class AsyncMetricCollector:
         self._require_bound("transport_in_use")
         return "device" if isinstance(self._transport, DeviceTransport) else "host"
 
-    def _make_transport(self, plan: Plan, resolved: dist.ProcessGroup | None) -> Transport:
-        if choose_transport(self.transport, plan, resolved) == "device":
+    def _make_transport(self, storage: BoundStorage, resolved: dist.ProcessGroup | None) -> Transport:
+        if choose_transport(self.transport, storage, resolved) == "device":
             self._bound_group = resolved  # the training's own group: no second communicator
-            return DeviceTransport(plan.window, plan.storage, resolved, self.max_pending, self.timeout_s)
+            return DeviceTransport(
+                storage.window, storage.buffers, resolved, self.max_pending, self.timeout_s
+            )
         self._bound_group = self._dedicated_group(resolved)
-        return HostTransport(plan.window, plan.storage, self._bound_group, self.max_pending, self.timeout_s)
+        return HostTransport(
+            storage.window, storage.buffers, self._bound_group, self.max_pending, self.timeout_s
+        )
 
-    def _current_plan(self) -> Plan:
-        """The bound plan, rebuilt (with its transport) if one of this collector's metrics registered,
+    def _current_storage(self) -> BoundStorage:
+        """The bound storage, rebuilt (with its transport) if one of this collector's metrics registered,
         replaced, dropped or moved an accumulator since (nothing else makes it stale)."""
-        plan = self._plan
-        assert plan is not None
+        storage = self._storage
+        assert storage is not None
         if self._binding.stale:
-            rebuilt = Plan.build(self._named, plan.window.world_size)
-            if rebuilt.device != plan.device:
+            rebuilt = BoundStorage.build(self._named, storage.window.world_size)
+            if rebuilt.device != storage.device:
                 raise RuntimeError(
-                    f"AsyncMetricCollector.schedule_collection: metrics moved from {plan.device} to "
+                    f"AsyncMetricCollector.schedule_collection: metrics moved from {storage.device} to "
                     f"{rebuilt.device} since bind(); call unbind() and bind() again"
                 )
             self._binding.attach(self._named)
@@ -192,8 +198,8 @@ class AsyncMetricCollector:
             # (and checks the new layout across the ranks: this window blocks, as bind() does).
             resolved = resolve_group(self._group, op="AsyncMetricCollector")
             self._transport = self._make_transport(rebuilt, resolved)
-            plan = self._plan = rebuilt
-        return plan
+            storage = self._storage = rebuilt
+        return storage
 
     def _dedicated_group(self, resolved: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
         """The collector's own gloo group of `resolved`'s ranks (created once; see `dedicated_gloo_group`)."""
@@ -272,10 +278,10 @@ class AsyncMetricCollector:
                 f"AsyncMetricCollector.schedule_collection: {len(self._pending)} collections are pending; "
                 "call collect_results() first"
             )
-        plan = self._current_plan()
+        storage = self._current_storage()
         assert self._transport is not None
         index = next(self._windows)
-        finish = self._transport.schedule(index, index if step is None else step, plan.reset)
+        finish = self._transport.schedule(index, index if step is None else step, storage.reset)
         if then is not None:
             finish = functools.partial(_then, finish, then)
         self._pending.append(_Window(index, executor.submit(finish), then is not None))

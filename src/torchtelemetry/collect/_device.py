@@ -110,21 +110,21 @@ class DeviceTransport(Transport):
             works = exchange.reduce(slot, async_op=True)
             for work in works:
                 work.wait()  # the side stream waits for the collective; the host does not
-            flat, layout = plan.compute(exchange.reduced(slot))
+            flat, placement = plan.compute(exchange.reduced(slot))
             host = self._results[index]
             if host.shape != flat.shape:  # a custom compute() whose result shape changed
                 host = self._results[index] = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
             host.copy_(flat, non_blocking=True)
             done = self._done[index]
             done.record(stream)
-        return functools.partial(self._read, host, layout, done)
+        return functools.partial(self._read, host, placement, done)
 
     def _finish_on_host(self, slot: Slot, works: list[Any]) -> list[Any]:
         """Worker thread: wait for the Work issued by the training thread, then compute."""
         _wait(works, self.exchange, self.timeout_s)
         return self.plan.results(*self.plan.compute(self.exchange.reduced(slot)))
 
-    def _read(self, host: torch.Tensor, layout: Any, done: torch.cuda.Event) -> list[Any]:
+    def _read(self, host: torch.Tensor, placement: Any, done: torch.cuda.Event) -> list[Any]:
         """Worker thread: wait for the packed results (sleeping, GIL released) and read them."""
         done.synchronize()
-        return self.plan.results(host, layout)
+        return self.plan.results(host, placement)

@@ -40,11 +40,12 @@ from torchtelemetry.sync import BucketKey, LayoutMismatchError, Slot, WindowExch
 
 __all__ = [
     "DEFAULT_MAX_PENDING",
+    "DEFAULT_TIMEOUT_S",
     "HOST_TRANSPORT_LIMIT_BYTES",
+    "BoundStorage",
     "CollectionError",
     "Finish",
     "HostTransport",
-    "Plan",
     "Transport",
     "TransportName",
     "check_collection_limits",
@@ -56,9 +57,13 @@ __all__ = [
 HOST_TRANSPORT_LIMIT_BYTES = 1 << 20
 """`transport="auto"` moves a window of CUDA metrics through the host up to this many packed bytes."""
 
-DEFAULT_MAX_PENDING = 8
-"""Windows in flight before `collect_results()` must be called: the size of the ring of slots (on
-CUDA with the host transport, pinned host memory of this many times the packed state)."""
+DEFAULT_MAX_PENDING = 2
+"""Windows in flight before `collect_results()` must be called, and so the size of the ring of
+slots (on CUDA with the host transport, pinned host memory of this many times the packed state).
+The one default: `AsyncMetricCollector` and `TelemetryConfig` both take it from here."""
+
+DEFAULT_TIMEOUT_S = 300.0
+"""Bound on one collection, the one default of `AsyncMetricCollector` and `TelemetryConfig`."""
 
 TransportName = Literal["host", "device", "auto"]
 
@@ -71,8 +76,9 @@ class CollectionError(RuntimeError):
 
 
 def check_collection_limits(owner: str, *, timeout_s: float, max_pending: int) -> None:
-    """The one check of the collection bounds, for the collector and for `TelemetryConfig`
-    (`owner` prefixes the key in the error, e.g. "TelemetryConfig.")."""
+    """The one rule for the collection bounds. `TelemetryConfig` and `AsyncMetricCollector` each call it
+    where they are built (the first place a bad value can be named to its user); nothing else checks
+    them (`owner` prefixes the key in the error, e.g. "TelemetryConfig.")."""
     if not timeout_s > 0:
         raise ValueError(f"{owner}timeout_s must be positive, got {timeout_s}")
     if max_pending < 1:
@@ -89,15 +95,16 @@ def reduce_failure(error: Exception, group: dist.ProcessGroup | None, timeout_s:
 
 
 @dataclass(frozen=True, slots=True)
-class Plan:
-    """What a snapshot needs, built at bind(): every local state lives in one flat buffer per
-    bucket, so a snapshot is one copy and a reset one copy per bucket, however many states."""
+class BoundStorage:
+    """Where a bound collector's metrics keep their local state, built at bind(): every local state
+    lives in one flat buffer per bucket, so a snapshot is one copy and a reset one copy per bucket,
+    however many states. `window` is the `WindowPlan` that lays the buffers out and computes them."""
 
     window: WindowPlan
-    storage: dict[BucketKey, torch.Tensor]
+    buffers: dict[BucketKey, torch.Tensor]
     """The flat buffers the accumulators keep their local state in (`MetricAccumulator.adopt`)."""
     initials: dict[BucketKey, torch.Tensor]
-    """The initial states, laid out like `storage`."""
+    """The initial states, laid out like `buffers`."""
 
     @property
     def device(self) -> torch.device:
@@ -105,34 +112,34 @@ class Plan:
 
     @property
     def packed_bytes(self) -> int:
-        return sum(buffer.numel() * buffer.element_size() for buffer in self.storage.values())
+        return sum(buffer.numel() * buffer.element_size() for buffer in self.buffers.values())
 
     def reset(self) -> None:
         """Restore every local state to its initial value, in place."""
-        torch._foreach_copy_(list(self.storage.values()), list(self.initials.values()))
+        torch._foreach_copy_(list(self.buffers.values()), list(self.initials.values()))
 
     @classmethod
-    def build(cls, named: list[tuple[str, Metric]], world_size: int) -> Plan:
+    def build(cls, named: list[tuple[str, Metric]], world_size: int) -> BoundStorage:
         try:
             window = WindowPlan(named, world_size)
         except RuntimeError as error:
             raise RuntimeError(f"AsyncMetricCollector: {error}") from None
         layout = window.layout
-        storage = layout.storage(window.local_tensors())
+        buffers = layout.storage(window.local_tensors())
         accumulator: MetricAccumulator
-        for accumulator, view in zip(window.accumulators, layout.views(storage), strict=False):
+        for accumulator, view in zip(window.accumulators, layout.views(buffers), strict=False):
             accumulator.adopt(view)
-        return cls(window=window, storage=storage, initials=layout.storage(window.initial_tensors()))
+        return cls(window=window, buffers=buffers, initials=layout.storage(window.initial_tensors()))
 
 
-def choose_transport(requested: TransportName, plan: Plan, group: dist.ProcessGroup | None) -> str:
+def choose_transport(requested: TransportName, storage: BoundStorage, group: dist.ProcessGroup | None) -> str:
     """ "host" or "device" for `requested` ("auto" decides by size, device and group), or a
     `ValueError` for a device transport the group cannot run without blocking or at all."""
     backend = None if group is None else str(dist.get_backend(group))
-    on_cuda = plan.device.type == "cuda"
+    on_cuda = storage.device.type == "cuda"
     if requested == "auto":
         # gloo alone runs a CUDA tensor's collective on the host: its wait() would block the training thread.
-        large = plan.packed_bytes > HOST_TRANSPORT_LIMIT_BYTES
+        large = storage.packed_bytes > HOST_TRANSPORT_LIMIT_BYTES
         return "device" if on_cuda and large and backend != "gloo" else "host"
     if requested == "device":
         if not on_cuda and backend is not None and "gloo" not in backend:

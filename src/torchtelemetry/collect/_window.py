@@ -29,9 +29,8 @@ from torchtelemetry.metric import (
     MetricAccumulator,
     ReduceOp,
     batched_rule,
-    same_layout,
-    state_layout,
-    window_state,
+    same_identity,
+    state_identity,
 )
 from torchtelemetry.sync import BucketKey, BucketLayout
 
@@ -75,7 +74,7 @@ class _Group:
 
 
 @dataclass(frozen=True, slots=True)
-class ResultLayout:
+class ResultPlacement:
     """Where each metric's result leaves sit in a window's flat result tensor."""
 
     pieces: tuple[tuple[list[int], Any, list[tuple]], ...]
@@ -110,6 +109,19 @@ def _with_tensors_on(metric: Metric, device: torch.device) -> Metric:
     twin = copy.copy(metric)
     for attr, value in moved.items():
         object.__setattr__(twin, attr, value)
+    return twin
+
+
+def _reading(metric: Metric, state: dict[int, torch.Tensor]) -> Metric:
+    """A twin of `metric` whose accumulators read the window's `state` (by the id of each of
+    `metric`'s accumulators): its `compute()` gives the window's results, and the metric itself,
+    which the training thread goes on updating, is not touched."""
+    twin = object.__new__(type(metric))
+    twin.__dict__.update(metric.__dict__)
+    twin.__dict__.pop("_binding", None)
+    accumulators = {attr: acc.reading(state[id(acc)]) for attr, acc in metric._accumulators.items()}
+    twin.__dict__.update(accumulators)
+    twin.__dict__["_accumulators"] = accumulators
     return twin
 
 
@@ -177,7 +189,7 @@ class WindowPlan:
             group.blocks.append(_Block(attr, key, start, shape, math.prod(shape)))
         self._steps_at = self.layout.offset(len(entries))
         self.world_size = world_size
-        self._state_layout = state_layout(self._registered())
+        self._state_identity = state_identity(self._registered())
         self._custom_on: dict[torch.device, list[tuple[int, Metric]]] = {}
 
     def _registered(self) -> list[MetricAccumulator]:
@@ -185,7 +197,7 @@ class WindowPlan:
 
     def unchanged(self) -> bool:
         """Whether every metric still holds the accumulators (and local tensors) this plan was built on."""
-        return same_layout(self._state_layout, state_layout(self._registered()))
+        return same_identity(self._state_identity, state_identity(self._registered()))
 
     def prepare(self, device: torch.device) -> None:
         """Make now (blocking is fine: at bind) what computing on `device` needs from the metrics:
@@ -216,7 +228,7 @@ class WindowPlan:
         key, start = self._steps_at
         buffers[key][start + rank].fill_(step)
 
-    def compute(self, buffers: dict[BucketKey, torch.Tensor]) -> tuple[torch.Tensor, ResultLayout]:
+    def compute(self, buffers: dict[BucketKey, torch.Tensor]) -> tuple[torch.Tensor, ResultPlacement]:
         """Every metric's results from the reduced `buffers`, as one flat int64 tensor on their device."""
         floats: list[torch.Tensor] = []
         ints: list[torch.Tensor] = []
@@ -250,12 +262,13 @@ class WindowPlan:
             if device not in self._custom_on:
                 self.prepare(device)
             views = self.layout.views(buffers)
-            with window_state({id(acc): view for acc, view in zip(self.accumulators, views, strict=False)}):
-                for position, metric in self._custom_on[device]:
-                    leaves, spec = pytree.tree_flatten(self._custom_compute(position, metric, device))
-                    pieces.append(
-                        ([position], _builder(spec), [place(_batch_of_one(leaf), 1) for leaf in leaves])
-                    )
+            state = {id(acc): view for acc, view in zip(self.accumulators, views, strict=False)}
+            for position, metric in self._custom_on[device]:
+                results = self._custom_compute(position, _reading(metric, state), device)
+                leaves, spec = pytree.tree_flatten(results)
+                pieces.append(
+                    ([position], _builder(spec), [place(_batch_of_one(leaf), 1) for leaf in leaves])
+                )
         key, start = self._steps_at
         pieces.append(
             (
@@ -269,7 +282,7 @@ class WindowPlan:
             parts.append(torch.cat(floats).to(torch.float64).view(torch.int64))
         if ints:
             parts.append(torch.cat(ints).to(torch.int64))
-        return torch.cat(parts), ResultLayout(tuple(pieces), counts[0])
+        return torch.cat(parts), ResultPlacement(tuple(pieces), counts[0])
 
     def _custom_compute(self, position: int, metric: Metric, device: torch.device) -> Any:
         try:
@@ -281,13 +294,13 @@ class WindowPlan:
                 "accumulator's `value` and work on that device (keep tensor constants there too)"
             ) from error
 
-    def results(self, flat: torch.Tensor, layout: ResultLayout) -> list[Any]:
+    def results(self, flat: torch.Tensor, placement: ResultPlacement) -> list[Any]:
         """Each metric's results as Python values (host `flat` from `compute`), in `named` order.
 
         Raises `WindowMismatchError` if the ranks' steps differ."""
-        values = (flat[: layout.floats].view(torch.float64).tolist(), flat[layout.floats :].tolist())
+        values = (flat[: placement.floats].view(torch.float64).tolist(), flat[placement.floats :].tolist())
         out: list[Any] = [None] * len(self.named)
-        for positions, build, described in layout.pieces:
+        for positions, build, described in placement.pieces:
             if build is _ONE_LEAF and described[0][0] in ("float", "int") and not described[0][3]:
                 start = described[0][1]  # the common case: one scalar per metric
                 scalars = values[described[0][0] == "int"][start : start + len(positions)]

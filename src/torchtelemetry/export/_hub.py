@@ -20,7 +20,7 @@ from torchtelemetry.export._base import warn_closed_again
 from torchtelemetry.export._health import HEALTH_DESCRIPTORS, ExporterHealth, health_values
 from torchtelemetry.export._protocol import Exporter, RunInfo
 from torchtelemetry.export._queue import ExporterQueue, close_exporter
-from torchtelemetry.metric import MetricKind
+from torchtelemetry.metric import DEFAULT_LABEL_NAME, MetricKind
 from torchtelemetry.report import (
     HistogramValue,
     InvalidMetricNameError,
@@ -235,5 +235,5 @@ def _inferred_descriptor(name: str, value: ScalarValue) -> MetricDescriptor:
     if isinstance(value, HistogramValue):
         return MetricDescriptor(name, MetricKind.HISTOGRAM)
     if isinstance(value, Mapping):
-        return MetricDescriptor(name, label_name="label")
+        return MetricDescriptor(name, label_name=DEFAULT_LABEL_NAME)
     return MetricDescriptor(name)

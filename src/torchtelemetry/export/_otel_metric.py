@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from torchtelemetry.metric import MetricKind
+from torchtelemetry.metric import DEFAULT_LABEL_NAME, MetricKind
 from torchtelemetry.report import STEP_METRIC, HistogramValue, MetricDescriptor, otel_name, otel_unit
 
 __all__ = ["otel_metric"]
@@ -49,7 +49,7 @@ def otel_metric(
         if isinstance(value, HistogramValue):
             raise TypeError(f"{descriptor.name!r}: described as a {descriptor.kind.value}, got a histogram")
         if isinstance(value, Mapping):
-            label = descriptor.label_name or "label"
+            label = descriptor.label_name or DEFAULT_LABEL_NAME
             points = [
                 NumberDataPoint(
                     attributes={label: key},

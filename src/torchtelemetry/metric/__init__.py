@@ -4,9 +4,8 @@ from torchtelemetry.metric._accumulator import (
     DEFAULT_STATE_DTYPE,
     MetricAccumulator,
     ReduceOp,
-    same_layout,
-    state_layout,
-    window_state,
+    same_identity,
+    state_identity,
 )
 from torchtelemetry.metric._aggregation import (
     MaxMetric,
@@ -15,7 +14,7 @@ from torchtelemetry.metric._aggregation import (
     SumMetric,
     WeightedMeanMetric,
 )
-from torchtelemetry.metric._base import Metric, MetricKind, NanPolicy
+from torchtelemetry.metric._base import DEFAULT_LABEL_NAME, Metric, MetricKind, NanPolicy
 from torchtelemetry.metric._batched import BatchedRule, batched_rule
 from torchtelemetry.metric._binding import MetricBinding
 from torchtelemetry.metric._classification import AccuracyMetric, BinaryAUROCMetric, ConfusionMatrixMetric
@@ -25,6 +24,7 @@ from torchtelemetry.metric._sync import SyncHandle, sync_accumulators, sync_metr
 from torchtelemetry.metric._tree import metric_leaves, named_accumulators
 
 __all__ = [
+    "DEFAULT_LABEL_NAME",
     "DEFAULT_STATE_DTYPE",
     "AccuracyMetric",
     "BatchedRule",
@@ -48,9 +48,8 @@ __all__ = [
     "metric_leaves",
     "named_accumulators",
     "restore_local_states",
-    "same_layout",
-    "state_layout",
+    "same_identity",
+    "state_identity",
     "sync_accumulators",
     "sync_metrics",
-    "window_state",
 ]

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -18,40 +16,22 @@ __all__ = [
     "ReduceOp",
     "rank_local",
     "rank_sharded",
-    "same_layout",
-    "state_layout",
-    "window_state",
+    "same_identity",
+    "state_identity",
 ]
 
 DEFAULT_STATE_DTYPE = torch.float64
 """State dtype of the built-in metrics: integers stay exact up to 2**53."""
 
 
-# Per-thread override of what `MetricAccumulator.value` returns: the collector's
-# worker computes one window's results without touching the metric's own state.
-_WINDOW_STATE: contextvars.ContextVar[Mapping[int, torch.Tensor] | None] = contextvars.ContextVar(
-    "torchtelemetry_window_state", default=None
-)
-
-
-@contextlib.contextmanager
-def window_state(values: Mapping[int, torch.Tensor]) -> Iterator[None]:
-    """Make `MetricAccumulator.value` read `values[id(accumulator)]` in this thread."""
-    token = _WINDOW_STATE.set(values)
-    try:
-        yield
-    finally:
-        _WINDOW_STATE.reset(token)
-
-
-def state_layout(accumulators: Iterable[MetricAccumulator]) -> tuple[object, ...]:
-    """Each accumulator and its local tensor, in order: the same objects (`same_layout`) until an
-    accumulator is replaced or moved (`to()`, `adopt()`). For plans that a blocking call caches."""
+def state_identity(accumulators: Iterable[MetricAccumulator]) -> tuple[object, ...]:
+    """Each accumulator and its local tensor, in order: the same objects (`same_identity`) until an
+    accumulator is replaced or moved (`to()`, `adopt()`). For what a blocking call caches."""
     return tuple(item for accumulator in accumulators for item in (accumulator, accumulator._local))
 
 
-def same_layout(first: tuple[object, ...], second: tuple[object, ...]) -> bool:
-    """Whether two `state_layout`s hold the same objects."""
+def same_identity(first: tuple[object, ...], second: tuple[object, ...]) -> bool:
+    """Whether two `state_identity`s hold the same objects (compared by `is`)."""
     return len(first) == len(second) and all(a is b for a, b in zip(first, second, strict=True))
 
 
@@ -153,12 +133,10 @@ class MetricAccumulator:
 
     @property
     def value(self) -> torch.Tensor:
-        """The state `compute()` reads: the window being collected, on a collector thread; else,
-        under a process group of more than one rank, the state of the last `sync()`; else (one
-        process) the local state, which is then the global one."""
-        override = _WINDOW_STATE.get()
-        if override is not None:
-            return override[id(self)]
+        """The state `compute()` reads: under a process group of more than one rank, the state of the
+        last `sync()`; else (one process) the local state, which is then the global one. (A
+        collection window computes a custom metric on a twin whose accumulators are `reading()` the
+        window's state.)"""
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             return self._synced
         return self._local
@@ -233,6 +211,14 @@ class MetricAccumulator:
             )
         storage.copy_(self._local)
         self._local = storage
+
+    def reading(self, state: torch.Tensor) -> MetricAccumulator:
+        """A twin of this accumulator whose local state and `value` are `state` (e.g. a collection
+        window's reduced state), bound nowhere; this accumulator is left as it is."""
+        twin = MetricAccumulator.__new__(MetricAccumulator)
+        twin.reduce_op, twin._initial, twin._local, twin._synced = self.reduce_op, self._initial, state, state
+        twin._binding = None
+        return twin
 
     def flat_views(self) -> tuple[torch.Tensor, torch.Tensor]:
         """1-D views of the local and the synchronized state (valid until `to()`), for packed syncs."""

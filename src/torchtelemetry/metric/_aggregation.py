@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
-from threading import get_ident
 from typing import Any
 
 import torch
 
 from torchtelemetry.metric._accumulator import DEFAULT_STATE_DTYPE, MetricAccumulator, ReduceOp
 from torchtelemetry.metric._base import Metric, MetricKind
+from torchtelemetry.metric._batched import BatchedRule
 
 __all__ = ["MaxMetric", "MinMetric", "PerRankMetric", "SumMetric", "WeightedMeanMetric"]
 
 
 class SumMetric(Metric):
     """Sum of every value seen; `kind="counter"` exports a running total (tokens, samples)."""
+
+    batched = BatchedRule(lambda states, _: states["total"])
 
     def __init__(
         self,
@@ -30,27 +32,23 @@ class SumMetric(Metric):
 
     def update(self, value: Any) -> None:
         """Add the sum of `value` (a tensor of any shape or a number), summed in the state dtype."""
-        if not torch.compiler.is_compiling():
-            self._check_thread()
-        value = self._as_tensor(value, "value")
-        self._check_finite(value, "value")
-        mask = self._finite_mask(value)
+        value, mask = self._begin_update(value)
         if mask is not None:
             value = torch.where(mask, value, 0)
         if self.kind is MetricKind.COUNTER and self._inspects_values(value) and _any_negative(value):
             raise ValueError(f"{self.display_name()}: a counter cannot decrease, got a negative value")
         self.total.update(self._batch_sum(self.total, value))
 
-    def compute(self) -> torch.Tensor:
-        return self.total.value.clone()
-
 
 class WeightedMeanMetric(Metric):
     """Mean of values weighted by `weight` (e.g. loss weighted by token count).
 
     The state is the weighted sum and the total weight, never the mean, so it
-    reduces exactly across ranks and windows.
+    reduces exactly across ranks and windows. `compute()`: the weighted mean; NaN when no weight
+    was seen.
     """
+
+    batched = BatchedRule(lambda states, _: states["weighted_sum"] / states["total_weight"])
 
     def __init__(self, *, dtype: torch.dtype = DEFAULT_STATE_DTYPE, **options: Any) -> None:
         super().__init__(**options)
@@ -60,23 +58,18 @@ class WeightedMeanMetric(Metric):
 
     def update(self, value: Any, weight: Any = 1.0) -> None:
         """Add `value` with `weight` (a scalar, or a tensor of the same shape as `value`)."""
-        compiling = torch.compiler.is_compiling()
-        if not compiling and get_ident() != self._thread:
-            self._check_thread()
         weighted_sum, total_weight = self.weighted_sum, self.total_weight
         local_sum = weighted_sum._local
         device = local_sum.device
-        value = self._as_tensor(value, "value", device)
-        weight = self._as_tensor(weight, "weight", device)
+        value, mask = self._begin_update(value, "value", device)
+        weight, weight_mask = self._input(weight, "weight", device)
         if weight.dim() > 0 and weight.shape != value.shape:
             raise ValueError(
                 f"{self.display_name()}: weight has shape {tuple(weight.shape)}, expected the shape of "
                 f"value {tuple(value.shape)} or a scalar"
             )
         nan_policy = self.nan_policy
-        if nan_policy == "error":
-            self._check_finite(value, "value")
-            self._check_finite(weight, "weight")
+        compiling = torch.compiler.is_compiling()
         # `is_cpu`, not `device.type == "cpu"`: 0.3 µs against 1.5 µs, on every update
         if not compiling and (nan_policy == "error" or local_sum.is_cpu) and _any_negative(weight):
             raise ValueError(f"{self.display_name()}: weight must be non-negative, got a negative weight")
@@ -91,9 +84,7 @@ class WeightedMeanMetric(Metric):
                 total_weight._local.add_(weight)
             return
         weight = weight.expand(value.shape)
-        mask = self._finite_mask(value)
         if mask is not None:
-            weight_mask = self._finite_mask(weight)
             if weight_mask is not None:
                 mask = mask & weight_mask
             value = torch.where(mask, value, 0)
@@ -104,10 +95,6 @@ class WeightedMeanMetric(Metric):
         weighted_sum.update(weighted)
         total_weight.update(weights)
 
-    def compute(self) -> torch.Tensor:
-        """The weighted mean; NaN when no weight was seen."""
-        return self.weighted_sum.value / self.total_weight.value
-
 
 def _any_negative(tensor: torch.Tensor) -> bool:
     if tensor.dim() == 0:
@@ -116,7 +103,10 @@ def _any_negative(tensor: torch.Tensor) -> bool:
 
 
 class _ExtremumMetric(Metric):
+    """`compute()`: the extremum; -inf (max) or +inf (min) when nothing was seen."""
+
     _op: ReduceOp
+    batched = BatchedRule(lambda states, _: states["extremum"])
 
     def __init__(self, *, dtype: torch.dtype = DEFAULT_STATE_DTYPE, **options: Any) -> None:
         super().__init__(**options)
@@ -125,20 +115,12 @@ class _ExtremumMetric(Metric):
 
     def update(self, value: Any) -> None:
         """Fold the extremum of `value`; an empty tensor changes nothing."""
-        if not torch.compiler.is_compiling():
-            self._check_thread()
-        value = self._as_tensor(value, "value")
+        value, mask = self._begin_update(value)
         if value.numel() == 0:
             return
-        self._check_finite(value, "value")
-        mask = self._finite_mask(value)
         if mask is not None:
             value = torch.where(mask, value, self.extremum.initial)
         self.extremum.update(value.amax() if self._op is ReduceOp.MAX else value.amin())
-
-    def compute(self) -> torch.Tensor:
-        """The extremum; -inf (max) or +inf (min) when nothing was seen."""
-        return self.extremum.value.clone()
 
 
 class MaxMetric(_ExtremumMetric):
@@ -157,10 +139,12 @@ class PerRankMetric(Metric):
     """Mean of a value per rank (e.g. step time, to spot stragglers).
 
     The state is a world-sized vector in which each rank fills its own slot, so
-    it rides in the SUM bucket and costs no extra collective.
+    it rides in the SUM bucket and costs no extra collective. `compute()`: one mean per rank; NaN
+    for a rank that reported nothing.
     """
 
     label_name = "rank"
+    batched = BatchedRule(lambda states, _: states["sums"] / states["counts"])
 
     def __init__(
         self,
@@ -184,11 +168,7 @@ class PerRankMetric(Metric):
 
     def update(self, value: Any) -> None:
         """Add every entry of `value` to this rank's slot."""
-        if not torch.compiler.is_compiling():
-            self._check_thread()
-        value = self._as_tensor(value, "value")
-        self._check_finite(value, "value")
-        mask = self._finite_mask(value)
+        value, mask = self._begin_update(value)
         if mask is not None:
             value = torch.where(mask, value, 0)
         # The sums first: the only update that can fail (a float value into an integer state dtype,
@@ -201,7 +181,3 @@ class PerRankMetric(Metric):
         metric's device), e.g. host timings accumulated over a window; no checks, no reduction."""
         self.sums.update(self.slot * total)
         self.counts.update(self.slot * count)
-
-    def compute(self) -> torch.Tensor:
-        """One mean per rank; NaN for a rank that reported nothing."""
-        return self.sums.value / self.counts.value

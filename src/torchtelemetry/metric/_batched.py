@@ -1,84 +1,73 @@
-"""Batched compute of the built-in metrics: K instances of one class from their stacked states at once.
+"""`BatchedRule`: a built-in metric's compute, written once for one instance and for K at once.
 
-A window of many metrics then costs a few tensor ops per class, not per metric. Each rule turns
-`states` (attribute name -> the K instances' states stacked along a new leading dim) into the
-PyTree `compute()` returns, with the same leading dim on every leaf, and gives the same values
-as `compute()` of each instance. Only exact classes have a rule: a subclass (which may override
-`compute()`) goes through its own `compute()`.
+A built-in class holds its rule (`Metric.batched`). A rule takes states with any leading dims:
+`compute()` runs it on the instance's own states, and a collection window on the K instances of
+the class it holds, their states stacked along a new leading dim (`batched_rule`), so a window of
+many metrics costs a few tensor ops per class, not per metric.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.utils import _pytree as pytree
 
-from torchtelemetry.metric._aggregation import (
-    MaxMetric,
-    MinMetric,
-    PerRankMetric,
-    SumMetric,
-    WeightedMeanMetric,
-)
-from torchtelemetry.metric._base import Metric
-from torchtelemetry.metric._classification import (
-    AccuracyMetric,
-    BinaryAUROCMetric,
-    ConfusionMatrixMetric,
-    confusion_scores,
-)
-from torchtelemetry.metric._histogram import HistogramMetric
+if TYPE_CHECKING:
+    from torchtelemetry.metric._base import Metric
 
-__all__ = ["BatchedRule", "batched_rule"]
+__all__ = ["BatchedRule", "States", "batched_rule"]
 
 States = Mapping[str, torch.Tensor]
 
 
-def _no_constants(metrics: Sequence[Metric], device: torch.device) -> None:
-    return None
+def _copied(leaf: Any, inputs: tuple[Any, ...]) -> Any:
+    """A result leaf that is (a view of) an input, copied: a result never aliases a state."""
+    if isinstance(leaf, torch.Tensor):
+        if leaf._is_view():
+            return leaf.clone()
+        for given in inputs:
+            if leaf is given:
+                return leaf.clone()
+    return leaf
 
 
 @dataclass(frozen=True, slots=True)
 class BatchedRule:
-    """How one built-in class computes K instances at once."""
+    """How one built-in class computes its results, for one instance or K at once."""
 
     compute: Callable[[States, Any], Any]
-    """(stacked states, constants) -> the results PyTree, every leaf with a leading dim of K."""
-    constants: Callable[[Sequence[Metric], torch.device], Any] = _no_constants
-    """Per-instance constants the results need (histogram bounds), stacked once on `device`."""
+    """(states, constant) -> the results PyTree. States (and constants) with a leading dim of K give
+    every leaf that leading dim; the states of one instance, its results."""
+    constant: Callable[[Metric], torch.Tensor] | None = None
+    """The per-instance tensor the results need besides the states (a histogram's bounds)."""
 
+    def constants(self, metrics: Sequence[Metric], device: torch.device) -> torch.Tensor | None:
+        """The constants of `metrics` stacked along a new leading dim on `device` (None without)."""
+        if self.constant is None:
+            return None
+        return torch.stack([self.constant(metric) for metric in metrics]).to(device)
 
-def _auroc(states: States, constants: None) -> torch.Tensor:
-    tp = states["positives"].flip(-1).cumsum(-1)
-    fp = states["negatives"].flip(-1).cumsum(-1)
-    zeros = tp.new_zeros(tp.shape[0], 1)
-    tpr = torch.cat([zeros, tp / tp[:, -1:]], dim=-1)
-    fpr = torch.cat([zeros, fp / fp[:, -1:]], dim=-1)
-    return torch.trapezoid(tpr, fpr, dim=-1)
-
-
-def _histogram_bounds(metrics: Sequence[Metric], device: torch.device) -> torch.Tensor:
-    return torch.stack([metric.bounds for metric in metrics]).to(device)  # type: ignore[attr-defined]
-
-
-_RULES: dict[type, BatchedRule] = {
-    SumMetric: BatchedRule(lambda s, c: s["total"]),
-    MaxMetric: BatchedRule(lambda s, c: s["extremum"]),
-    MinMetric: BatchedRule(lambda s, c: s["extremum"]),
-    WeightedMeanMetric: BatchedRule(lambda s, c: s["weighted_sum"] / s["total_weight"]),
-    AccuracyMetric: BatchedRule(lambda s, c: s["correct"] / s["total"]),
-    PerRankMetric: BatchedRule(lambda s, c: s["sums"] / s["counts"]),
-    ConfusionMatrixMetric: BatchedRule(lambda s, c: confusion_scores(s["matrix"])),
-    BinaryAUROCMetric: BatchedRule(_auroc),
-    HistogramMetric: BatchedRule(
-        lambda s, bounds: {"bounds": bounds, "counts": s["counts"], "sum": s["sum"], "count": s["count"]},
-        _histogram_bounds,
-    ),
-}
+    def compute_one(self, metric: Metric) -> Any:
+        """`metric`'s results from the state each accumulator's `value` gives (new tensors, never
+        the state or a view of it)."""
+        states = {attr: acc.value for attr, acc in metric._accumulators.items()}
+        constant = None if self.constant is None else self.constant(metric)
+        results = self.compute(states, constant)
+        inputs = (*states.values(), constant)
+        if isinstance(results, torch.Tensor):
+            return _copied(results, inputs)
+        if type(results) is dict:
+            return {key: _copied(leaf, inputs) for key, leaf in results.items()}
+        return pytree.tree_map(lambda leaf: _copied(leaf, inputs), results)
 
 
 def batched_rule(metric: Metric) -> BatchedRule | None:
-    """The batched compute of `metric`'s exact class, or None (its own `compute()` is used)."""
-    return _RULES.get(type(metric))
+    """The rule of `metric`'s class when its `compute()` is that rule, else None (a custom metric,
+    or a subclass overriding `compute()`, computes through its own `compute()`)."""
+    from torchtelemetry.metric._base import Metric  # _base imports this module
+
+    cls = type(metric)
+    return cls.batched if cls.compute is Metric.compute else None

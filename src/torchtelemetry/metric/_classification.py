@@ -8,6 +8,7 @@ import torch
 
 from torchtelemetry.metric._accumulator import DEFAULT_STATE_DTYPE, MetricAccumulator, ReduceOp
 from torchtelemetry.metric._base import Metric
+from torchtelemetry.metric._batched import BatchedRule, States
 
 __all__ = ["AccuracyMetric", "BinaryAUROCMetric", "ConfusionMatrixMetric", "confusion_scores"]
 
@@ -48,13 +49,12 @@ class _LabelledMetric(Metric):
                 f"{preds.dtype}, expected integer labels of the target's shape {tuple(target.shape)}"
             )
 
-    def _finite_rows(self, preds: torch.Tensor) -> torch.Tensor | None:
-        """nan_policy on logits: "error" raises on NaN or Inf; "ignore" gives the samples whose
-        logits are all finite (the others are skipped); "propagate" gives None (they count as
-        argmax / top-k rank them: NaN above everything)."""
-        self._check_finite(preds, "preds")
-        mask = self._finite_mask(preds)
-        return None if mask is None else mask.all(dim=-1)
+    def _begin_labelled(self, preds: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The prologue with nan_policy on logits: "error" raises on NaN or Inf; "ignore" gives the
+        samples whose logits are all finite (the others are skipped); "propagate" gives None (they
+        count as argmax / top-k rank them: NaN above everything)."""
+        preds, mask = self._begin_update(preds, "preds")
+        return preds, None if mask is None else mask.all(dim=-1)
 
     def _valid(self, target: torch.Tensor, num_classes: int | None) -> torch.Tensor:
         """Entries that count: not `ignore_index`, and (device-side) inside [0, num_classes)."""
@@ -78,7 +78,10 @@ class AccuracyMetric(_LabelledMetric):
     Top-1 is the `argmax` of the logits, as in `ConfusionMatrixMetric`, torchmetrics and
     scikit-learn: among tied logits the lowest class index wins. With `top_k` > 1, ties at the
     k-th place go to the lower class indices the same way. NaN ranks above every number.
+    `compute()`: the fraction correct; NaN when nothing was counted.
     """
+
+    batched = BatchedRule(lambda states, _: states["correct"] / states["total"])
 
     def __init__(
         self,
@@ -108,12 +111,9 @@ class AccuracyMetric(_LabelledMetric):
 
     def update(self, preds: Any, target: Any) -> None:
         """Count correct predictions; `preds` are logits/probabilities or integer labels."""
-        if not torch.compiler.is_compiling():
-            self._check_thread()
-        preds = self._as_tensor(preds, "preds")
+        preds, finite = self._begin_labelled(preds)
         target = self._labels(target)
         self._check_preds(preds, target)
-        finite = self._finite_rows(preds)
         num_classes = self._num_classes(preds)
         if preds.is_floating_point():
             if self.top_k > preds.shape[-1]:
@@ -131,10 +131,6 @@ class AccuracyMetric(_LabelledMetric):
         self.correct.update((hit & valid).sum(dtype=self.correct.dtype))
         self.total.update(valid.sum(dtype=self.total.dtype))
 
-    def compute(self) -> torch.Tensor:
-        """Fraction correct; NaN when nothing was counted."""
-        return self.correct.value / self.total.value
-
 
 class ConfusionMatrixMetric(_LabelledMetric):
     """Confusion matrix (rows: target, columns: prediction) with precision, recall and F1.
@@ -143,9 +139,12 @@ class ConfusionMatrixMetric(_LabelledMetric):
     classes that occur in the window (in the targets or the predictions), as torchmetrics'
     `average="macro"` and scikit-learn's do: a class absent from both counts for nothing instead
     of as 0. Predictions from logits are their `argmax` (the lowest class index among ties).
+    `compute()`: per-class precision, recall and F1 (0 where undefined) and their macro averages
+    over the classes that occur (0 when none does).
     """
 
     label_name = "class"
+    batched = BatchedRule(lambda states, _: confusion_scores(states["matrix"]))
 
     def __init__(
         self,
@@ -167,12 +166,9 @@ class ConfusionMatrixMetric(_LabelledMetric):
 
     def update(self, preds: Any, target: Any) -> None:
         """Count (target, prediction) pairs; `preds` are logits or integer labels."""
-        if not torch.compiler.is_compiling():
-            self._check_thread()
-        preds = self._as_tensor(preds, "preds")
+        preds, finite = self._begin_labelled(preds)
         target = self._labels(target)
         self._check_preds(preds, target)
-        finite = self._finite_rows(preds)
         labels = preds.argmax(dim=-1) if preds.is_floating_point() else preds.long()
         valid = self._valid(target, self.num_classes)
         if finite is not None:
@@ -187,11 +183,6 @@ class ConfusionMatrixMetric(_LabelledMetric):
         counts = torch.zeros(self.num_classes**2, dtype=self.matrix.dtype, device=cells.device)
         counts.index_add_(0, cells, valid.reshape(-1).to(counts.dtype))
         self.matrix.update(counts.view(self.num_classes, self.num_classes))
-
-    def compute(self) -> dict[str, torch.Tensor]:
-        """Per-class precision, recall and F1 (0 where undefined) and their macro averages over the
-        classes that occur (0 when none does)."""
-        return confusion_scores(self.matrix.value)
 
 
 def confusion_scores(matrix: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -235,13 +226,26 @@ def _in_top_k(logits: torch.Tensor, target: torch.Tensor, k: int) -> torch.Tenso
     return (above | tied).sum(dim=-1) < k
 
 
+def _auroc(states: States, constants: None) -> torch.Tensor:
+    """The trapezoid rule over the binned ROC curves `[..., num_bins]`, thresholds from high to low."""
+    tp = states["positives"].flip(-1).cumsum(-1)
+    fp = states["negatives"].flip(-1).cumsum(-1)
+    zeros = tp.new_zeros((*tp.shape[:-1], 1))
+    tpr = torch.cat([zeros, tp / tp[..., -1:]], dim=-1)
+    fpr = torch.cat([zeros, fp / fp[..., -1:]], dim=-1)
+    return torch.trapezoid(tpr, fpr, dim=-1)
+
+
 class BinaryAUROCMetric(Metric):
     """Area under the ROC curve from binned score histograms (exact for the binned scores).
 
     Scores are probabilities in [0, 1] (or logits with `from_logits=True`),
     bucketed into `num_bins` equal bins per class; ties inside a bin count half,
-    as in the exact AUROC.
+    as in the exact AUROC. `compute()`: the AUROC by the trapezoid rule over thresholds from high to
+    low; NaN with one class only.
     """
+
+    batched = BatchedRule(_auroc)
 
     def __init__(
         self,
@@ -264,9 +268,7 @@ class BinaryAUROCMetric(Metric):
 
     def update(self, preds: Any, target: Any) -> None:
         """Add scores `preds` with binary labels `target` (0/1 integers or booleans)."""
-        if not torch.compiler.is_compiling():
-            self._check_thread()
-        preds = self._as_tensor(preds, "preds")
+        preds, _ = self._begin_update(preds, "preds")  # non-finite scores are never counted
         target = self._as_tensor(target, "target")
         if not preds.is_floating_point():
             raise TypeError(f"{self.display_name()}: preds must be floating point scores, got {preds.dtype}")
@@ -280,7 +282,6 @@ class BinaryAUROCMetric(Metric):
             )
         if self._inspects_values(target) and bool(((target != 0) & (target != 1)).any()):
             raise ValueError(f"{self.display_name()}: target must be 0 or 1")
-        self._check_finite(preds, "preds")
         scores = torch.sigmoid(preds) if self.from_logits else preds
         valid = torch.isfinite(scores)
         bins = (scores.nan_to_num(0.0).clamp(0, 1) * self.num_bins).long().clamp_(max=self.num_bins - 1)
@@ -294,11 +295,3 @@ class BinaryAUROCMetric(Metric):
         neg.index_add_(0, bins, negative.reshape(-1).to(dtype))
         self.positives.update(pos)
         self.negatives.update(neg)
-
-    def compute(self) -> torch.Tensor:
-        """AUROC by the trapezoid rule over thresholds from high to low; NaN with one class only."""
-        tp = self.positives.value.flip(0).cumsum(0)
-        fp = self.negatives.value.flip(0).cumsum(0)
-        tpr = torch.cat([tp.new_zeros(1), tp / tp[-1]])
-        fpr = torch.cat([fp.new_zeros(1), fp / fp[-1]])
-        return torch.trapezoid(tpr, fpr)

@@ -11,8 +11,14 @@ import torch
 
 from torchtelemetry.metric._accumulator import DEFAULT_STATE_DTYPE, MetricAccumulator, ReduceOp
 from torchtelemetry.metric._base import Metric, MetricKind
+from torchtelemetry.metric._batched import BatchedRule, States
 
 __all__ = ["HistogramMetric"]
+
+
+def _results(states: States, bounds: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The histograms as `compute()` gives them, with each one's bounds."""
+    return {"bounds": bounds, "counts": states["counts"], "sum": states["sum"], "count": states["count"]}
 
 
 class HistogramMetric(Metric):
@@ -22,9 +28,12 @@ class HistogramMetric(Metric):
     semantics: a value on an edge falls in the bucket that edge closes); the last
     bucket counts values above `bins[-1]` (`le="+Inf"`). Floating point values are compared
     in their own precision; integer values compare exactly against the bounds, at any size.
+    `compute()`: `bounds` (upper bounds), non-cumulative `counts` (one more than bounds), `sum`,
+    `count`.
     """
 
     kind = MetricKind.HISTOGRAM
+    batched = BatchedRule(_results, lambda metric: metric.bounds)  # type: ignore[attr-defined]
 
     def __init__(
         self,
@@ -50,11 +59,9 @@ class HistogramMetric(Metric):
 
     def update(self, value: Any) -> None:
         """Add every entry of `value` to its bucket."""
-        if not torch.compiler.is_compiling():
-            self._check_thread()
-        value = self._as_tensor(value, "value").reshape(-1)
-        self._check_finite(value, "value")
-        mask = self._finite_mask(value)
+        value, mask = self._begin_update(value)
+        value = value.reshape(-1)
+        mask = None if mask is None else mask.reshape(-1)
         weights = torch.ones_like(value, dtype=self.counts.dtype)
         if mask is not None:
             weights = mask.to(weights.dtype)
@@ -74,15 +81,6 @@ class HistogramMetric(Metric):
 
     def configuration(self) -> dict[str, Any]:
         return {**super().configuration(), "bins": list(self.bins)}
-
-    def compute(self) -> dict[str, torch.Tensor]:
-        """`bounds` (upper bounds), non-cumulative `counts` (one more than bounds), `sum`, `count`."""
-        return {
-            "bounds": self.bounds.clone(),
-            "counts": self.counts.value.clone(),
-            "sum": self.sum.value.clone(),
-            "count": self.count.value.clone(),
-        }
 
 
 def _floor_int64(bound: float) -> int:

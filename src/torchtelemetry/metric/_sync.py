@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from torchtelemetry.metric._accumulator import MetricAccumulator, same_layout, state_layout
+from torchtelemetry.metric._accumulator import MetricAccumulator, same_identity, state_identity
 from torchtelemetry.metric._tree import metric_leaves, named_accumulators
 from torchtelemetry.sync import BucketLayout, GroupLike, reduce_buffers, resolve_group
 
@@ -46,11 +46,11 @@ def sync_metrics(metrics: Any, group: GroupLike = None, *, async_op: bool = Fals
     """
     leaves, spec = pytree.tree_flatten(metrics)
     key = ("tree", *map(id, leaves))
-    plan = _PLANS.get(key)
-    if plan is None or plan.spec != spec or not _unchanged(plan, _tree_accumulators(leaves)):
+    views = _SYNC_VIEWS.get(key)
+    if views is None or views.spec != spec or not _unchanged(views, _tree_accumulators(leaves)):
         configs = {name: metric.configuration() for name, metric in metric_leaves(metrics)}
-        plan = _cache_plan(key, named_accumulators(metrics), spec, leaves, configs)
-    return _run_plan(plan, group, async_op)
+        views = _cache_views(key, named_accumulators(metrics), spec, leaves, configs)
+    return _run_views(views, group, async_op)
 
 
 def sync_accumulators(
@@ -61,15 +61,16 @@ def sync_accumulators(
 ) -> SyncHandle | None:
     """`sync_metrics` for named accumulators."""
     key = ("accumulators", *accumulators, *map(id, accumulators.values()))
-    plan = _PLANS.get(key)
-    if plan is None or not _unchanged(plan, accumulators.values()):
-        plan = _cache_plan(key, accumulators, None, [])
-    return _run_plan(plan, group, async_op)
+    views = _SYNC_VIEWS.get(key)
+    if views is None or not _unchanged(views, accumulators.values()):
+        views = _cache_views(key, accumulators, None, [])
+    return _run_views(views, group, async_op)
 
 
 @dataclass(frozen=True, slots=True)
-class _SyncPlan:
-    """What a sync of one set of accumulators needs, built once and reused while nothing changes."""
+class _SyncViews:
+    """The flat views a sync of one set of accumulators reads and writes, and their bucket layout:
+    built once and reused while the accumulators (and their local tensors) stay the same."""
 
     layout: BucketLayout
     accumulators: tuple[MetricAccumulator, ...]
@@ -77,58 +78,59 @@ class _SyncPlan:
     """Flat views of each accumulator's local tensor."""
     synced: tuple[torch.Tensor, ...]
     """Flat views of each accumulator's synchronized tensor, written in place by a sync."""
-    state_layout: tuple[object, ...]
-    """`state_layout` of the accumulators when built: the plan holds while it is the same."""
+    identity: tuple[object, ...]
+    """`state_identity` of the accumulators when built: the views hold while it is the same."""
     spec: Any
     leaves: tuple[Any, ...]
     """The PyTree's leaves, kept alive so that the ids in the cache key stay theirs."""
 
 
-# Sync plans by (kind, *names or ids); a few recent ones, so alternating trees stay cached.
-_PLANS: OrderedDict[tuple, _SyncPlan] = OrderedDict()
-_MAX_PLANS = 16
+# Sync views by (kind, *names or ids); a few recent ones, so alternating trees stay cached
+# (docs/collection.md, "State").
+_SYNC_VIEWS: OrderedDict[tuple, _SyncViews] = OrderedDict()
+_MAX_SYNC_VIEWS = 16
 
 
-def _cache_plan(
+def _cache_views(
     key: tuple,
     accumulators: Mapping[str, MetricAccumulator],
     spec: Any,
     leaves: list[Any],
     configs: Mapping[str, Mapping[str, Any]] | None = None,
-) -> _SyncPlan:
+) -> _SyncViews:
     accs = tuple(accumulators.values())
-    views = [acc.flat_views() for acc in accs]
-    plan = _SyncPlan(
+    flat = [acc.flat_views() for acc in accs]
+    views = _SyncViews(
         layout=BucketLayout(
             [(name, acc.local, acc.reduce_op) for name, acc in accumulators.items()], configs
         ),
         accumulators=accs,
-        locals=tuple(local for local, _ in views),
-        synced=tuple(synced for _, synced in views),
-        state_layout=state_layout(accs),
+        locals=tuple(local for local, _ in flat),
+        synced=tuple(synced for _, synced in flat),
+        identity=state_identity(accs),
         spec=spec,
         leaves=tuple(leaves),
     )
-    _PLANS[key] = plan
-    _PLANS.move_to_end(key)
-    while len(_PLANS) > _MAX_PLANS:
-        _PLANS.popitem(last=False)
-    return plan
+    _SYNC_VIEWS[key] = views
+    _SYNC_VIEWS.move_to_end(key)
+    while len(_SYNC_VIEWS) > _MAX_SYNC_VIEWS:
+        _SYNC_VIEWS.popitem(last=False)
+    return views
 
 
 def _tree_accumulators(leaves: list[Any]) -> Iterator[MetricAccumulator]:
     return (accumulator for leaf in leaves for accumulator in leaf._accumulators.values())
 
 
-def _unchanged(plan: _SyncPlan, accumulators: Iterable[MetricAccumulator]) -> bool:
-    """Whether the metrics still hold the accumulators (and local tensors) `plan` was built on."""
-    return same_layout(plan.state_layout, state_layout(accumulators))
+def _unchanged(views: _SyncViews, accumulators: Iterable[MetricAccumulator]) -> bool:
+    """Whether the metrics still hold the accumulators (and local tensors) `views` were built on."""
+    return same_identity(views.identity, state_identity(accumulators))
 
 
-def _run_plan(plan: _SyncPlan, group: GroupLike, async_op: bool) -> SyncHandle | None:
-    buffers = plan.layout.pack(plan.locals)
-    works = reduce_buffers(plan.layout, buffers, resolve_group(group, op="sync_metrics"), async_op=async_op)
-    handle = SyncHandle(works, lambda: plan.layout.unpack_into(buffers, plan.synced))
+def _run_views(views: _SyncViews, group: GroupLike, async_op: bool) -> SyncHandle | None:
+    buffers = views.layout.pack(views.locals)
+    works = reduce_buffers(views.layout, buffers, resolve_group(group, op="sync_metrics"), async_op=async_op)
+    handle = SyncHandle(works, lambda: views.layout.unpack_into(buffers, views.synced))
     if async_op:
         return handle
     handle.wait()

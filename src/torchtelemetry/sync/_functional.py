@@ -1,8 +1,10 @@
-"""Functional reductions over dicts of tensors, packed like `sync_metrics`.
+"""Functional reductions over dicts of named values, packed like `sync_metrics`.
 
-Torch counterparts of `reduce_mean/sum/max/min/custom`, `all_gather` and
-`collect_from_devices`: one collective per (op, dtype, device) bucket however
-many keys there are. With no process group they return the local values.
+For values that live outside metrics (a loss, a gradient norm, a sample count): `reduce` gives
+every rank the mean, sum, max or min of each value over the ranks, `reduce_custom` the same with
+an op per value, `all_gather` every rank's values stacked by rank, and `per_rank` those as Python
+lists. One collective per (op, dtype, device) bucket however many keys there are. With no
+process group they return the local values.
 """
 
 from __future__ import annotations
