@@ -75,7 +75,6 @@ def test_the_lifecycle_is_the_base_class_s(caplog: pytest.LogCaptureFixture) -> 
     with caplog.at_level(logging.INFO):
         results = [exporter.export(step, {"x": float(step)}, 0.0) for step in (1, 2, 3, 4)]
     assert results == [ExportResult.SUCCESS, ExportResult.FAILURE, ExportResult.FAILURE, ExportResult.SUCCESS]
-    assert (exporter.exported_reports, exporter.errors) == (2, 3)
     messages = [r.getMessage() for r in caplog.records]
     assert len([m for m in messages if "is in failing" in m]) == 1  # once per burst
     assert any("ListExporter 'list': recovered after 2 failures" in m for m in messages)
@@ -99,7 +98,7 @@ def test_a_name_the_backend_refuses_raises_from_describe_and_starts_nothing() ->
     assert exporter.calls == ["close"]  # never started: nothing to flush, still released
 
 
-def test_a_hook_that_raises_anything_is_a_failure_not_an_exception() -> None:
+def test_a_hook_that_raises_anything_is_a_failure_not_an_exception(caplog: pytest.LogCaptureFixture) -> None:
     class Broken(ListExporter):
         def _export(self, step: int, scalars: Scalars, timestamp: float) -> None:
             raise KeyError(step)
@@ -109,10 +108,13 @@ def test_a_hook_that_raises_anything_is_a_failure_not_an_exception() -> None:
 
     exporter = Broken()
     exporter.describe([], RUN)
-    assert exporter.export(1, {}, 0.0) is ExportResult.FAILURE
-    assert not exporter.force_flush(1)
-    exporter.close()
-    assert exporter.errors == 3  # the export, the flush, and close's final flush
+    with caplog.at_level(logging.ERROR):
+        assert exporter.export(1, {}, 0.0) is ExportResult.FAILURE
+        assert not exporter.force_flush(1)
+        exporter.close()
+    assert [r.getMessage().split(";")[0] for r in caplog.records] == [
+        "Broken 'list': step 1: export failed: KeyError: 1"  # one line for the burst of three
+    ]
 
 
 def test_the_documented_tensorboard_exporter_runs(tmp_path: Path) -> None:
@@ -139,7 +141,8 @@ def test_the_documented_tensorboard_exporter_runs(tmp_path: Path) -> None:
     assert {"train/loss", "grad_norm/mean", "grad_norm/count", "train/step_time/0"} <= tags
     assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(1, 0.5), (3, 2.5)]
     assert [e.value for e in events.Scalars("grad_norm/count")] == [6.0, 12.0]  # running totals
-    assert exporter.exported_reports == 2 and exporter.errors == 0
+    health = telemetry.hub.health()[exporter.name]
+    assert (health.exported_reports, health.errors) == (2, 0)
 
 
 def test_the_hub_drives_a_base_exporter_like_any_other() -> None:
@@ -153,3 +156,20 @@ def test_the_hub_drives_a_base_exporter_like_any_other() -> None:
     health = hub.health()["list"]
     assert (health.exported_reports, health.errors) == (2, 1)
     assert exporter.calls[-2:] == ["flush", "close"]
+
+
+def test_one_failure_through_the_hub_logs_one_line_and_counts_once(caplog: pytest.LogCaptureFixture) -> None:
+    exporter = ListExporter(failing=[2])
+    hub = ExportHub([exporter], run=RUN)
+    hub.describe([MetricDescriptor("x")])
+    with caplog.at_level(logging.WARNING, logger="torchtelemetry"):
+        for step in (1, 2, 3):
+            hub.submit(step, {"x": float(step)})
+        hub.close(30)
+    failures = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert failures == [
+        "ListExporter 'list': step 2: step 2 is in failing; "
+        "further failures are counted, not logged, until one succeeds"
+    ]
+    health = hub.health()["list"]
+    assert (health.exported_reports, health.errors, health.dropped_reports) == (2, 1, 0)

@@ -67,6 +67,5 @@ def export_label_clashes(exporter: BaseExporter, caplog: pytest.LogCaptureFixtur
         ]
     exporter.close()
     assert results == [ExportResult.FAILURE, ExportResult.FAILURE, ExportResult.SUCCESS]
-    assert (exporter.exported_reports, exporter.errors) == (1, 2)
     assert "queue host='a_b' takes the key 'queue/host_a_b' of queue host='a/b'" in caplog.text
     assert "step_time rank='0' takes the key 'step_time/rank_0' of step_time/rank_0" in caplog.text

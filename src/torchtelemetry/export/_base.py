@@ -1,8 +1,9 @@
 """`BaseExporter`: the lifecycle every exporter shares, so a backend module holds only its backend.
 
 The base owns the name, the lock, start-once, close-once, the export-after-close
-check, the second-close warning, failure logging (once per burst) and the
-`exported_reports` / `errors` counters. A subclass implements small hooks:
+check, the second-close warning and failure logging (once per burst, with the reason). It counts
+nothing: the hub's `ExporterQueue` counts every exporter's reports and errors, so each is counted
+once. A subclass implements small hooks:
 
 - `_describe(descriptors, run)`: learn the names (may raise `ValueError`, e.g. `NameCollisionError`);
 - `_start(run)`: open the port / file / client, once, after the first `_describe` (a start that
@@ -112,10 +113,6 @@ class BaseExporter:
     def __init__(self, name: str, *, subject: str | None = None) -> None:
         self.name = name
         """Short name used in logs and in the hub's health metrics."""
-        self.exported_reports = 0
-        """Reports this exporter published (`export()` returned SUCCESS)."""
-        self.errors = 0
-        """Failed exports and flushes (after close, before start, or the backend failed)."""
         self._lock = threading.RLock()
         self._pid = current_pid()
         self._started = False
@@ -144,7 +141,7 @@ class BaseExporter:
                 self._start(run)
 
     def export(self, step: int, scalars: Scalars, timestamp: float) -> ExportResult:
-        """Publish one report; FAILURE (logged once per burst, counted) instead of raising."""
+        """Publish one report; FAILURE (logged once per burst) instead of raising."""
         check_same_process(self._pid, f"{type(self).__name__}.export")
         with self._lock:
             if self._closed:
@@ -157,7 +154,6 @@ class BaseExporter:
                 return self._failed(f"step {step}: {failure}", failure.__cause__)
             except Exception as error:
                 return self._failed(f"step {step}: export failed", error)
-            self.exported_reports += 1
             self._failures.succeeded()
             return ExportResult.SUCCESS
 
@@ -207,7 +203,6 @@ class BaseExporter:
     # -- internals --------------------------------------------------------------------------
 
     def _failed(self, what: str, error: BaseException | None = None) -> ExportResult:
-        self.errors += 1
         self._failures.failed(what, error)
         return ExportResult.FAILURE
 

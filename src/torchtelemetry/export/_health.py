@@ -4,7 +4,7 @@ The same four names are used everywhere: `ExporterHealth` fields, the report val
 (`exporter/exported_reports`, `exporter/errors`, `exporter/dropped_reports`,
 `exporter/last_success_timestamp`, labelled by exporter), the Prometheus series
 (`torchtelemetry_exporter_exported_reports_total`, ...), the dashboards and the alert rules.
-`BaseExporter` keeps its own `exported_reports` and `errors` the same way.
+`ExporterQueue` is the one place they are counted, for every exporter alike.
 """
 
 from __future__ import annotations

@@ -1,8 +1,11 @@
 """`ExporterQueue`: one exporter's bounded queue, its thread, and its health counters.
 
 The caller side never blocks on the exporter: a full queue drops its oldest report. The
-exporter's thread exports, describes, flushes and closes in queue order, counts what
-succeeded and failed, and logs failures once per burst.
+exporter's thread exports, describes, flushes and closes in queue order and counts what
+succeeded and failed: the queue is the one owner of an exporter's health. A failure the exporter
+reports (`ExportResult.FAILURE`) is only counted here, since the exporter logs it with its reason
+(the `Exporter` protocol; `BaseExporter` does); what the exporter raises instead is logged here,
+once per burst.
 """
 
 from __future__ import annotations
@@ -220,7 +223,7 @@ class ExporterQueue:
                 self._last_success_timestamp = wall_time()
             self._failures.succeeded()
         else:
-            self._failed(f"export of step {report.step} returned {result!r}", None)
+            self._count_error()  # the exporter logged why: it reports failure instead of raising
 
     def _finish(self, barrier: _Barrier) -> bool:
         try:
@@ -232,10 +235,14 @@ class ExporterQueue:
             ok = close_exporter(self.exporter, barrier.deadline) and ok
         return ok
 
-    def _failed(self, what: str, error: BaseException | None) -> None:
+    def _failed(self, what: str, error: BaseException) -> None:
+        """Count and log (once per burst) what the exporter raised instead of reporting."""
+        self._count_error()
+        self._failures.failed(what, error)
+
+    def _count_error(self) -> None:
         with self._cond:
             self._errors += 1
-        self._failures.failed(what, error)
 
 
 def close_exporter(exporter: Exporter, deadline: float) -> bool:
