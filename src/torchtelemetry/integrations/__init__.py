@@ -28,7 +28,7 @@ __all__ = [
 _MODULES = {
     "LightningTelemetryCallback": "_lightning",
     "LightningTelemetryLogger": "_lightning",
-    "TelemetryMetricLogger": "_torchtitan",
+    "TelemetryMetricLogger": "_metric_logger",
     "TelemetryTracker": "_accelerate",
     "TrainerTelemetryCallback": "_transformers",
 }

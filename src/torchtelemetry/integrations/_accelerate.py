@@ -8,8 +8,8 @@ from typing import Any
 
 from torchtelemetry._optional import import_optional
 from torchtelemetry.export import Exporter
-from torchtelemetry.integrations._torchtitan import TelemetryMetricLogger
-from torchtelemetry.metric import metric_leaves
+from torchtelemetry.integrations._metric_logger import TelemetryMetricLogger
+from torchtelemetry.integrations._setup import build_telemetry
 from torchtelemetry.telemetry import Telemetry, TelemetryConfig
 
 tracking = import_optional("accelerate.tracking", "accelerate", "TelemetryTracker")
@@ -113,7 +113,7 @@ class TelemetryTracker(tracking.GeneralTracker):
             self._telemetry.hub.force_flush()
 
     def _build(self) -> None:
-        for _, metric in metric_leaves(self.metrics, op="TelemetryTracker"):
-            metric.to(state.PartialState().device)
-        self._telemetry = Telemetry(self.metrics, self.exporters, self.config)
+        self._telemetry = build_telemetry(
+            "TelemetryTracker", self.metrics, self.exporters, self.config, device=state.PartialState().device
+        )
         self._logs = TelemetryMetricLogger(self._telemetry)

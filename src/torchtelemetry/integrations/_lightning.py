@@ -12,8 +12,9 @@ import torch
 
 from torchtelemetry._optional import import_optional
 from torchtelemetry.export import Exporter, RunInfo
-from torchtelemetry.integrations._torchtitan import TelemetryMetricLogger, check_log_prefix
-from torchtelemetry.metric import Metric, WeightedMeanMetric, metric_leaves
+from torchtelemetry.integrations._metric_logger import TelemetryMetricLogger, check_log_prefix
+from torchtelemetry.integrations._setup import build_telemetry
+from torchtelemetry.metric import Metric, WeightedMeanMetric
 from torchtelemetry.telemetry import Telemetry, TelemetryConfig
 
 pl = import_optional("lightning.pytorch", "lightning", "LightningTelemetryCallback")
@@ -108,15 +109,17 @@ class LightningTelemetryCallback(pl.Callback):
                 "of its own; under torchrun pass Trainer(devices=<--nproc_per_node>, strategy='ddp'), or "
                 "run `python script.py` and let Lightning start its processes"
             )
-        for _, metric in metric_leaves(self._tree, op="LightningTelemetryCallback"):
-            metric.to(trainer.strategy.root_device)
-        config = self.config.replace(
+        every = {"every": max(trainer.log_every_n_steps, 1)} if self._every_from_trainer else {}
+        self.telemetry = build_telemetry(
+            "LightningTelemetryCallback",
+            self._tree,
+            self.exporters,
+            self.config,
+            device=trainer.strategy.root_device,
+            framework_config=_hparams(trainer, pl_module),
             run_id=self.config.run_id or trainer.strategy.broadcast(RunInfo.create().run_id),
-            run_config={**_hparams(trainer, pl_module), **self.config.run_config},
+            **every,
         )
-        if self._every_from_trainer:
-            config = config.replace(every=max(trainer.log_every_n_steps, 1))
-        self.telemetry = Telemetry(self._tree, self.exporters, config)
         try:
             for telemetry_logger in trainer.loggers:
                 if (

@@ -9,8 +9,8 @@ import torch
 
 from torchtelemetry._optional import import_optional
 from torchtelemetry.export import Exporter
-from torchtelemetry.integrations._torchtitan import TelemetryMetricLogger, check_log_prefix
-from torchtelemetry.metric import metric_leaves
+from torchtelemetry.integrations._metric_logger import TelemetryMetricLogger, check_log_prefix
+from torchtelemetry.integrations._setup import build_telemetry
 from torchtelemetry.telemetry import Telemetry, TelemetryConfig
 
 transformers = import_optional("transformers", "transformers", "TrainerTelemetryCallback")
@@ -84,13 +84,15 @@ class TrainerTelemetryCallback(transformers.TrainerCallback):
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Build the `Telemetry` on every process (binding the collector is collective)."""
         self.close()
-        for _, metric in metric_leaves(self.metrics, op="TrainerTelemetryCallback"):
-            metric.to(args.device)
-        config = self.config.replace(
+        self.telemetry = build_telemetry(
+            "TrainerTelemetryCallback",
+            self.metrics,
+            self.exporters,
+            self.config,
+            device=args.device,
+            framework_config=args.to_sanitized_dict(),
             every=max(state.max_steps, 1),  # never due by itself: on_step_end collects when the Trainer logs
-            run_config={**args.to_sanitized_dict(), **self.config.run_config},
         )
-        self.telemetry = Telemetry(self.metrics, self.exporters, config)
         try:
             check_log_prefix(self.prefix, self.telemetry, "TrainerTelemetryCallback")
         except ValueError:
