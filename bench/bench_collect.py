@@ -34,7 +34,8 @@ from tests.distributed import run_ranks
 from torch.nn.parallel import DistributedDataParallel
 
 import torchtelemetry as tt
-from torchtelemetry.collect import AsyncMetricCollector, to_python
+from torchtelemetry.collect import AsyncMetricCollector
+from torchtelemetry.report import to_python
 
 _KINDS = (tt.WeightedMeanMetric, tt.SumMetric, tt.MaxMetric, tt.MinMetric)
 _EVERY = 10

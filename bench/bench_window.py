@@ -39,7 +39,8 @@ from tests.sync.collectives import CollectiveCounter
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import torchtelemetry as tt
-from torchtelemetry.collect import AsyncMetricCollector, to_python
+from torchtelemetry.collect import AsyncMetricCollector
+from torchtelemetry.report import to_python
 
 _KINDS = ("mean", "sum", "max", "min")
 _SIZES = (1, 16, 128)

@@ -48,15 +48,15 @@ HIDDEN_PARTS = ("total", "bucket", "sum", "count")
 def builtin_names() -> list[str]:
     """Every Prometheus sample name of the built-in signals (both per-rank shapes, model FLOPs,
     CUDA allocator detail), the exporters' step and timestamp, and the export hub's health."""
-    from torchtelemetry.export import HEALTH_DESCRIPTORS
-    from torchtelemetry.metric import MetricKind
-    from torchtelemetry.report import (
+    from torchtelemetry.export import (
+        HEALTH_DESCRIPTORS,
         LAST_UPDATE_METRIC,
         RUN_FINISHED_METRIC,
         STEP_METRIC,
+        MetricKind,
         prometheus_name,
-        signal_descriptors,
     )
+    from torchtelemetry.report import signal_descriptors
 
     descriptors = [
         STEP_METRIC,

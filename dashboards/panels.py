@@ -194,7 +194,8 @@ def layout(panels: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def metric(path: str) -> str:
     """The Prometheus name of the built-in signal at `path`, read from the signal objects."""
-    from torchtelemetry.report import prometheus_name, signal_descriptors
+    from torchtelemetry.export import prometheus_name
+    from torchtelemetry.report import signal_descriptors
 
     (descriptor,) = [d for d in signal_descriptors() if d.name == path]
     return prometheus_name(descriptor)

@@ -48,3 +48,15 @@ def test_an_upward_import_a_private_import_and_an_unplaced_module_break_the_cont
     assert "torchtelemetry.sync is not allowed to import torchtelemetry.metric" in result.stdout
     assert "torchtelemetry.telemetry -> torchtelemetry.export._hub" in result.stdout
     assert "torchtelemetry.helpers" in result.stdout  # every top-level module must be placed in a layer
+
+
+def test_report_importing_collect_breaks_its_own_contract(tmp_path: Path) -> None:
+    shutil.copytree(PACKAGE, tmp_path / "torchtelemetry", ignore=shutil.ignore_patterns("__pycache__"))
+    with open(tmp_path / "torchtelemetry" / "report" / "_flatten.py", "a") as module:
+        module.write("\nfrom torchtelemetry.collect import CollectionError\n")  # allowed by the layers alone
+
+    result = lint_imports(tmp_path)
+
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "Layers: each imports only the layers below it KEPT" in result.stdout
+    assert "torchtelemetry.report is not allowed to import torchtelemetry.collect" in result.stdout

@@ -16,7 +16,8 @@ from torch.utils import _pytree as pytree
 
 import torchtelemetry as tt
 from tests.distributed import run_ranks
-from torchtelemetry.collect import AsyncMetricCollector, to_python
+from torchtelemetry.collect import AsyncMetricCollector
+from torchtelemetry.report import to_python
 
 THREAD_PREFIX = "torchtelemetry-collector"
 BINS = [0.5, 1.0, 2.0]

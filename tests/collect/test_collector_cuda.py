@@ -15,7 +15,8 @@ from torch.utils import _pytree as pytree
 
 import torchtelemetry as tt
 from tests.distributed import nccl_world_of_one, run_ranks
-from torchtelemetry.collect import AsyncMetricCollector, to_python
+from torchtelemetry.collect import AsyncMetricCollector
+from torchtelemetry.report import to_python
 
 pytestmark = [
     pytest.mark.cuda,

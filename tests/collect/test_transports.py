@@ -13,8 +13,9 @@ import torchtelemetry as tt
 from tests.collect.test_collector import assert_same, expected_window, feed_window, make_metrics
 from tests.distributed import run_ranks
 from tests.sync.collectives import CollectiveCounter, CollectiveRecorder
-from torchtelemetry.collect import AsyncMetricCollector, CollectionError, WindowPlan, to_python
+from torchtelemetry.collect import AsyncMetricCollector, CollectionError, WindowPlan
 from torchtelemetry.metric import metric_leaves
+from torchtelemetry.report import to_python
 from torchtelemetry.sync import window_cost
 
 

@@ -16,7 +16,8 @@ import torchtelemetry as tt
 from tests.collect.test_collector import assert_same, expected_window, feed_window, make_metrics
 from tests.distributed import run_ranks
 from tests.sync.collectives import CollectiveCounter
-from torchtelemetry.collect import AsyncMetricCollector, to_python
+from torchtelemetry.collect import AsyncMetricCollector
+from torchtelemetry.report import to_python
 
 
 class OpCounter(TorchDispatchMode):

@@ -25,7 +25,6 @@ import torch
 import torchtelemetry as tt
 from tests.receivers import OtlpHttpReceiver, metrics_by_name
 from tests.servers import http_get
-from torchtelemetry.collect import to_python
 from torchtelemetry.export import ExportHub, OTelExporter, PrometheusExporter, RunInfo
 from torchtelemetry.metric import metric_leaves
 from torchtelemetry.report import (
@@ -36,6 +35,7 @@ from torchtelemetry.report import (
     WindowPublisher,
     builtin_signals,
     describe_with_signals,
+    to_python,
 )
 from torchtelemetry.report.signals import DataWait, MemoryHealth, Phases, StepTime
 

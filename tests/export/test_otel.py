@@ -22,7 +22,6 @@ from tests.receivers import (
     metrics_by_name,
     resource_attributes,
 )
-from torchtelemetry.collect import to_python
 from torchtelemetry.export import (
     OTEL_SCHEMA_URL,
     ExportHub,
@@ -33,7 +32,7 @@ from torchtelemetry.export import (
     RunInfo,
 )
 from torchtelemetry.metric import MetricKind, metric_leaves, sync_metrics
-from torchtelemetry.report import NameCollisionError, describe_metrics, flatten_results
+from torchtelemetry.report import NameCollisionError, describe_metrics, flatten_results, to_python
 
 pytest.importorskip("opentelemetry.exporter.otlp.proto.grpc")
 

@@ -26,10 +26,9 @@ from torchtelemetry import (
     WeightedMeanMetric,
     sync_metrics,
 )
-from torchtelemetry.collect import to_python
 from torchtelemetry.export import ExportHub, ExportResult, HistogramValue, MetricDescriptor, NullHub, RunInfo
 from torchtelemetry.metric import MetricKind, metric_leaves
-from torchtelemetry.report import NameCollisionError, describe_metrics, flatten_results
+from torchtelemetry.report import NameCollisionError, describe_metrics, flatten_results, to_python
 
 STEPS = 3
 BINS = [0.5, 1.0, 2.0, 4.0]

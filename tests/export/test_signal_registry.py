@@ -22,8 +22,13 @@ from tests.distributed import run_ranks
 from tests.receivers import OtlpHttpReceiver, attributes
 from tests.servers import http_get
 from torchtelemetry.cli import main
-from torchtelemetry.export import HEALTH_DESCRIPTORS, OTEL_SCHEMA_URL, SIGNAL_REGISTRY_SCHEMA_VERSION
-from torchtelemetry.report import STEP_METRIC, signal_descriptors
+from torchtelemetry.export import (
+    HEALTH_DESCRIPTORS,
+    OTEL_SCHEMA_URL,
+    SIGNAL_REGISTRY_SCHEMA_VERSION,
+    STEP_METRIC,
+)
+from torchtelemetry.report import signal_descriptors
 
 pytest.importorskip("opentelemetry.exporter.otlp.proto.http")
 prometheus_parser = pytest.importorskip("prometheus_client.parser")

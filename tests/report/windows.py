@@ -9,9 +9,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from torchtelemetry.collect import to_python
 from torchtelemetry.metric import metric_leaves, sync_metrics
-from torchtelemetry.report import flatten_results
+from torchtelemetry.report import flatten_results, to_python
 from torchtelemetry.report.signals import SignalContext, SignalSet, WindowTiming
 
 

@@ -21,18 +21,19 @@ pytest.importorskip("yaml")  # absent from the GPU image `make gpu-check` runs o
 import yaml
 
 from torchtelemetry.demo import build_metrics
-from torchtelemetry.export import HEALTH_DESCRIPTORS, ROUTE_LABEL, RUN_LABEL, MetricDescriptor
-from torchtelemetry.metric import MetricKind
-from torchtelemetry.report import (
+from torchtelemetry.export import (
+    HEALTH_DESCRIPTORS,
     LAST_UPDATE_METRIC,
+    ROUTE_LABEL,
     RUN_FINISHED_METRIC,
+    RUN_LABEL,
     STEP_METRIC,
-    allocator_metrics,
-    describe_metrics,
+    MetricDescriptor,
     prometheus_label_name,
     prometheus_name,
-    signal_descriptors,
 )
+from torchtelemetry.metric import MetricKind
+from torchtelemetry.report import allocator_metrics, describe_metrics, signal_descriptors
 from torchtelemetry.report.signals import gpu_descriptors, memory_descriptors
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -177,7 +178,7 @@ def emitted_labels() -> frozenset[str]:
 
 def queried_metrics(expr: str) -> set[str]:
     """Names in a PromQL expression that belong to the library's namespace (strings stripped)."""
-    from torchtelemetry.report import NAMESPACE
+    from torchtelemetry.export import NAMESPACE
 
     return {token for token in _METRIC.findall(_STRING.sub('""', expr)) if token.startswith(f"{NAMESPACE}_")}
 

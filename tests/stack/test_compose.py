@@ -18,8 +18,7 @@ from tests.stack._stack import (
     dashboards,
     load_yaml,
 )
-from torchtelemetry.export import ROUTE_LABEL, ROUTES, RUN_LABEL
-from torchtelemetry.report import NAMESPACE
+from torchtelemetry.export import NAMESPACE, ROUTE_LABEL, ROUTES, RUN_LABEL
 
 SERVICES = {"prometheus", "grafana", "otel-collector", "pushgateway"}
 OPTIONAL_SERVICES = {"victoriametrics"}

@@ -26,7 +26,7 @@ from tests.distributed import free_port, run_ranks
 from tests.servers import PrometheusServer, PushgatewayServer, VictoriaMetricsServer
 from tests.stack._live import check_dashboards, wait_for_ranks
 from tests.stack._stack import PROMETHEUS_DIR, TREES, feed, load_yaml
-from torchtelemetry.report import NAMESPACE
+from torchtelemetry.export import NAMESPACE
 
 AGENT_CONFIG = PROMETHEUS_DIR / "prometheus-agent.yml"
 TREE = "demo"
@@ -103,8 +103,8 @@ def _agent(workdir: Path, trainer: str, gateway: str, store: VictoriaMetricsServ
 def _expected_samples(record: dict[str, Any], descriptors: list[tuple]) -> dict[tuple, float]:
     """What an exposition of this JSONL report holds: `(name, sorted labels) -> value` (`le` as a
     number: the Pushgateway writes 1.0 as "1")."""
+    from torchtelemetry.export import LAST_UPDATE_METRIC, STEP_METRIC, MetricDescriptor, prometheus_name
     from torchtelemetry.metric import MetricKind
-    from torchtelemetry.report import LAST_UPDATE_METRIC, STEP_METRIC, MetricDescriptor, prometheus_name
 
     expected: dict[tuple, float] = {
         (prometheus_name(STEP_METRIC), ()): float(record["step"]),

@@ -17,7 +17,7 @@ import yaml
 
 from tests.servers import binary
 from tests.stack._stack import COLLECTOR_CONFIG, COMPOSE, PROMETHEUS_HOST_CONFIG, ROOT, load_yaml
-from torchtelemetry.report import NAMESPACE
+from torchtelemetry.export import NAMESPACE
 
 AGENT_CONFIG = ROOT / "exporters" / "prometheus" / "prometheus-agent.yml"
 LOAD_BALANCER = ROOT / "exporters" / "otel-collector" / "loadbalancer.yaml"

@@ -2,7 +2,6 @@
 
 from torchtelemetry.collect._blocking import sync_and_compute
 from torchtelemetry.collect._collector import AsyncMetricCollector
-from torchtelemetry.collect._results import to_python
 from torchtelemetry.collect._transports import (
     DEFAULT_MAX_PENDING,
     DEFAULT_TIMEOUT_S,
@@ -23,5 +22,4 @@ __all__ = [
     "WindowPlan",
     "check_collection_limits",
     "sync_and_compute",
-    "to_python",
 ]

@@ -1,7 +1,9 @@
 """Export: the `Exporter` protocol, the `BaseExporter` lifecycle, the rank-0 hub, one module per backend.
 
-The values a report carries (`HistogramValue`, `MetricDescriptor`, `Scalars`) come from
-`torchtelemetry.report` and are re-exported here for exporter authors.
+How each backend spells a metric path (`prometheus_name`, `otel_name`, `TrackerKeys`, ...) is
+here, beside the exporters that use it. The values a report carries (`HistogramValue`,
+`MetricDescriptor`, `Scalars`, and their `MetricKind`) come from `torchtelemetry.report` and
+`torchtelemetry.metric` and are re-exported here for exporter authors.
 """
 
 from torchtelemetry.export._base import BaseExporter, ExportFailed
@@ -12,6 +14,21 @@ from torchtelemetry.export._histograms import OUTER_BUCKET_FIELDS, DrawnHistogra
 from torchtelemetry.export._hub import ExportHub, NullHub
 from torchtelemetry.export._jsonl import JsonlExporter
 from torchtelemetry.export._mlflow import MLflowExporter
+from torchtelemetry.export._naming import (
+    LAST_UPDATE_METRIC,
+    NAMESPACE,
+    RUN_FINISHED_METRIC,
+    STEP_METRIC,
+    TrackerKeys,
+    check_unique,
+    merge_descriptors,
+    otel_name,
+    otel_unit,
+    prometheus_label_name,
+    prometheus_name,
+    tracker_label_name,
+    tracker_name,
+)
 from torchtelemetry.export._otel import OTEL_SCHEMA_URL, OTelExporter
 from torchtelemetry.export._prometheus import UNKNOWN_INTERVAL_S, PrometheusExporter, final_scrape_due
 from torchtelemetry.export._protocol import RUN_ID_ENV, Exporter, ExporterStartError, ExportResult, RunInfo
@@ -25,17 +42,22 @@ from torchtelemetry.export._signal_registry import (
 from torchtelemetry.export._temporality import Temporality
 from torchtelemetry.export._tensorboard import TensorBoardExporter
 from torchtelemetry.export._wandb import WandbExporter
-from torchtelemetry.report import HistogramValue, MetricDescriptor, Scalars, ScalarValue
+from torchtelemetry.metric import MetricKind
+from torchtelemetry.report import HistogramValue, MetricDescriptor, NameCollisionError, Scalars, ScalarValue
 
 __all__ = [
     "HEALTH_DESCRIPTORS",
+    "LAST_UPDATE_METRIC",
+    "NAMESPACE",
     "OTEL_SCHEMA_URL",
     "OUTER_BUCKET_FIELDS",
     "ROUTES",
     "ROUTE_LABEL",
     "RUN_ID_ENV",
+    "RUN_FINISHED_METRIC",
     "RUN_LABEL",
     "SIGNAL_REGISTRY_SCHEMA_VERSION",
+    "STEP_METRIC",
     "UNKNOWN_INTERVAL_S",
     "BaseExporter",
     "ConsoleExporter",
@@ -50,6 +72,8 @@ __all__ = [
     "JsonlExporter",
     "MLflowExporter",
     "MetricDescriptor",
+    "MetricKind",
+    "NameCollisionError",
     "NullHub",
     "OTelExporter",
     "PrometheusExporter",
@@ -59,12 +83,21 @@ __all__ = [
     "Scalars",
     "TensorBoardExporter",
     "Temporality",
+    "TrackerKeys",
     "WandbExporter",
     "available_exporters",
+    "check_unique",
     "drawn_histogram",
     "exporter_class",
     "exporters_from_spec",
     "final_scrape_due",
     "render_signal_registry",
     "signal_registry",
+    "merge_descriptors",
+    "otel_name",
+    "otel_unit",
+    "prometheus_label_name",
+    "prometheus_name",
+    "tracker_label_name",
+    "tracker_name",
 ]

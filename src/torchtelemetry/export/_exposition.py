@@ -16,21 +16,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from torchtelemetry._optional import import_optional
-from torchtelemetry.export._protocol import RunInfo
-from torchtelemetry.metric import MetricKind
-from torchtelemetry.report import (
+from torchtelemetry.export._naming import (
     LAST_UPDATE_METRIC,
     NAMESPACE,
     RUN_FINISHED_METRIC,
     STEP_METRIC,
-    HistogramValue,
-    MetricDescriptor,
-    NameCollisionError,
-    Scalars,
     merge_descriptors,
     prometheus_label_name,
     prometheus_name,
 )
+from torchtelemetry.export._protocol import RunInfo
+from torchtelemetry.metric import MetricKind
+from torchtelemetry.report import HistogramValue, MetricDescriptor, NameCollisionError, Scalars
 
 __all__ = [
     "ROUTES",

@@ -31,6 +31,7 @@ from typing import Any
 
 from torchtelemetry._optional import import_optional
 from torchtelemetry.export._base import BaseExporter, ExportFailed
+from torchtelemetry.export._naming import STEP_METRIC, merge_descriptors, otel_name
 from torchtelemetry.export._otel_metric import otel_metric
 from torchtelemetry.export._otlp_client import OtlpClient
 from torchtelemetry.export._otlp_settings import (
@@ -46,14 +47,7 @@ from torchtelemetry.export._otlp_settings import (
 from torchtelemetry.export._protocol import RunInfo
 from torchtelemetry.export._temporality import Temporality
 from torchtelemetry.metric import MetricKind
-from torchtelemetry.report import (
-    STEP_METRIC,
-    MetricDescriptor,
-    Scalars,
-    merge_descriptors,
-    otel_name,
-    wall_time,
-)
+from torchtelemetry.report import MetricDescriptor, Scalars, wall_time
 
 __all__ = [
     "DEFAULT_SERVICE_NAME",

@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from torchtelemetry.export._naming import STEP_METRIC, otel_name, otel_unit
 from torchtelemetry.metric import DEFAULT_LABEL_NAME, MetricKind
-from torchtelemetry.report import STEP_METRIC, HistogramValue, MetricDescriptor, otel_name, otel_unit
+from torchtelemetry.report import HistogramValue, MetricDescriptor
 
 __all__ = ["otel_metric"]
 

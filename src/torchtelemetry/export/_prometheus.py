@@ -15,9 +15,10 @@ from typing import Any
 
 from torchtelemetry.export._base import BaseExporter, ExportFailed
 from torchtelemetry.export._exposition import PrometheusCollector, import_prometheus_client
+from torchtelemetry.export._naming import NAMESPACE
 from torchtelemetry.export._protocol import ExporterStartError, RunInfo
 from torchtelemetry.export._scrape_server import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS, ScrapeServer
-from torchtelemetry.report import NAMESPACE, MetricDescriptor, Scalars, wall_time
+from torchtelemetry.report import MetricDescriptor, Scalars, wall_time
 
 __all__ = ["PrometheusExporter", "final_scrape_due"]
 

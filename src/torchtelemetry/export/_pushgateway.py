@@ -14,8 +14,9 @@ from torchtelemetry.export._exposition import (
     PrometheusCollector,
     import_prometheus_client,
 )
+from torchtelemetry.export._naming import NAMESPACE
 from torchtelemetry.export._protocol import RunInfo
-from torchtelemetry.report import NAMESPACE, MetricDescriptor, Scalars, wall_time
+from torchtelemetry.report import MetricDescriptor, Scalars, wall_time
 
 __all__ = ["PushgatewayExporter"]
 

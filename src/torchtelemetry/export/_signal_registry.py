@@ -21,21 +21,18 @@ import json
 from typing import Any
 
 from torchtelemetry.export._health import HEALTH_DESCRIPTORS
-from torchtelemetry.export._otel import OTEL_SCHEMA_URL
-from torchtelemetry.metric import MetricKind
-
-# The exporters' naming rules, in one import (they may move from report to export).
-from torchtelemetry.report import (
+from torchtelemetry.export._naming import (
     LAST_UPDATE_METRIC,
     RUN_FINISHED_METRIC,
     STEP_METRIC,
-    MetricDescriptor,
     otel_name,
     otel_unit,
     prometheus_label_name,
     prometheus_name,
-    signal_descriptors,
 )
+from torchtelemetry.export._otel import OTEL_SCHEMA_URL
+from torchtelemetry.metric import MetricKind
+from torchtelemetry.report import MetricDescriptor, signal_descriptors
 
 __all__ = ["SIGNAL_REGISTRY_SCHEMA_VERSION", "render_signal_registry", "signal_registry"]
 

@@ -10,10 +10,11 @@ from typing import Any, ClassVar
 from torchtelemetry._optional import import_optional
 from torchtelemetry.export._base import BaseExporter, ExportFailed
 from torchtelemetry.export._histograms import OUTER_BUCKET_FIELDS, drawn_histogram
+from torchtelemetry.export._naming import TrackerKeys
 from torchtelemetry.export._protocol import RunInfo
 from torchtelemetry.export._temporality import Temporality
 from torchtelemetry.metric import MetricKind
-from torchtelemetry.report import HistogramValue, MetricDescriptor, Scalars, TrackerKeys
+from torchtelemetry.report import HistogramValue, MetricDescriptor, Scalars
 
 __all__ = ["WandbExporter"]
 

@@ -4,33 +4,21 @@ Between collection and export: `flatten_results` names each metric's results by 
 tree (`train/loss`), the built-in signals of `report.signals` (one object each, routed by a
 `SignalSet`: step time, throughput, phases, stragglers, non-finite counts, memory, goodput, GPU)
 add theirs, `RunningTotals` turns counters and histograms into totals across windows and restarts,
-`WindowPublisher` submits one report per window in step order, and the naming rules say how each
-backend spells a path.
+`WindowPublisher` submits one report per window in step order, and the path rules say which names
+a report may carry (how each backend spells a path is `torchtelemetry.export`'s rule).
 """
 
 from torchtelemetry.report._checkpoint import restore_run_state, run_state
 from torchtelemetry.report._clock import wall_time
-from torchtelemetry.report._flatten import describe_metrics, flatten_results
+from torchtelemetry.report._flatten import describe_metrics, flatten_results, to_python
 from torchtelemetry.report._flops import PEAK_FLOPS, ModelFlops, model_flops, peak_flops_of
 from torchtelemetry.report._memory import allocator_metrics
 from torchtelemetry.report._naming import (
-    LAST_UPDATE_METRIC,
     MAX_NAME_LENGTH,
-    NAMESPACE,
-    RUN_FINISHED_METRIC,
-    STEP_METRIC,
     InvalidMetricNameError,
     NameCollisionError,
-    TrackerKeys,
-    check_unique,
-    merge_descriptors,
-    otel_name,
-    otel_unit,
-    prometheus_label_name,
-    prometheus_name,
+    path_segment,
     sanitize_path,
-    tracker_label_name,
-    tracker_name,
     validate_path,
 )
 from torchtelemetry.report._publisher import WindowPublisher, describe_with_signals
@@ -67,12 +55,8 @@ __all__ = [
     "SignalSet",
     "check_phase_names",
     "builtin_signals",
-    "LAST_UPDATE_METRIC",
-    "RUN_FINISHED_METRIC",
     "MAX_NAME_LENGTH",
-    "NAMESPACE",
     "PEAK_FLOPS",
-    "STEP_METRIC",
     "HistogramValue",
     "InvalidMetricNameError",
     "MetricDescriptor",
@@ -82,28 +66,21 @@ __all__ = [
     "RunningTotals",
     "ScalarValue",
     "Scalars",
-    "TrackerKeys",
     "WindowPublisher",
     "WindowTiming",
     "allocator_metrics",
-    "check_unique",
     "difference",
     "describe_metrics",
     "describe_with_signals",
     "flatten_results",
-    "merge_descriptors",
     "model_flops",
-    "otel_name",
-    "otel_unit",
+    "path_segment",
     "peak_flops_of",
-    "prometheus_label_name",
-    "prometheus_name",
     "restore_run_state",
     "run_state",
     "sanitize_path",
     "signal_descriptors",
+    "to_python",
     "validate_path",
     "wall_time",
-    "tracker_label_name",
-    "tracker_name",
 ]

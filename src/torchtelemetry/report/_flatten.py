@@ -5,12 +5,26 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from torchtelemetry.collect import to_python
+import torch
+from torch.utils import _pytree as pytree
+
 from torchtelemetry.metric import Metric, MetricKind, metric_leaves
 from torchtelemetry.report._naming import validate_path
 from torchtelemetry.report._values import HistogramValue, MetricDescriptor, ScalarValue
 
-__all__ = ["describe_metrics", "flatten_results"]
+__all__ = ["describe_metrics", "flatten_results", "to_python"]
+
+
+def to_python(tree: Any) -> Any:
+    """Same structure, every tensor leaf as a Python scalar (0-d) or nested list: a local `compute()`'s
+    results as `flatten_results` takes them."""
+    return pytree.tree_map(_leaf_to_python, tree)
+
+
+def _leaf_to_python(leaf: Any) -> Any:
+    if isinstance(leaf, torch.Tensor):
+        return leaf.item() if leaf.dim() == 0 else leaf.tolist()
+    return leaf
 
 
 def describe_metrics(metrics: Any) -> list[MetricDescriptor]:
