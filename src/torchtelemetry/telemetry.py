@@ -37,7 +37,7 @@ from torchtelemetry.report import (
     ModelFlops,
     PhaseTimer,
     RankSeriesLimit,
-    ScalarValue,
+    ReportValue,
     SignalContext,
     SignalSet,
     WindowPublisher,
@@ -193,7 +193,7 @@ class Telemetry:
         return list(self._descriptors)
 
     @property
-    def latest(self) -> dict[str, ScalarValue]:
+    def latest(self) -> dict[str, ReportValue]:
         """The last exported values (running totals for counters), on every rank."""
         return self._publisher.latest
 
@@ -281,7 +281,7 @@ class Telemetry:
             return
         self._schedule()
 
-    def log(self, values: Mapping[str, ScalarValue], step: int) -> None:
+    def log(self, values: Mapping[str, ReportValue], step: int) -> None:
         """Export values already on the host (a training framework's own logs) from rank 0, never waiting.
 
         While collections are in flight, reports keep step order: values logged at the step

@@ -21,8 +21,8 @@ from torchtelemetry.export import (
     ExportResult,
     HistogramValue,
     MetricDescriptor,
+    ReportValues,
     RunInfo,
-    Scalars,
 )
 from torchtelemetry.metric import MetricKind
 from torchtelemetry.report import InvalidMetricNameError, NameCollisionError
@@ -45,7 +45,7 @@ class RecordingExporter:
     def describe(self, descriptors: Sequence[MetricDescriptor], run: RunInfo) -> None:
         self.described.append(tuple(descriptors))
 
-    def export(self, step: int, scalars: Scalars, timestamp: float) -> ExportResult:
+    def export(self, step: int, scalars: ReportValues, timestamp: float) -> ExportResult:
         self.threads.add(threading.current_thread().name)
         self.reports.append((step, dict(scalars)))
         return ExportResult.SUCCESS
@@ -65,7 +65,7 @@ class FlakyExporter(RecordingExporter):
         super().__init__(name)
         self.failing = True
 
-    def export(self, step: int, scalars: Scalars, timestamp: float) -> ExportResult:
+    def export(self, step: int, scalars: ReportValues, timestamp: float) -> ExportResult:
         if self.failing:
             raise ConnectionError(f"backend down at step {step}")
         return super().export(step, scalars, timestamp)
@@ -79,7 +79,7 @@ class StuckExporter(RecordingExporter):
         self.entered = threading.Event()
         self.release = threading.Event()
 
-    def export(self, step: int, scalars: Scalars, timestamp: float) -> ExportResult:
+    def export(self, step: int, scalars: ReportValues, timestamp: float) -> ExportResult:
         self.entered.set()
         self.release.wait()
         return super().export(step, scalars, timestamp)

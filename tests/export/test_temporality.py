@@ -17,8 +17,8 @@ from torchtelemetry.export import (
     ExportHub,
     HistogramValue,
     MetricDescriptor,
+    ReportValues,
     RunInfo,
-    Scalars,
     Temporality,
 )
 from torchtelemetry.metric import MetricKind
@@ -45,7 +45,7 @@ class DeltaRecorder(BaseExporter):
         self.hold.set()
         self.entered = threading.Event()
 
-    def _export(self, step: int, scalars: Scalars, timestamp: float) -> None:
+    def _export(self, step: int, scalars: ReportValues, timestamp: float) -> None:
         self.entered.set()
         self.hold.wait(30)
         if step in self.failing:

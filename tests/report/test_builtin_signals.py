@@ -53,7 +53,7 @@ def test_every_name_a_window_exports_is_described_and_no_raw_state_leaks(max_ran
     ranks = RankSeriesLimit(1, max_rank_series)  # what the publisher does after the signals
     names = {descriptor.name for descriptor in ranks.describe(signals.descriptors())}
     window = collect_window(signals, step=2, steps=3, duration_s=0.1)
-    ranks.publish(window)
+    ranks.derive(window)
     signals.close()
     assert set(window) <= names, sorted(set(window) - names)
     for name in ("train/tokens", "train/tokens_per_second", "train/mfu", "train/learning_rate"):

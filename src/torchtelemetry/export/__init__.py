@@ -2,7 +2,7 @@
 
 How each backend spells a metric path (`prometheus_name`, `otel_name`, `TrackerKeys`, ...) is
 here, beside the exporters that use it. The values a report carries (`HistogramValue`,
-`MetricDescriptor`, `Scalars`, and their `MetricKind`) come from `torchtelemetry.report` and
+`MetricDescriptor`, `ReportValues`, and their `MetricKind`) come from `torchtelemetry.report` and
 `torchtelemetry.metric` and are re-exported here for exporter authors.
 """
 
@@ -43,7 +43,13 @@ from torchtelemetry.export._temporality import Temporality
 from torchtelemetry.export._tensorboard import TensorBoardExporter
 from torchtelemetry.export._wandb import WandbExporter
 from torchtelemetry.metric import MetricKind
-from torchtelemetry.report import HistogramValue, MetricDescriptor, NameCollisionError, Scalars, ScalarValue
+from torchtelemetry.report import (
+    HistogramValue,
+    MetricDescriptor,
+    NameCollisionError,
+    ReportValue,
+    ReportValues,
+)
 
 __all__ = [
     "HEALTH_DESCRIPTORS",
@@ -79,8 +85,8 @@ __all__ = [
     "PrometheusExporter",
     "PushgatewayExporter",
     "RunInfo",
-    "ScalarValue",
-    "Scalars",
+    "ReportValue",
+    "ReportValues",
     "TensorBoardExporter",
     "Temporality",
     "TrackerKeys",

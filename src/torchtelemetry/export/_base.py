@@ -30,7 +30,7 @@ from torchtelemetry._process import check_same_process, current_pid
 from torchtelemetry.export._protocol import ExportResult, RunInfo
 from torchtelemetry.export._temporality import Temporality
 from torchtelemetry.metric import MetricKind
-from torchtelemetry.report import MetricDescriptor, Scalars
+from torchtelemetry.report import MetricDescriptor, ReportValues
 
 __all__ = ["BaseExporter", "ExportFailed", "FailureLog", "warn_closed_again"]
 
@@ -140,7 +140,7 @@ class BaseExporter:
                 self._started = True  # once: a backend that failed to start reports it on each export
                 self._start(run)
 
-    def export(self, step: int, scalars: Scalars, timestamp: float) -> ExportResult:
+    def export(self, step: int, scalars: ReportValues, timestamp: float) -> ExportResult:
         """Publish one report; FAILURE (logged once per burst) instead of raising."""
         check_same_process(self._pid, f"{type(self).__name__}.export")
         with self._lock:
@@ -189,7 +189,7 @@ class BaseExporter:
     def _start(self, run: RunInfo) -> None:
         """Open the backend (port, file, client); called once, after the first `_describe`."""
 
-    def _export(self, step: int, scalars: Scalars, timestamp: float) -> None:
+    def _export(self, step: int, scalars: ReportValues, timestamp: float) -> None:
         """Publish one report; raise `ExportFailed` (or any error) when it was not published."""
         raise NotImplementedError(f"{type(self).__name__} must implement _export()")
 

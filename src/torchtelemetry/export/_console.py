@@ -11,7 +11,7 @@ from typing import TextIO
 from torchtelemetry.export._base import BaseExporter
 from torchtelemetry.export._health import HEALTH_PREFIX
 from torchtelemetry.export._protocol import RunInfo
-from torchtelemetry.report import HistogramValue, MetricDescriptor, Scalars
+from torchtelemetry.report import HistogramValue, MetricDescriptor, ReportValues
 
 __all__ = ["ConsoleExporter"]
 
@@ -32,7 +32,7 @@ class ConsoleExporter(BaseExporter):
     def _describe(self, descriptors: Sequence[MetricDescriptor], run: RunInfo) -> None:
         self._run_id = run.run_id
 
-    def _export(self, step: int, scalars: Scalars, timestamp: float) -> None:
+    def _export(self, step: int, scalars: ReportValues, timestamp: float) -> None:
         stream = self._stream or sys.stderr
         stream.write(self.format_line(step, scalars, timestamp) + "\n")
         stream.flush()
@@ -41,7 +41,7 @@ class ConsoleExporter(BaseExporter):
         (self._stream or sys.stderr).flush()
         return True
 
-    def format_line(self, step: int, scalars: Scalars, timestamp: float) -> str:
+    def format_line(self, step: int, scalars: ReportValues, timestamp: float) -> str:
         """The line written for one report (without newline)."""
         clock = time.strftime("%H:%M:%S", time.localtime(timestamp))
         parts = [f"{clock} step {step} [{self._run_id}]"]

@@ -27,7 +27,7 @@ from torchtelemetry.export._naming import (
 )
 from torchtelemetry.export._protocol import RunInfo
 from torchtelemetry.metric import MetricKind
-from torchtelemetry.report import HistogramValue, MetricDescriptor, NameCollisionError, Scalars
+from torchtelemetry.report import HistogramValue, MetricDescriptor, NameCollisionError, ReportValues
 
 __all__ = [
     "ROUTES",
@@ -144,7 +144,7 @@ class PrometheusCollector:
             self._series = series
             self._run_id = run.run_id
 
-    def set_report(self, step: int, scalars: Scalars, timestamp: float) -> list[str]:
+    def set_report(self, step: int, scalars: ReportValues, timestamp: float) -> list[str]:
         """Make this report the one scrapes see; returns the problems of values left out (empty if none)."""
         problems: list[str] = []
         if self._run_id is None:

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from torchtelemetry.metric import MetricKind
-from torchtelemetry.report import MetricDescriptor, ScalarValue
+from torchtelemetry.report import MetricDescriptor, ReportValue
 
 __all__ = ["HEALTH_DESCRIPTORS", "HEALTH_PREFIX", "ExporterHealth", "health_values"]
 
@@ -64,9 +64,9 @@ class ExporterHealth:
     """Unix time of the last successful export; None before the first."""
 
 
-def health_values(healths: Mapping[str, ExporterHealth]) -> dict[str, ScalarValue]:
+def health_values(healths: Mapping[str, ExporterHealth]) -> dict[str, ReportValue]:
     """The health metrics as report values (one value per exporter name)."""
-    values: dict[str, ScalarValue] = {
+    values: dict[str, ReportValue] = {
         "exporter/exported_reports": {name: float(h.exported_reports) for name, h in healths.items()},
         "exporter/errors": {name: float(h.errors) for name, h in healths.items()},
         "exporter/dropped_reports": {name: float(h.dropped_reports) for name, h in healths.items()},

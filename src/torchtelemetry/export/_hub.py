@@ -26,8 +26,8 @@ from torchtelemetry.report import (
     InvalidMetricNameError,
     MetricDescriptor,
     NameCollisionError,
-    Scalars,
-    ScalarValue,
+    ReportValue,
+    ReportValues,
     validate_path,
     wall_time,
 )
@@ -108,7 +108,12 @@ class ExportHub:
                 queue.start()
 
     def submit(
-        self, step: int, scalars: Scalars, timestamp: float | None = None, *, window: Scalars | None = None
+        self,
+        step: int,
+        scalars: ReportValues,
+        timestamp: float | None = None,
+        *,
+        window: ReportValues | None = None,
     ) -> None:
         """Queue one report for every exporter; never blocks on an exporter.
 
@@ -132,7 +137,7 @@ class ExportHub:
         for queue in self._queues:
             queue.put_report(step, values, timestamp, window or {})
 
-    def _describe_new(self, values: dict[str, ScalarValue]) -> None:
+    def _describe_new(self, values: dict[str, ReportValue]) -> None:
         """Describe names first seen in a report to every exporter; drop (and log once) illegal ones."""
         described = False
         with self._lock:
@@ -158,7 +163,7 @@ class ExportHub:
         """Counters per exporter name."""
         return {queue.name: queue.health() for queue in self._queues}
 
-    def _health_values(self, exporting: str) -> dict[str, ScalarValue]:
+    def _health_values(self, exporting: str) -> dict[str, ReportValue]:
         """The health values of a report `exporting` is about to export, counting that report as
         exported by it: the report is only seen where it arrived, and the last one of a run must
         not say one fewer than were exported (a closed run showed 89 of 90 forever)."""
@@ -215,7 +220,12 @@ class NullHub:
         """Do nothing."""
 
     def submit(
-        self, step: int, scalars: Scalars, timestamp: float | None = None, *, window: Scalars | None = None
+        self,
+        step: int,
+        scalars: ReportValues,
+        timestamp: float | None = None,
+        *,
+        window: ReportValues | None = None,
     ) -> None:
         """Do nothing."""
 
@@ -231,7 +241,7 @@ class NullHub:
         """Do nothing."""
 
 
-def _inferred_descriptor(name: str, value: ScalarValue) -> MetricDescriptor:
+def _inferred_descriptor(name: str, value: ReportValue) -> MetricDescriptor:
     if isinstance(value, HistogramValue):
         return MetricDescriptor(name, MetricKind.HISTOGRAM)
     if isinstance(value, Mapping):

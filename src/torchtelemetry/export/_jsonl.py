@@ -11,7 +11,7 @@ from typing import IO, Any
 
 from torchtelemetry.export._base import BaseExporter, ExportFailed
 from torchtelemetry.export._protocol import RunInfo
-from torchtelemetry.report import HistogramValue, MetricDescriptor, Scalars
+from torchtelemetry.report import HistogramValue, MetricDescriptor, ReportValues
 
 __all__ = ["JsonlExporter"]
 
@@ -37,7 +37,7 @@ class JsonlExporter(BaseExporter):
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = self.path.open("a", encoding="utf-8")
 
-    def _export(self, step: int, scalars: Scalars, timestamp: float) -> None:
+    def _export(self, step: int, scalars: ReportValues, timestamp: float) -> None:
         if self._file is None:
             raise ExportFailed(f"{self.path} could not be opened at describe()")
         record = {

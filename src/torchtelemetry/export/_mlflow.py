@@ -14,7 +14,7 @@ from torchtelemetry.export._naming import TrackerKeys
 from torchtelemetry.export._protocol import RunInfo
 from torchtelemetry.export._temporality import Temporality
 from torchtelemetry.metric import MetricKind
-from torchtelemetry.report import HistogramValue, MetricDescriptor, Scalars
+from torchtelemetry.report import HistogramValue, MetricDescriptor, ReportValues
 
 __all__ = ["EXPERIMENT_NAME_ENV", "RUN_ID_TAG", "TRACKING_URI_ENV", "MLflowExporter"]
 
@@ -109,7 +109,7 @@ class MLflowExporter(BaseExporter):
                 error.__cause__,
             )
 
-    def _export(self, step: int, scalars: Scalars, timestamp: float) -> None:
+    def _export(self, step: int, scalars: ReportValues, timestamp: float) -> None:
         """`log_batch` of every value at `step` and `timestamp` (in chunks of MLflow's 1000 metrics)."""
         run_id = self._ensure_run()
         metric = self._mlflow.entities.Metric

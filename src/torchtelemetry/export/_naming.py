@@ -13,7 +13,13 @@ import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from torchtelemetry.metric import MetricKind
-from torchtelemetry.report import HistogramValue, MetricDescriptor, NameCollisionError, Scalars, path_segment
+from torchtelemetry.report import (
+    HistogramValue,
+    MetricDescriptor,
+    NameCollisionError,
+    ReportValues,
+    path_segment,
+)
 
 __all__ = [
     "LAST_UPDATE_METRIC",
@@ -156,7 +162,7 @@ class TrackerKeys:
         self._descriptors = merged
         self._owners = {**fixed, **{key: owner for owner, key in claims}}
 
-    def keyed(self, scalars: Scalars) -> tuple[list[tuple[str, float | HistogramValue]], list[str]]:
+    def keyed(self, scalars: ReportValues) -> tuple[list[tuple[str, float | HistogramValue]], list[str]]:
         """Each value of a report with its key, and what was left out because its key means another value."""
         keyed: list[tuple[str, float | HistogramValue]] = []
         left_out: list[str] = []

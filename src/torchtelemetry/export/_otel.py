@@ -47,7 +47,7 @@ from torchtelemetry.export._otlp_settings import (
 from torchtelemetry.export._protocol import RunInfo
 from torchtelemetry.export._temporality import Temporality
 from torchtelemetry.metric import MetricKind
-from torchtelemetry.report import MetricDescriptor, Scalars, wall_time
+from torchtelemetry.report import MetricDescriptor, ReportValues, wall_time
 
 __all__ = [
     "DEFAULT_SERVICE_NAME",
@@ -196,7 +196,7 @@ class OTelExporter(BaseExporter):
             f" with headers {header_names}" if header_names else "",
         )
 
-    def _export(self, step: int, scalars: Scalars, timestamp: float) -> None:
+    def _export(self, step: int, scalars: ReportValues, timestamp: float) -> None:
         """Push one report; raises `ExportFailed` when the collector did not acknowledge it."""
         if self._disabled:
             return
@@ -281,7 +281,7 @@ class OTelExporter(BaseExporter):
                 f"points (OTLP partial success, not retried): {partial.error_message or 'no message'}"
             )
 
-    def _metrics_data(self, step: int, scalars: Scalars, timestamp: float) -> tuple[Any, int]:
+    def _metrics_data(self, step: int, scalars: ReportValues, timestamp: float) -> tuple[Any, int]:
         from opentelemetry.sdk.metrics.export import MetricsData, ResourceMetrics, ScopeMetrics
         from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 

@@ -18,7 +18,7 @@ from torchtelemetry.export._exposition import PrometheusCollector, import_promet
 from torchtelemetry.export._naming import NAMESPACE
 from torchtelemetry.export._protocol import ExporterStartError, RunInfo
 from torchtelemetry.export._scrape_server import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS, ScrapeServer
-from torchtelemetry.report import MetricDescriptor, Scalars, wall_time
+from torchtelemetry.report import MetricDescriptor, ReportValues, wall_time
 
 __all__ = ["PrometheusExporter", "final_scrape_due"]
 
@@ -182,7 +182,7 @@ class PrometheusExporter(BaseExporter):
     def _start(self, run: RunInfo) -> None:
         self.start()
 
-    def _export(self, step: int, scalars: Scalars, timestamp: float) -> None:
+    def _export(self, step: int, scalars: ReportValues, timestamp: float) -> None:
         """Make this report the one scrapes see."""
         problems = self._collector.set_report(step, scalars, timestamp)
         if problems:

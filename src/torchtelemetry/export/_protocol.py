@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from torchtelemetry.report import MetricDescriptor, Scalars
+from torchtelemetry.report import MetricDescriptor, ReportValues
 
 __all__ = ["RUN_ID_ENV", "ExportResult", "Exporter", "ExporterStartError", "RunInfo"]
 
@@ -86,7 +86,7 @@ class Exporter(Protocol):
         """
         ...
 
-    def export(self, step: int, scalars: Scalars, timestamp: float) -> ExportResult:
+    def export(self, step: int, scalars: ReportValues, timestamp: float) -> ExportResult:
         """Publish one report; `timestamp` is Unix seconds at collection."""
         ...
 

@@ -16,7 +16,7 @@ from torchtelemetry.export._exposition import (
 )
 from torchtelemetry.export._naming import NAMESPACE
 from torchtelemetry.export._protocol import RunInfo
-from torchtelemetry.report import MetricDescriptor, Scalars, wall_time
+from torchtelemetry.report import MetricDescriptor, ReportValues, wall_time
 
 __all__ = ["PushgatewayExporter"]
 
@@ -87,7 +87,7 @@ class PushgatewayExporter(BaseExporter):
         self._collector.set_descriptors(descriptors, run)
         self._grouping_key = {**self._extra_key, RUN_LABEL: run.run_id}
 
-    def _export(self, step: int, scalars: Scalars, timestamp: float) -> None:
+    def _export(self, step: int, scalars: ReportValues, timestamp: float) -> None:
         """Push this report (replacing the group)."""
         problems = self._collector.set_report(step, scalars, timestamp)
         if problems:

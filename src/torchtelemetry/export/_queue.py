@@ -21,7 +21,7 @@ from torchtelemetry.export._base import FailureLog, LogThrottle
 from torchtelemetry.export._health import ExporterHealth
 from torchtelemetry.export._protocol import Exporter, ExporterStartError, ExportResult, RunInfo
 from torchtelemetry.export._temporality import DeltaConverter, preferred_temporality
-from torchtelemetry.report import MetricDescriptor, Scalars, wall_time
+from torchtelemetry.report import MetricDescriptor, ReportValues, wall_time
 
 __all__ = ["DROP_LOG_INTERVAL_S", "ExporterQueue", "close_exporter"]
 
@@ -34,9 +34,9 @@ DROP_LOG_INTERVAL_S = 60.0
 @dataclass(frozen=True, slots=True)
 class _Report:
     step: int
-    scalars: Scalars
+    scalars: ReportValues
     timestamp: float
-    window: Scalars
+    window: ReportValues
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +69,7 @@ class ExporterQueue:
         *,
         run: RunInfo,
         queue_size: int,
-        extra_values: Callable[[str], Scalars] = lambda name: {},
+        extra_values: Callable[[str], ReportValues] = lambda name: {},
     ) -> None:
         self.exporter = exporter
         self.name = exporter.name
@@ -108,7 +108,7 @@ class ExporterQueue:
         """Start the exporter's thread."""
         self._thread.start()
 
-    def put_report(self, step: int, scalars: Scalars, timestamp: float, window: Scalars) -> None:
+    def put_report(self, step: int, scalars: ReportValues, timestamp: float, window: ReportValues) -> None:
         """Queue a report; when the queue is full, drop (and count) the oldest queued report first.
 
         `window` holds the collection window's own values of the names `scalars` carries as

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from torchtelemetry.metric import MetricKind
-from torchtelemetry.report import MetricDescriptor, Scalars, ScalarValue, difference
+from torchtelemetry.report import MetricDescriptor, ReportValue, ReportValues, difference
 
 __all__ = ["DeltaConverter", "Temporality", "preferred_temporality"]
 
@@ -53,14 +53,14 @@ class DeltaConverter:
     def __init__(self, preference: Mapping[MetricKind, Temporality]) -> None:
         self._delta_kinds = frozenset(kind for kind, t in preference.items() if t is Temporality.DELTA)
         self._delta_names: set[str] = set()
-        self._accepted: dict[str, ScalarValue] = {}
-        self._offered: dict[str, ScalarValue] = {}
+        self._accepted: dict[str, ReportValue] = {}
+        self._offered: dict[str, ReportValue] = {}
 
     def learn(self, descriptors: Sequence[MetricDescriptor]) -> None:
         """Learn which names are of a kind the exporter wants as deltas."""
         self._delta_names |= {d.name for d in descriptors if d.kind in self._delta_kinds}
 
-    def convert(self, values: Scalars, window: Scalars) -> Scalars:
+    def convert(self, values: ReportValues, window: ReportValues) -> ReportValues:
         """`values` with deltas in place of the running totals of delta names.
 
         `window` holds the collection window's own values (what the totals added this time).

@@ -16,7 +16,7 @@ from torchtelemetry.export._naming import TrackerKeys
 from torchtelemetry.export._protocol import RunInfo
 from torchtelemetry.export._temporality import Temporality
 from torchtelemetry.metric import MetricKind
-from torchtelemetry.report import HistogramValue, MetricDescriptor, Scalars
+from torchtelemetry.report import HistogramValue, MetricDescriptor, ReportValues
 
 __all__ = ["CONFIG_TAG", "TensorBoardExporter"]
 
@@ -98,7 +98,7 @@ class TensorBoardExporter(BaseExporter):
             return
         logger.info("TensorBoardExporter %r: event files in %s", self.name, self.log_dir)
 
-    def _export(self, step: int, scalars: Scalars, timestamp: float) -> None:
+    def _export(self, step: int, scalars: ReportValues, timestamp: float) -> None:
         writer = self._writer
         if writer is None:
             raise ExportFailed(f"no event file (could not write in {self.log_dir}); nothing logged")

@@ -14,7 +14,7 @@ from torchtelemetry.export._naming import TrackerKeys
 from torchtelemetry.export._protocol import RunInfo
 from torchtelemetry.export._temporality import Temporality
 from torchtelemetry.metric import MetricKind
-from torchtelemetry.report import HistogramValue, MetricDescriptor, Scalars
+from torchtelemetry.report import HistogramValue, MetricDescriptor, ReportValues
 
 __all__ = ["WandbExporter"]
 
@@ -124,7 +124,7 @@ class WandbExporter(BaseExporter):
     def _describe(self, descriptors: Sequence[MetricDescriptor], run: RunInfo) -> None:
         self._keys.describe(descriptors)
 
-    def _export(self, step: int, scalars: Scalars, timestamp: float) -> None:
+    def _export(self, step: int, scalars: ReportValues, timestamp: float) -> None:
         """`run.log(row, step=step)`; a step below the last logged one is dropped."""
         if self._run is None:
             raise ExportFailed("no W&B run (wandb.init failed at describe()); nothing logged")

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from torchtelemetry.report import ScalarValue
+from torchtelemetry.report import ReportValue
 from torchtelemetry.telemetry import Telemetry
 
 __all__ = ["TelemetryMetricLogger", "check_log_prefix"]
@@ -70,9 +70,9 @@ class TelemetryMetricLogger:
         """
         self.telemetry.hub.force_flush()
 
-    def scalars(self, metrics: Mapping[str, Any]) -> dict[str, ScalarValue]:
+    def scalars(self, metrics: Mapping[str, Any]) -> dict[str, ReportValue]:
         """The exportable entries of `metrics`, named with the prefix (`Telemetry.log` makes names legal)."""
-        out: dict[str, ScalarValue] = {}
+        out: dict[str, ReportValue] = {}
         for key, raw in metrics.items():
             value = _scalar(raw)
             if value is None:
@@ -109,7 +109,7 @@ def check_log_prefix(prefix: str, telemetry: Telemetry, owner: str) -> None:
         )
 
 
-def _scalar(value: Any) -> ScalarValue | None:
+def _scalar(value: Any) -> ReportValue | None:
     if isinstance(value, torch.Tensor):
         return float(value.detach().item()) if value.numel() == 1 else None
     if isinstance(value, numbers.Real):

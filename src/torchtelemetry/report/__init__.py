@@ -24,7 +24,7 @@ from torchtelemetry.report._naming import (
 from torchtelemetry.report._publisher import WindowPublisher, describe_with_signals
 from torchtelemetry.report._ranks import RankSeriesLimit
 from torchtelemetry.report._totals import RunningTotals, difference
-from torchtelemetry.report._values import HistogramValue, MetricDescriptor, Scalars, ScalarValue
+from torchtelemetry.report._values import HistogramValue, MetricDescriptor, ReportValue, ReportValues
 from torchtelemetry.report.signals import (
     DATA_PHASE,
     DEFAULT_PHASES,
@@ -64,8 +64,8 @@ __all__ = [
     "NameCollisionError",
     "RankSeriesLimit",
     "RunningTotals",
-    "ScalarValue",
-    "Scalars",
+    "ReportValue",
+    "ReportValues",
     "WindowPublisher",
     "WindowTiming",
     "allocator_metrics",

@@ -10,7 +10,7 @@ from torch.utils import _pytree as pytree
 
 from torchtelemetry.metric import Metric, MetricKind, metric_leaves
 from torchtelemetry.report._naming import validate_path
-from torchtelemetry.report._values import HistogramValue, MetricDescriptor, ScalarValue
+from torchtelemetry.report._values import HistogramValue, MetricDescriptor, ReportValue
 
 __all__ = ["describe_metrics", "flatten_results", "to_python"]
 
@@ -40,9 +40,9 @@ def describe_metrics(metrics: Any) -> list[MetricDescriptor]:
     return descriptors
 
 
-def flatten_results(metrics: Sequence[tuple[str, Metric]], results: Sequence[Any]) -> dict[str, ScalarValue]:
+def flatten_results(metrics: Sequence[tuple[str, Metric]], results: Sequence[Any]) -> dict[str, ReportValue]:
     """Named values of one report: `results[i]` is the Python result of `metrics[i]`."""
-    flat: dict[str, ScalarValue] = {}
+    flat: dict[str, ReportValue] = {}
     for (name, metric), result in zip(metrics, results, strict=True):
         if type(result) is float and metric.kind is not MetricKind.HISTOGRAM:  # most metrics: named as is
             flat[name] = result
@@ -51,7 +51,7 @@ def flatten_results(metrics: Sequence[tuple[str, Metric]], results: Sequence[Any
     return flat
 
 
-def _entries(name: str, metric: Metric, result: Any) -> Iterator[tuple[MetricDescriptor, ScalarValue]]:
+def _entries(name: str, metric: Metric, result: Any) -> Iterator[tuple[MetricDescriptor, ReportValue]]:
     def descriptor(label_name: str | None = None) -> MetricDescriptor:
         return MetricDescriptor(name, metric.kind, metric.unit, metric.description, label_name)
 

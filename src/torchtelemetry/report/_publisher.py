@@ -14,7 +14,7 @@ from torchtelemetry.report._flatten import describe_metrics, flatten_results
 from torchtelemetry.report._naming import InvalidMetricNameError, NameCollisionError, sanitize_path
 from torchtelemetry.report._ranks import RankSeriesLimit
 from torchtelemetry.report._totals import RunningTotals
-from torchtelemetry.report._values import MetricDescriptor, Scalars, ScalarValue
+from torchtelemetry.report._values import MetricDescriptor, ReportValue, ReportValues
 from torchtelemetry.report.signals import SignalSet, WindowTiming
 
 __all__ = ["InFlight", "Submit", "WindowPublisher", "describe_with_signals"]
@@ -26,7 +26,12 @@ class Submit(Protocol):
     """Where reports go: `ExportHub.submit`."""
 
     def __call__(
-        self, step: int, scalars: Scalars, timestamp: float | None = None, *, window: Scalars | None = None
+        self,
+        step: int,
+        scalars: ReportValues,
+        timestamp: float | None = None,
+        *,
+        window: ReportValues | None = None,
     ) -> None: ...
 
 
@@ -96,9 +101,9 @@ class WindowPublisher:
         """Counter and histogram totals across windows (and restarts, through its state_dict)."""
         self._lock = threading.Lock()
         self._in_flight: collections.deque[InFlight] = collections.deque()
-        self._logged: dict[int, list[tuple[int, dict[str, ScalarValue], float]]] = {}
+        self._logged: dict[int, list[tuple[int, dict[str, ReportValue], float]]] = {}
         self._skipped_names: set[str] = set()
-        self.latest: dict[str, ScalarValue] = {}
+        self.latest: dict[str, ReportValue] = {}
         self.latest_step: int | None = None
 
     def scheduled(
@@ -132,7 +137,7 @@ class WindowPublisher:
         window = flatten_results(self._leaves, results)
         if self._signals is not None:
             self._signals.derive(window, timing)
-        self._ranks.publish(window)
+        self._ranks.derive(window)
         with self._lock:
             reported = self.totals.add(window)
             self.latest = reported
@@ -149,7 +154,7 @@ class WindowPublisher:
                 if step != timing.step:
                     self._submit(step, values, timestamp)
 
-    def log(self, values: Mapping[str, ScalarValue], step: int) -> None:
+    def log(self, values: Mapping[str, ReportValue], step: int) -> None:
         """Submit host values now, or after the newest window in flight (see the class).
 
         Raises `NameCollisionError`, submitting none of `values`, when a name (once sanitized)
@@ -171,8 +176,8 @@ class WindowPublisher:
             else:
                 self._submit(step, legal, wall_time())
 
-    def _legal_names(self, values: Mapping[str, ScalarValue]) -> dict[str, ScalarValue]:
-        legal: dict[str, ScalarValue] = {}
+    def _legal_names(self, values: Mapping[str, ReportValue]) -> dict[str, ReportValue]:
+        legal: dict[str, ReportValue] = {}
         given: dict[str, list[str]] = collections.defaultdict(list)
         for name, value in values.items():
             try:

@@ -15,7 +15,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 
 from torchtelemetry.metric import MetricKind
-from torchtelemetry.report._values import MetricDescriptor, ScalarValue
+from torchtelemetry.report._values import MetricDescriptor, ReportValue
 
 __all__ = ["RANK_LABEL", "RANK_STATISTICS", "RankSeriesLimit"]
 
@@ -29,7 +29,7 @@ class RankSeriesLimit:
     """What a run of `world_size` ranks exports of its values per rank (see the module).
 
     `describe()` turns the descriptors of a metric tree into those exported and remembers which
-    names carry values per rank; `publish()` turns each report's values the same way.
+    names carry values per rank; `derive()` turns each report's values the same way.
     """
 
     def __init__(self, world_size: int, max_rank_series: int) -> None:
@@ -61,8 +61,8 @@ class RankSeriesLimit:
                 )
         return out
 
-    def publish(self, window: dict[str, ScalarValue]) -> None:
-        """Turn the values per rank of one report into what is exported, in place. Non-finite
+    def derive(self, window: dict[str, ReportValue]) -> None:
+        """Derive what is exported from the values per rank of one report, in place. Non-finite
         values (a rank that reported nothing) are left out."""
         for name, kind in self._kinds.items():
             values = window.get(name)

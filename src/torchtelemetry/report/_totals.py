@@ -7,7 +7,7 @@ import logging
 from collections.abc import Collection, Mapping
 from typing import Any
 
-from torchtelemetry.report._values import HistogramValue, ScalarValue
+from torchtelemetry.report._values import HistogramValue, ReportValue
 
 __all__ = ["RunningTotals", "difference"]
 
@@ -26,9 +26,9 @@ class RunningTotals:
     def __init__(self, cumulative: Collection[str]) -> None:
         self.cumulative = frozenset(cumulative)
         """Names reported as running totals (counters and histograms)."""
-        self._totals: dict[str, ScalarValue] = {}
+        self._totals: dict[str, ReportValue] = {}
 
-    def add(self, window: Mapping[str, ScalarValue]) -> dict[str, ScalarValue]:
+    def add(self, window: Mapping[str, ReportValue]) -> dict[str, ReportValue]:
         """Fold one window's values in; returns the window with totals in place of cumulative names."""
         reported = dict(window)
         for name in self.cumulative & window.keys():
@@ -57,7 +57,7 @@ class RunningTotals:
         self._totals = {name: total for name, total in totals.items() if name in self.cumulative}
 
 
-def difference(total: ScalarValue, earlier: ScalarValue) -> ScalarValue | None:
+def difference(total: ReportValue, earlier: ReportValue) -> ReportValue | None:
     """What `total` added to `earlier` (both running totals of one name); None if `earlier` is not
     an earlier total of it (a shape or bucket change, or a count that went down)."""
     if isinstance(total, HistogramValue):
@@ -77,7 +77,7 @@ def difference(total: ScalarValue, earlier: ScalarValue) -> ScalarValue | None:
     return float(total) - float(earlier)
 
 
-def _sum(total: ScalarValue | None, value: ScalarValue) -> ScalarValue:
+def _sum(total: ReportValue | None, value: ReportValue) -> ReportValue:
     if isinstance(value, HistogramValue):
         if not isinstance(total, HistogramValue):
             return value
@@ -95,7 +95,7 @@ def _sum(total: ScalarValue | None, value: ScalarValue) -> ScalarValue:
     return (total if isinstance(total, float) else 0.0) + float(value)
 
 
-def _saved(total: ScalarValue) -> Any:
+def _saved(total: ReportValue) -> Any:
     """A running total as plain Python containers (checkpoint formats need no custom classes)."""
     if isinstance(total, HistogramValue):
         return {
@@ -107,7 +107,7 @@ def _saved(total: ScalarValue) -> Any:
     return dict(total) if isinstance(total, Mapping) else float(total)
 
 
-def _restored(saved: Any) -> ScalarValue:
+def _restored(saved: Any) -> ReportValue:
     if isinstance(saved, Mapping) and "bounds" in saved:
         return HistogramValue(
             bounds=tuple(saved["bounds"]),

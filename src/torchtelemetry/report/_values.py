@@ -8,7 +8,7 @@ from typing import TypeAlias
 
 from torchtelemetry.metric import MetricKind
 
-__all__ = ["HistogramValue", "MetricDescriptor", "ScalarValue", "Scalars"]
+__all__ = ["HistogramValue", "MetricDescriptor", "ReportValue", "ReportValues"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,8 +45,8 @@ class MetricDescriptor:
     """Set when the value is a mapping from label value to float (e.g. "rank")."""
 
 
-ScalarValue: TypeAlias = "float | HistogramValue | Mapping[str, float]"
+ReportValue: TypeAlias = "float | HistogramValue | Mapping[str, float]"
 """A float (gauge, or a counter's running total), a histogram, or a float per label value."""
 
-Scalars: TypeAlias = Mapping[str, "float | HistogramValue | Mapping[str, float]"]
+ReportValues: TypeAlias = Mapping[str, "float | HistogramValue | Mapping[str, float]"]
 """One report: descriptor name -> value."""

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from torchtelemetry.metric import DEFAULT_STATE_DTYPE, Metric, MetricAccumulator, ReduceOp
-from torchtelemetry.report._values import MetricDescriptor, ScalarValue
+from torchtelemetry.report._values import MetricDescriptor, ReportValue
 
 __all__ = [
     "RankValues",
@@ -111,7 +111,7 @@ class Signal:
         """Host-only values that `derive` reads from `WindowTiming.host[name]` (exporting rank's)."""
         return None
 
-    def derive(self, window: dict[str, ScalarValue], timing: WindowTiming) -> None:
+    def derive(self, window: dict[str, ReportValue], timing: WindowTiming) -> None:
         """Turn the window's values (all signals' raw values and the user's) into what is exported,
         in place."""
 
@@ -160,7 +160,7 @@ class RankValues(Metric):
         return {quantity: self.values.value[index] for index, quantity in enumerate(self.quantities)}
 
 
-def finite_by_rank(values: ScalarValue | None) -> dict[int, float]:
+def finite_by_rank(values: ReportValue | None) -> dict[int, float]:
     """The finite entries of a value per rank (`{"0": 1.5, ...}`), keyed by integer rank."""
     if not isinstance(values, Mapping):
         return {}

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from torchtelemetry.metric import Metric, MetricKind, PerRankMetric
-from torchtelemetry.report._values import MetricDescriptor, ScalarValue
+from torchtelemetry.report._values import MetricDescriptor, ReportValue
 from torchtelemetry.report.signals._base import Signal, SignalContext, WindowTiming
 
 __all__ = ["DATA_WAIT", "DATA_WAIT_SHARE", "DataWait", "check_seconds"]
@@ -73,7 +73,7 @@ class DataWait(Signal):
         self.share.update_total(100 * self._seconds, duration_s)
         self._seconds, self._steps = 0.0, 0
 
-    def derive(self, window: dict[str, ScalarValue], timing: WindowTiming) -> None:
+    def derive(self, window: dict[str, ReportValue], timing: WindowTiming) -> None:
         if not self._seen:
             window.pop(DATA_WAIT, None)
             window.pop(DATA_WAIT_SHARE, None)

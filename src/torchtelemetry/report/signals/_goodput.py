@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from torchtelemetry.metric import MetricKind
-from torchtelemetry.report._values import MetricDescriptor, ScalarValue
+from torchtelemetry.report._values import MetricDescriptor, ReportValue
 from torchtelemetry.report.signals._base import Signal, SignalContext, WindowTiming
 
 __all__ = ["Goodput"]
@@ -99,7 +99,7 @@ class Goodput(Signal):
         self._restarts = self._recomputed = 0
         return values
 
-    def derive(self, window: dict[str, ScalarValue], timing: WindowTiming) -> None:
+    def derive(self, window: dict[str, ReportValue], timing: WindowTiming) -> None:
         values = timing.host.get(self.name)
         if not values:
             return

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from torchtelemetry.metric import MaxMetric, Metric, MetricKind
-from torchtelemetry.report._values import MetricDescriptor, ScalarValue
+from torchtelemetry.report._values import MetricDescriptor, ReportValue
 from torchtelemetry.report.signals._base import Signal, SignalContext, WindowTiming
 
 __all__ = ["LEARNING_RATE", "LearningRate"]
@@ -40,7 +40,7 @@ class LearningRate(Signal):
     def flush(self, duration_s: float, *, final: bool = False) -> None:
         self.metric.extremum.local.clamp_(min=-math.inf if self._value is None else self._value)
 
-    def derive(self, window: dict[str, ScalarValue], timing: WindowTiming) -> None:
+    def derive(self, window: dict[str, ReportValue], timing: WindowTiming) -> None:
         if not self._seen:
             window.pop(LEARNING_RATE, None)
 

@@ -25,7 +25,7 @@ import resource
 import torch
 
 from torchtelemetry.metric import Metric, MetricKind, ReduceOp
-from torchtelemetry.report._values import MetricDescriptor, ScalarValue
+from torchtelemetry.report._values import MetricDescriptor, ReportValue
 from torchtelemetry.report.signals._base import (
     RankValues,
     Signal,
@@ -101,7 +101,7 @@ class MemoryHealth(Signal):
         for index, quantity in enumerate(self.quantities):
             self.ranks.write(index, values[quantity])
 
-    def derive(self, window: dict[str, ScalarValue], timing: WindowTiming) -> None:
+    def derive(self, window: dict[str, ReportValue], timing: WindowTiming) -> None:
         for quantity in self.quantities:
             by_rank = finite_by_rank(window.pop(f"{STATE}/{quantity}", None))
             if not by_rank:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from torchtelemetry.metric import DEFAULT_STATE_DTYPE, Metric, MetricAccumulator, MetricKind, ReduceOp
-from torchtelemetry.report._values import MetricDescriptor, ScalarValue
+from torchtelemetry.report._values import MetricDescriptor, ReportValue
 from torchtelemetry.report.signals._base import Signal, SignalContext, WindowTiming
 
 __all__ = ["CountingUpdate", "NonFiniteCounts", "NonFiniteSentinel"]
@@ -136,7 +136,7 @@ class NonFiniteSentinel(Signal):
         if self.paths:
             self.counts.flush()
 
-    def derive(self, window: dict[str, ScalarValue], timing: WindowTiming) -> None:
+    def derive(self, window: dict[str, ReportValue], timing: WindowTiming) -> None:
         counts = _by_index(window.pop(f"{STATE}/count", None))
         first_ranks = _by_index(window.pop(f"{STATE}/first_rank", None))
         if not self.paths:
@@ -183,7 +183,7 @@ def _unwrap(metric: Metric, counts: NonFiniteCounts) -> None:
         outer, current = current, current.update
 
 
-def _by_index(values: ScalarValue | None) -> dict[int, float]:
+def _by_index(values: ReportValue | None) -> dict[int, float]:
     if not isinstance(values, Mapping):
         return {}
     return {int(index): float(value) for index, value in values.items()}

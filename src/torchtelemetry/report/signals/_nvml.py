@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from torchtelemetry.metric import Metric, MetricKind
-from torchtelemetry.report._values import MetricDescriptor, ScalarValue
+from torchtelemetry.report._values import MetricDescriptor, ReportValue
 from torchtelemetry.report.signals._base import (
     RankValues,
     Signal,
@@ -168,7 +168,7 @@ class GpuHealth(Signal):
                 self.ranks.write(index, latest[quantity])
         self._wanted.set()
 
-    def derive(self, window: dict[str, ScalarValue], timing: WindowTiming) -> None:
+    def derive(self, window: dict[str, ReportValue], timing: WindowTiming) -> None:
         for quantity in QUANTITIES:
             by_rank = finite_by_rank(window.pop(f"{STATE}/{quantity}", None))
             if by_rank:

@@ -23,7 +23,7 @@ import torch
 
 from torchtelemetry.metric import DEFAULT_STATE_DTYPE, Metric, MetricAccumulator, MetricKind, ReduceOp
 from torchtelemetry.report._naming import InvalidMetricNameError, validate_path
-from torchtelemetry.report._values import MetricDescriptor, ScalarValue
+from torchtelemetry.report._values import MetricDescriptor, ReportValue
 from torchtelemetry.report.signals._base import (
     Signal,
     SignalContext,
@@ -148,7 +148,7 @@ class Phases(Signal):
             self.times.add(seconds, steps)
         self._steps = 0
 
-    def derive(self, window: dict[str, ScalarValue], timing: WindowTiming) -> None:
+    def derive(self, window: dict[str, ReportValue], timing: WindowTiming) -> None:
         times: dict[str, dict[int, float]] = {}
         for name in self.phases:
             key = f"{PHASE}/{name}"

@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from torchtelemetry.metric import Metric
-from torchtelemetry.report._values import MetricDescriptor, ScalarValue
+from torchtelemetry.report._values import MetricDescriptor, ReportValue
 from torchtelemetry.report.signals._base import Signal, WindowTiming
 from torchtelemetry.report.signals._clock import HostTimer, PhaseTimer
 from torchtelemetry.report.signals._data_wait import DataWait
@@ -109,7 +109,7 @@ class SignalSet:
 
     # -- the thread that publishes ------------------------------------------------------------
 
-    def derive(self, window: dict[str, ScalarValue], timing: WindowTiming) -> None:
+    def derive(self, window: dict[str, ReportValue], timing: WindowTiming) -> None:
         for signal in self.signals:
             signal.derive(window, timing)
 

@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from torchtelemetry.metric import MetricKind
-from torchtelemetry.report._values import MetricDescriptor, ScalarValue
+from torchtelemetry.report._values import MetricDescriptor, ReportValue
 from torchtelemetry.report.signals._base import Signal, SignalContext, WindowTiming
 
 __all__ = ["MIN_HISTORY", "Spikes"]
@@ -65,7 +65,7 @@ class Spikes(Signal):
             ),
         ]
 
-    def derive(self, window: dict[str, ScalarValue], timing: WindowTiming) -> None:
+    def derive(self, window: dict[str, ReportValue], timing: WindowTiming) -> None:
         scores: dict[str, float] = {}
         with self._lock:
             for path in self.paths:

@@ -9,7 +9,7 @@ the slowest, so step times agree; stragglers show in the phases (`_phases`, `_st
 from __future__ import annotations
 
 from torchtelemetry.metric import Metric, MetricKind, PerRankMetric
-from torchtelemetry.report._values import MetricDescriptor, ScalarValue
+from torchtelemetry.report._values import MetricDescriptor, ReportValue
 from torchtelemetry.report.signals._base import (
     Signal,
     SignalContext,
@@ -62,7 +62,7 @@ class StepTime(Signal):
             self.metric.update_total(self._total, float(self._count))  # numbers in the kernels: no copy
         self._total, self._count = 0.0, 0
 
-    def derive(self, window: dict[str, ScalarValue], timing: WindowTiming) -> None:
+    def derive(self, window: dict[str, ReportValue], timing: WindowTiming) -> None:
         by_rank = finite_by_rank(window.get(STEP_TIME))
         if by_rank:
             window[f"{STEP_TIME}/min_rank"] = float(lowest_rank(by_rank))

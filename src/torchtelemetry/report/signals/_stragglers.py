@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from torchtelemetry.metric import MetricKind
-from torchtelemetry.report._values import MetricDescriptor, ScalarValue
+from torchtelemetry.report._values import MetricDescriptor, ReportValue
 from torchtelemetry.report.signals._base import highest_rank, median
 
 __all__ = ["MIN_SHARE", "StragglerScores"]
@@ -64,7 +64,7 @@ class StragglerScores:
 
     def score(
         self, times: Mapping[str, Mapping[int, float]], shares: Mapping[str, float]
-    ) -> dict[str, ScalarValue]:
+    ) -> dict[str, ReportValue]:
         """The scores of one window: `times[phase][rank]` seconds per step, `shares[phase]` percent."""
         out: dict[str, dict[str, float]] = {name: {} for name in (SCORE, RANK, OWN_BEST_SCORE, OWN_BEST_RANK)}
         overall: dict[int, float] = {}
@@ -87,7 +87,7 @@ class StragglerScores:
                     for rank, score in scores.items():
                         overall[rank] = max(overall.get(rank, 0.0), score)
         top = sorted(overall.items(), key=lambda item: (-item[1], item[0]))[: self.top_k]
-        report: dict[str, ScalarValue] = {name: values for name, values in out.items() if values}
+        report: dict[str, ReportValue] = {name: values for name, values in out.items() if values}
         if top:
             report[TOP_RANK] = {str(place): float(rank) for place, (rank, _) in enumerate(top, start=1)}
             report[TOP_SCORE] = {str(place): score for place, (_, score) in enumerate(top, start=1)}

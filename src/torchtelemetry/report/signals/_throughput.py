@@ -18,7 +18,7 @@ import torch
 
 from torchtelemetry.metric import Metric, MetricKind, SumMetric
 from torchtelemetry.report._flops import ModelFlops, model_flops
-from torchtelemetry.report._values import MetricDescriptor, ScalarValue
+from torchtelemetry.report._values import MetricDescriptor, ReportValue
 from torchtelemetry.report.signals._base import Signal, SignalContext, WindowTiming
 
 __all__ = ["Count", "ModelFlopsSignal", "check_count"]
@@ -68,7 +68,7 @@ class Count(Signal):
             self.metric.total.update(self._host)
         self._host = 0.0
 
-    def derive(self, window: dict[str, ScalarValue], timing: WindowTiming) -> None:
+    def derive(self, window: dict[str, ReportValue], timing: WindowTiming) -> None:
         if not self._seen:
             window.pop(self.path, None)
         elif timing.duration_s > 0 and self.path in window:
@@ -104,7 +104,7 @@ class ModelFlopsSignal(Signal):
             )
         return out
 
-    def derive(self, window: dict[str, ScalarValue], timing: WindowTiming) -> None:
+    def derive(self, window: dict[str, ReportValue], timing: WindowTiming) -> None:
         work = window.get(self.work)
         if timing.duration_s > 0 and work is not None:
             computed = model_flops(
