@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 
 from torchtelemetry.demo import DemoConfig, build_parser, parse_args
+from torchtelemetry.demo._exporters import build_exporters
 
 
 def test_no_flags_give_the_dataclass_defaults() -> None:
@@ -45,3 +47,49 @@ def test_invalid_values_exit_with_the_field_s_error(capsys: pytest.CaptureFixtur
     with pytest.raises(SystemExit):
         parse_args(["--steps", "0"], env={})
     assert "demo.steps must be at least 1" in capsys.readouterr().err
+
+
+EXPORTER_FLAGS = {
+    # flag: (the package it needs, the exporter it turns on, where "" puts it when the demo chooses)
+    "pushgateway": ("prometheus_client", "PushgatewayExporter", "http://127.0.0.1:9091"),
+    "otlp": ("opentelemetry.sdk", "OTelExporter", None),
+    "wandb": ("wandb", "WandbExporter", None),
+    "tensorboard": ("tensorboard", "TensorBoardExporter", "runs/the-run/tensorboard"),
+    "mlflow": ("mlflow", "MLflowExporter", None),
+    "jsonl": ("json", "JsonlExporter", "runs/the-run/metrics.jsonl"),
+}
+
+
+def _built(argv: list[str]) -> dict[str, Any]:
+    """The exporters the demo builds for `argv` (console and Prometheus off), by class name; closed."""
+    config = parse_args([*argv, "--no-console", "--prometheus-port", "none"], env={})
+    exporters = build_exporters(config, "the-run")
+    for exporter in exporters:
+        exporter.close()
+    return {type(exporter).__name__: exporter for exporter in exporters}
+
+
+def _destination(exporter: Any) -> str:
+    for attribute in ("url", "log_dir", "path"):
+        if getattr(exporter, attribute, None) is not None:
+            return str(getattr(exporter, attribute))
+    raise AssertionError(f"{exporter!r} has no destination attribute")
+
+
+@pytest.mark.parametrize("flag", sorted(EXPORTER_FLAGS))
+def test_an_empty_exporter_flag_turns_it_on_at_its_default_and_none_turns_it_off(flag: str) -> None:
+    package, name, default = EXPORTER_FLAGS[flag]
+    pytest.importorskip(package)
+    option = "--" + flag
+    assert getattr(parse_args([option, ""], env={}), flag) == ""
+    on = _built([option, ""])
+    assert name in on, f'{option} "" must turn {name} on'
+    if default is not None:
+        assert _destination(on[name]) == default
+    assert name not in _built([option, "none"]), f"{option} none must leave {name} off"
+    assert '"" turns it on at its default destination' in build_parser(env={}).epilog
+
+
+def test_the_jsonl_file_is_written_by_default() -> None:
+    assert parse_args([], env={}).jsonl == ""
+    assert _destination(_built([])["JsonlExporter"]) == "runs/the-run/metrics.jsonl"

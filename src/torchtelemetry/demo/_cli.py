@@ -1,7 +1,8 @@
 """The demo's command line, generated from `DemoConfig`: one flag per field, so no default is written twice.
 
 `--batch-size 8` sets `batch_size`; booleans get `--console/--no-console`; an optional field
-takes `none`; a field with an environment variable in its metadata reads its default there
+takes `none`; every exporter flag takes `""` for its exporter's default destination (the epilog
+says so); a field with an environment variable in its metadata reads its default there
 (argument > environment variable > field default). Help text is the field's docstring.
 """
 
@@ -30,6 +31,9 @@ def build_parser(env: Mapping[str, str] = os.environ) -> argparse.ArgumentParser
         prog="torchtelemetry demo",
         description="A real multi-process training run (tiny transformer, synthetic data) wired to every "
         "exporter; spawns --nproc ranks itself, or runs unchanged under torchrun.",
+        epilog="Exporter flags (--pushgateway, --otlp, --wandb, --tensorboard, --mlflow, --jsonl): a "
+        'destination turns the exporter on there, "" turns it on at its default destination, none '
+        "leaves it off.",
     )
     hints = typing.get_type_hints(DemoConfig)
     docs = _field_docs(DemoConfig)
@@ -45,12 +49,13 @@ def build_parser(env: Mapping[str, str] = os.environ) -> argparse.ArgumentParser
         if kind is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
             continue
+        shown = '""' if default == "" else "%(default)s"
         parser.add_argument(
             flag,
             type=_converter(kind, optional),
             default=default,
             metavar=kind.__name__.upper() + ("|none" if optional else ""),
-            help=f"{help_text} (default: %(default)s)",
+            help=f"{help_text} (default: {shown})",
         )
     return parser
 

@@ -1,10 +1,21 @@
-"""`DemoConfig`: what the demo trains and where it exports; the command line is generated from it."""
+"""`DemoConfig`: what the demo trains and where it exports; the command line is generated from it.
+
+Every exporter field means the same with the same value: a destination (URL, path, mode) turns
+its exporter on there, `""` turns it on at its default destination (`DEFAULT_DESTINATION`), and
+None (`none` on the command line) leaves it off.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["DemoConfig"]
+__all__ = ["DEFAULT_DESTINATION", "DEFAULT_PUSHGATEWAY", "DemoConfig"]
+
+DEFAULT_DESTINATION = ""
+"""The value of an exporter field that turns its exporter on at its default destination."""
+
+DEFAULT_PUSHGATEWAY = "http://127.0.0.1:9091"
+"""Where `--pushgateway ""` pushes: the Pushgateway of the repository's stack, on loopback."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -30,20 +41,22 @@ class DemoConfig:
     prometheus_port: int | None = field(default=9464, metadata={"env": "TORCHTELEMETRY_PROMETHEUS_PORT"})
     """Scrape endpoint port on 127.0.0.1 (0 picks a free port; None disables it)."""
     pushgateway: str | None = field(default=None, metadata={"env": "TORCHTELEMETRY_PUSHGATEWAY_URL"})
-    """Pushgateway URL, e.g. http://127.0.0.1:9091."""
+    """Pushgateway URL, e.g. http://127.0.0.1:9091 ("": http://127.0.0.1:9091, the stack's; none:
+    off)."""
     otlp: str | None = None
-    """OTLP base endpoint, e.g. http://127.0.0.1:4318 (HTTP); "" reads the OTEL_* variables (the
-    default when $OTEL_EXPORTER_OTLP_[METRICS_]ENDPOINT is set); the protocol comes from
+    """OTLP base endpoint, e.g. http://127.0.0.1:4318 (HTTP) ("": the OTEL_* variables, the default
+    when $OTEL_EXPORTER_OTLP_[METRICS_]ENDPOINT is set; none: off); the protocol comes from
     $OTEL_EXPORTER_OTLP_PROTOCOL."""
     wandb: str | None = field(default=None, metadata={"env": "TORCHTELEMETRY_WANDB"})
-    """W&B mode: "offline", "online" or "disabled"."""
+    """W&B mode: "offline", "online" or "disabled" ("": $WANDB_MODE, else W&B's default; none:
+    off)."""
     tensorboard: str | None = field(default=None, metadata={"env": "TORCHTELEMETRY_TENSORBOARD"})
-    """TensorBoard log directory ("": runs/<run_id>/tensorboard; none disables it)."""
+    """TensorBoard log directory ("": runs/<run_id>/tensorboard; none: off)."""
     mlflow: str | None = field(default=None, metadata={"env": "TORCHTELEMETRY_MLFLOW"})
     """MLflow tracking URI, e.g. sqlite:///mlflow.db ("": $MLFLOW_TRACKING_URI, else MLflow's
-    default; none disables it)."""
-    jsonl: str | None = field(default=None, metadata={"env": "TORCHTELEMETRY_JSONL"})
-    """JSONL output path (default runs/<run_id>/metrics.jsonl; "" disables it)."""
+    default; none: off)."""
+    jsonl: str | None = field(default=DEFAULT_DESTINATION, metadata={"env": "TORCHTELEMETRY_JSONL"})
+    """JSONL output path ("", the default: runs/<run_id>/metrics.jsonl; none: off)."""
     console: bool = True
     """One console line per report."""
     run_id: str | None = None
@@ -59,5 +72,5 @@ class DemoConfig:
                 raise ValueError(f"demo.{key} must be at least 1, got {getattr(self, key)}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"demo.device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
-        if self.wandb not in (None, "offline", "online", "disabled"):
-            raise ValueError(f"demo.wandb must be offline, online or disabled, got {self.wandb!r}")
+        if self.wandb not in (None, DEFAULT_DESTINATION, "offline", "online", "disabled"):
+            raise ValueError(f'demo.wandb must be offline, online, disabled or "", got {self.wandb!r}')
