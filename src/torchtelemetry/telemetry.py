@@ -3,50 +3,33 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import threading
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
 from torchtelemetry._process import check_same_process, current_pid
+from torchtelemetry._run_parts import assemble_run, startup_timeout_s
 from torchtelemetry._startup import (
     EveryRank,
     TelemetryStartupError,
     agree_on_start,
-    export_policy,
     require_process_group,
 )
-from torchtelemetry.collect import AsyncMetricCollector, CollectionError
+from torchtelemetry._windows import StepWindows
+from torchtelemetry.collect import AsyncMetricCollector
 from torchtelemetry.config import TelemetryConfig
-from torchtelemetry.export import (
-    HEALTH_DESCRIPTORS,
-    Exporter,
-    ExportHub,
-    NullHub,
-    RunInfo,
-    exporters_from_spec,
-)
-from torchtelemetry.metric import metric_leaves
+from torchtelemetry.export import Exporter
 from torchtelemetry.report import (
     HostTimer,
     MetricDescriptor,
-    ModelFlops,
     PhaseTimer,
-    RankSeriesLimit,
     ReportValue,
-    SignalContext,
-    SignalSet,
-    WindowPublisher,
-    builtin_signals,
-    describe_with_signals,
     restore_run_state,
     run_state,
 )
-from torchtelemetry.sync import group_rank, group_world_size, resolve_group
 
 __all__ = ["Telemetry", "TelemetryConfig", "TelemetryStartupError"]
 
@@ -97,95 +80,50 @@ class Telemetry:
         require_process_group("Telemetry")
         self._pid = current_pid()
         self._thread = threading.get_ident()
-        self.hub: ExportHub | NullHub = NullHub()
-        self._signals: SignalSet | None = None
         failure: Exception | None = None
         try:
-            self._set_up(metrics, exporters, (config or TelemetryConfig()).replace(**fields))
+            self.config = (config or TelemetryConfig()).replace(**fields)
+            parts = assemble_run(metrics, exporters, self.config)
         except Exception as error:
             failure = error
-        timeout_s = self.config.timeout_s if failure is None else _timeout_s(config, fields)
-        self._every_rank = EveryRank(None, timeout_s)
+        timeout_s = self.config.timeout_s if failure is None else startup_timeout_s(config, fields)
+        every_rank = EveryRank(None, timeout_s)
         try:
-            self._every_rank = agree_on_start(failure, timeout_s=timeout_s)
+            every_rank = agree_on_start(failure, timeout_s=timeout_s)
             # Keyed by metric path, so errors (a layout mismatch across ranks) name metrics as the user does.
             collector = AsyncMetricCollector(
-                dict(self._leaves), self.config.group, timeout_s=timeout_s, max_pending=self.max_pending
+                dict(parts.leaves),
+                self.config.group,
+                timeout_s=timeout_s,
+                max_pending=self.config.max_pending,
             )
             self._collector = collector.bind()
         except BaseException:
-            self.hub.close()  # started exporters (open ports, threads) must not outlive a failed set-up
-            if self._signals is not None:  # nor the signals' threads and their counting in update()
-                self._signals.close()
-            self._every_rank.release()
+            if failure is None:  # started exporters (open ports, threads) must not outlive a failed set-up,
+                parts.close()  # nor the signals' threads and their counting in update()
+            every_rank.release()
             raise
-        self._steps_in_window = 0
-        self._steps_since_grid = 0
-        self._last_step: int | None = None
-        self._last_step_clock: float | None = None
-        self._window_start = self._signals_flushed = time.perf_counter()
-        self.backpressure_waits = 0
-        """Times `step()` waited because `max_pending` collections were in flight."""
-        self._failure: CollectionError | None = None
+        self._every_rank = every_rank
+        self.metrics = metrics
+        self.every = self.config.every
+        self.max_pending = self.config.max_pending
+        self.run = parts.run
+        self.is_exporting = parts.is_exporting
+        """Whether this rank exports: rank 0 of the group (`export_policy`)."""
+        self.hub = parts.hub
+        self._user_leaves, self._leaves = parts.user_leaves, parts.leaves
+        self._signals = parts.signals
+        self._descriptors = parts.descriptors
+        self._publisher = parts.publisher
+        self._windows = StepWindows(
+            self._collector, self._publisher, self._signals, every=self.every, max_pending=self.max_pending
+        )
         self._closed = False
 
-    def _set_up(self, metrics: Any, exporters: Sequence[Exporter] | str, config: TelemetryConfig) -> None:
-        """Everything rank-local of construction; rank 0 starts its exporters here."""
-        self.config = config
-        self.metrics = metrics
-        self.every = config.every
-        self.max_pending = config.max_pending
-        resolved = resolve_group(config.group, op="Telemetry")
-        world_size = group_world_size(resolved)
-        self._user_leaves = metric_leaves(metrics, op="Telemetry")
-        device = self._user_leaves[0][1].device if self._user_leaves else torch.device("cpu")
-        policy = export_policy(resolved, config.group)
-        self.is_exporting = policy.exporting
-        """Whether this rank exports: rank 0 of the group (`export_policy`)."""
-        run = RunInfo.create(config.run_id, world_size=world_size, config=config.run_config)
-        self.run = RunInfo(run_id=run.run_id + policy.run_id_suffix, world_size=world_size, config=run.config)
-        self._signals = self._builtin_signals(config, world_size, group_rank(resolved), device)
-        signal_metrics = self._signals.metrics() if self._signals is not None else {}
-        self._leaves = self._user_leaves + list(signal_metrics.items())
-        ranks = RankSeriesLimit(world_size, config.max_rank_series)
-        self._descriptors = describe_with_signals(metrics, self._signals, ranks)
-        if isinstance(exporters, str):
-            exporters = exporters_from_spec(exporters)
-        if self.is_exporting:
-            self.hub = ExportHub(exporters, run=self.run, queue_size=config.queue_size)
-        self.hub.describe(self._descriptors)
-        self._publisher = WindowPublisher(
-            self._leaves,
-            self._descriptors,
-            self._signals,
-            self.hub.submit,
-            ranks,
-            reserved=[descriptor.name for descriptor in HEALTH_DESCRIPTORS],
-        )
-
-    def _builtin_signals(
-        self, config: TelemetryConfig, world_size: int, rank: int, device: torch.device
-    ) -> SignalSet | None:
-        if not config.signals:
-            return None
-        context = SignalContext(world_size, rank, device, config.max_rank_series)
-        return SignalSet(
-            builtin_signals(
-                context,
-                leaves=self._user_leaves,
-                flops=ModelFlops.resolve(
-                    config.flops_per_token, config.flops_per_sample, config.peak_flops, device
-                ),
-                phases=config.phases,
-                straggler_top_k=config.straggler_top_k,
-                nonfinite=config.nonfinite,
-                spike_sigma=config.spike_sigma,
-                spike_windows=config.spike_windows,
-                run_id=self.run.run_id,
-                progress_file=config.progress_file,
-                nvml=config.nvml,
-            )
-        )
+    @property
+    def backpressure_waits(self) -> int:
+        """Times `step()` waited because `max_pending` collections were in flight."""
+        return self._windows.backpressure_waits
 
     @property
     def descriptors(self) -> list[MetricDescriptor]:
@@ -220,24 +158,13 @@ class Telemetry:
         waited for its batch (or mark the wait with `data_wait()`).
         """
         self._require_open("step")
-        now = time.perf_counter()
-        if self._signals is not None:
-            inputs = {
-                "tokens": tokens,
-                "samples": samples,
-                "learning_rate": learning_rate,
-                "data_time": data_time,
-            }
-            step_time = None if self._last_step_clock is None else now - self._last_step_clock
-            self._signals.record_step(step, step_time, inputs)
-        self._last_step_clock = now
-        self._last_step = step
-        self._steps_in_window += 1
-        self._steps_since_grid += 1
-        self._drain(block=False)
-        if self._steps_since_grid >= self.every:
-            self._steps_since_grid = 0
-            self.schedule_collection()
+        inputs = {
+            "tokens": tokens,
+            "samples": samples,
+            "learning_rate": learning_rate,
+            "data_time": data_time,
+        }
+        self._windows.stepped(step, inputs)
 
     def data_wait(self) -> HostTimer | contextlib.AbstractContextManager[None]:
         """Time the block as waiting for data: `with telemetry.data_wait(): batch = next(batches)`.
@@ -277,9 +204,8 @@ class Telemetry:
         Extra collections (this, `flush()`, a checkpoint) do not move the every-`every` grid.
         """
         self._require_open("schedule_collection")
-        if not self._steps_in_window:
-            return
-        self._schedule()
+        if self._windows.steps_in_window:
+            self._windows.schedule()
 
     def log(self, values: Mapping[str, ReportValue], step: int) -> None:
         """Export values already on the host (a training framework's own logs) from rank 0, never waiting.
@@ -296,57 +222,12 @@ class Telemetry:
         self._require_open("log")
         self._publisher.log(values, step)
 
-    def _flush_signals(self, *, final: bool = False) -> float:
-        now = time.perf_counter()
-        if self._signals is not None:
-            self._signals.flush(now - self._signals_flushed, final=final)
-        self._signals_flushed = now
-        return now
-
-    def _schedule(self, *, final: bool = False) -> None:
-        if self._collector.pending >= self.max_pending:  # the collector's ring is full
-            self.backpressure_waits += 1
-            self._drain(block=True, limit=1)
-        now = self._flush_signals(final=final)
-        window = self._publisher.scheduled(
-            self._last_step or 0,
-            duration_s=now - self._window_start,
-            steps=self._steps_in_window,
-            host=self._signals.host_values() if self._signals is not None else None,
-        )
-        try:
-            # The report is built on the collector's worker thread (naming, totals: work that grows
-            # with the number of metrics); this thread only collects that it was done.
-            self._collector.schedule_collection(
-                step=self._last_step, then=functools.partial(self._publisher.publish, window)
-            )
-        except BaseException:
-            self._publisher.unscheduled(window)
-            raise
-        self._window_start = now
-        self._steps_in_window = 0
-
-    def _drain(self, *, block: bool, limit: int | None = None) -> None:
-        # Values logged at the windows' steps came before this call (a framework logs right after
-        # the step()): their reports may be submitted now.
-        self._publisher.release()
-        collected = 0
-        while self._collector.pending and (block or self._collector.ready()):
-            if limit is not None and collected >= limit:
-                return
-            try:
-                self._collector.collect_results()
-            except CollectionError as error:
-                self._failure = error
-                raise
-            collected += 1
-
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Collect the current partial window and everything in flight, export it, flush exporters."""
         self._require_open("flush")
-        if self._steps_in_window:
-            self._schedule()
-        self._drain(block=True)
+        if self._windows.steps_in_window:
+            self._windows.schedule()
+        self._windows.drain(block=True)
         return self.hub.force_flush(timeout_s)
 
     def close(self, timeout_s: float = 30.0) -> None:
@@ -361,10 +242,10 @@ class Telemetry:
         if self._closed:
             return
         try:
-            if self._failure is None:
-                if self._steps_in_window:
-                    self._schedule(final=True)
-                self._drain(block=True)
+            if self._windows.failure is None:
+                if self._windows.steps_in_window:
+                    self._windows.schedule(final=True)
+                self._windows.drain(block=True)
         finally:
             self._closed = True
             self._publisher.release()  # windows still in flight after a failure must not wait for logs
@@ -384,10 +265,11 @@ class Telemetry:
             )
         if self._closed:
             raise RuntimeError(f"Telemetry.{op}: telemetry is closed; create a new Telemetry")
-        if self._failure is not None:
+        failure = self._windows.failure
+        if failure is not None:
             raise RuntimeError(
-                f"Telemetry.{op}: stopped after a failed collection ({self._failure}); call close()"
-            ) from self._failure
+                f"Telemetry.{op}: stopped after a failed collection ({failure}); call close()"
+            ) from failure
 
     def __enter__(self) -> Telemetry:
         return self
@@ -420,13 +302,11 @@ class Telemetry:
         check_same_process(self._pid, "Telemetry.state_dict")
         self._every_rank.require("Telemetry.state_dict")
         if not self._closed:
-            self._drain(block=True)
-            self._flush_signals(final=True)
+            self._windows.drain(block=True)
+            self._windows.flush_signals(final=True)
         return {
             **run_state(self._leaves, self._publisher.totals, self._signals, self.config.group),
-            "step": -1 if self._last_step is None else self._last_step,
-            "steps_in_window": self._steps_in_window,
-            "steps_since_grid": self._steps_since_grid,
+            **self._windows.state(),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -439,13 +319,4 @@ class Telemetry:
         restore_run_state(
             state, self._leaves, self._user_leaves, self._publisher.totals, self._signals, self.config.group
         )
-        step = int(state.get("step", -1))
-        self._last_step = None if step < 0 else step
-        self._steps_in_window = int(state.get("steps_in_window", 0))
-        self._steps_since_grid = int(state.get("steps_since_grid", self._steps_in_window))
-
-
-def _timeout_s(config: TelemetryConfig | None, fields: Mapping[str, Any]) -> float:
-    """The start-up bound when the configuration itself could not be built."""
-    timeout_s = fields.get("timeout_s", config.timeout_s if config is not None else None)
-    return float(timeout_s) if isinstance(timeout_s, (int, float)) and timeout_s > 0 else 300.0
+        self._windows.load(state)

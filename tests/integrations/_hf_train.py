@@ -93,13 +93,14 @@ def main(out: Path) -> None:
     eval_metrics = trainer.evaluate()
     callback.telemetry.flush()
     scraped = urllib.request.urlopen(prometheus.url).read().decode() if prometheus.url else ""
+    errors = {name: health.errors for name, health in callback.telemetry.hub.health().items()}
     callback.close()
     result = {
         "records": records,
         "log_history": trainer.state.log_history,
         "eval": eval_metrics,
         "scraped": scraped,
-        "prometheus_errors": prometheus.errors,
+        "errors": errors,
     }
     (out / f"rank{rank}.json").write_text(json.dumps(result))
 

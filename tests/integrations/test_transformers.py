@@ -71,7 +71,7 @@ def test_the_end_of_training_summary_keeps_its_names_and_values(hf_run) -> None:
     assert names <= set(summary)
     (report,) = [report for report in reports if "hf/train_runtime" in report["values"]]
     assert {name: report["values"][f"hf/{name}"] for name in names} == {name: summary[name] for name in names}
-    assert ranks[0]["prometheus_errors"] == 0, "no name collides in the Prometheus exposition"
+    assert ranks[0]["errors"]["prometheus"] == 0, "no name collides in the Prometheus exposition"
     scraped = ranks[0]["scraped"]
     for name in ("hf_train_samples_per_second", "hf_loss", "hf_learning_rate", "train_learning_rate"):
         assert f"torchtelemetry_{name}{{" in scraped, name

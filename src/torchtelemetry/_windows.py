@@ -1,0 +1,130 @@
+"""Window bookkeeping: the steps of the window being collected, when the next is due, scheduling it
+and collecting the ones that finished.
+
+A collection is due every `every` steps on a grid that extra collections (a flush, a checkpoint,
+a training framework's own logging) do not move. Scheduling never waits unless `max_pending`
+windows are already in flight; then it waits for the oldest (every rank schedules the same
+windows, so none can be skipped on one rank alone). A failed collection stops the bookkeeping.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from torchtelemetry.collect import AsyncMetricCollector, CollectionError
+from torchtelemetry.report import SignalSet, WindowPublisher
+
+__all__ = ["StepWindows"]
+
+
+class StepWindows:
+    """One `Telemetry`'s windows, on the training thread: `stepped` after every step, `schedule` and
+    `drain` for the extra collections, `state` / `load` for checkpoints."""
+
+    def __init__(
+        self,
+        collector: AsyncMetricCollector,
+        publisher: WindowPublisher,
+        signals: SignalSet | None,
+        *,
+        every: int,
+        max_pending: int,
+    ) -> None:
+        self._collector = collector
+        self._publisher = publisher
+        self._signals = signals
+        self._every = every
+        self._max_pending = max_pending
+        self.steps_in_window = 0
+        """Steps since the last collection: the window that would be scheduled now."""
+        self._steps_since_grid = 0
+        self.last_step: int | None = None
+        """The last step marked (None before the first)."""
+        self._last_step_clock: float | None = None
+        self._window_start = self._signals_flushed = time.perf_counter()
+        self.backpressure_waits = 0
+        """Times scheduling waited because `max_pending` collections were in flight."""
+        self.failure: CollectionError | None = None
+        """The collection that failed; nothing more is collected after it."""
+
+    def stepped(self, step: int, inputs: Mapping[str, Any]) -> None:
+        """Step `step` ended (`inputs`: its `step()` keywords): collect what finished, schedule if due."""
+        now = time.perf_counter()
+        if self._signals is not None:
+            step_time = None if self._last_step_clock is None else now - self._last_step_clock
+            self._signals.record_step(step, step_time, inputs)
+        self._last_step_clock = now
+        self.last_step = step
+        self.steps_in_window += 1
+        self._steps_since_grid += 1
+        self.drain(block=False)
+        if self._steps_since_grid >= self._every:
+            self._steps_since_grid = 0
+            self.schedule()
+
+    def flush_signals(self, *, final: bool = False) -> float:
+        """Let the signals account for the time since they were last flushed; returns now."""
+        now = time.perf_counter()
+        if self._signals is not None:
+            self._signals.flush(now - self._signals_flushed, final=final)
+        self._signals_flushed = now
+        return now
+
+    def schedule(self, *, final: bool = False) -> None:
+        """Schedule the current window; wait for the oldest only when the collector's ring is full."""
+        if self._collector.pending >= self._max_pending:
+            self.backpressure_waits += 1
+            self.drain(block=True, limit=1)
+        now = self.flush_signals(final=final)
+        window = self._publisher.scheduled(
+            self.last_step or 0,
+            duration_s=now - self._window_start,
+            steps=self.steps_in_window,
+            host=self._signals.host_values() if self._signals is not None else None,
+        )
+        try:
+            # The report is built on the collector's worker thread (naming, totals: work that grows
+            # with the number of metrics); this thread only collects that it was done.
+            self._collector.schedule_collection(
+                step=self.last_step, then=functools.partial(self._publisher.publish, window)
+            )
+        except BaseException:
+            self._publisher.unscheduled(window)
+            raise
+        self._window_start = now
+        self.steps_in_window = 0
+
+    def drain(self, *, block: bool, limit: int | None = None) -> None:
+        """Collect the windows that finished (all in flight if `block`, at most `limit`)."""
+        # Values logged at the windows' steps came before this call (a framework logs right after
+        # the step()): their reports may be submitted now.
+        self._publisher.release()
+        collected = 0
+        while self._collector.pending and (block or self._collector.ready()):
+            if limit is not None and collected >= limit:
+                return
+            try:
+                self._collector.collect_results()
+            except CollectionError as error:
+                self.failure = error
+                raise
+            collected += 1
+
+    def state(self) -> dict[str, int]:
+        """The bookkeeping a checkpoint keeps: the last step, the steps of the current window and since
+        the last every-`every` collection."""
+        return {
+            "step": -1 if self.last_step is None else self.last_step,
+            "steps_in_window": self.steps_in_window,
+            "steps_since_grid": self._steps_since_grid,
+        }
+
+    def load(self, state: Mapping[str, Any]) -> None:
+        """Restore what `state()` returned."""
+        step = int(state.get("step", -1))
+        self.last_step = None if step < 0 else step
+        self.steps_in_window = int(state.get("steps_in_window", 0))
+        self._steps_since_grid = int(state.get("steps_since_grid", self.steps_in_window))
