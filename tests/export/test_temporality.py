@@ -1,4 +1,4 @@
-"""Temporality: running totals kept in one place, and each exporter gets the temporality it declared."""
+"""Temporality: each exporter gets the temporality it declared, from the running totals kept in one place."""
 
 from __future__ import annotations
 
@@ -22,7 +22,6 @@ from torchtelemetry.export import (
     Temporality,
 )
 from torchtelemetry.metric import MetricKind
-from torchtelemetry.report import difference
 
 RUN = RunInfo(run_id="temporality")
 TOKENS = MetricDescriptor("train/tokens", MetricKind.COUNTER)
@@ -129,15 +128,3 @@ def test_a_bad_declaration_is_an_error_naming_the_exporter() -> None:
 
     with pytest.raises(ValueError, match=r"exporter 'confused': preferred_temporality maps"):
         ExportHub([Confused("confused")], run=RUN)
-
-
-def test_difference_of_running_totals() -> None:
-    assert difference(30.0, 10.0) == 20.0
-    assert difference({"0": 5.0, "1": 2.0}, {"0": 3.0}) == {"0": 2.0, "1": 2.0}
-    assert difference(_histogram((3.0, 4.0)), _histogram((1.0, 1.0))) == HistogramValue(
-        (1.0,), (2.0, 3.0), 5.0, 5.0
-    )
-    # Not an earlier total of the same series: the caller falls back to the window's own value.
-    assert difference(5.0, 10.0) is None
-    assert difference({"0": 1.0}, {"0": 2.0}) is None
-    assert difference(_histogram((1.0, 1.0)), HistogramValue((2.0,), (0.0, 0.0), 0.0, 0.0)) is None
