@@ -3,21 +3,19 @@
 from __future__ import annotations
 
 import bisect
-import json
 import logging
 import os
 import sys
 import time
-from typing import Any, NamedTuple
+from typing import Any
 
 import pytest
 import torch
 
 import torchtelemetry as tt
 from tests.distributed import free_port, run_ranks
+from tests.export.otlp import LOSS, report_step, report_value
 from tests.receivers import (
-    OtlpGrpcReceiver,
-    OtlpHttpReceiver,
     attributes,
     metrics_by_name,
     resource_attributes,
@@ -97,64 +95,6 @@ def expected_values(world_size: int, windows: int) -> dict[str, Any]:
     }
 
 
-# -- fixtures ---------------------------------------------------------------------------
-
-
-@pytest.fixture
-def http_receiver():
-    with OtlpHttpReceiver() as receiver:
-        yield receiver
-
-
-@pytest.fixture
-def grpc_receiver():
-    with OtlpGrpcReceiver() as receiver:
-        yield receiver
-
-
-@pytest.fixture(autouse=True)
-def clean_otel_env(monkeypatch):
-    for key in list(os.environ):
-        if key.startswith("OTEL_"):
-            monkeypatch.delenv(key)
-
-
-class Target(NamedTuple):
-    """A running receiver, the protocol it speaks and the endpoint an exporter is given."""
-
-    receiver: Any
-    protocol: str
-    endpoint: str
-
-    def steps(self) -> list[int]:
-        return [_step(r.request) for r in self.receiver.received]
-
-
-@pytest.fixture(params=["http/protobuf", "grpc"])
-def target(request):
-    if request.param == "grpc":
-        with OtlpGrpcReceiver() as receiver:
-            yield Target(receiver, "grpc", receiver.endpoint)
-    else:
-        with OtlpHttpReceiver() as receiver:
-            yield Target(receiver, "http/protobuf", receiver.metrics_endpoint)
-
-
-def _exporter(target: Target, **kwargs: Any) -> OTelExporter:
-    return OTelExporter(protocol=target.protocol, endpoint=target.endpoint, timeout_s=1, **kwargs)
-
-
-LOSS = MetricDescriptor("train/loss")
-
-
-def _step(request: Any) -> int:
-    return metrics_by_name(request)["train.step"].gauge.data_points[0].as_int
-
-
-def _value(request: Any, name: str) -> float:
-    return metrics_by_name(request)[name].gauge.data_points[0].as_double
-
-
 # -- 2 ranks through the hub ------------------------------------------------------------
 
 RUN_ID = "otel-two-ranks"
@@ -177,8 +117,8 @@ def _otel_rank(rank: int, world_size: int) -> int:
 def _assert_report(request: Any, window: int, step: int, world_size: int) -> None:
     expected = expected_values(world_size, window + 1)
     metrics = metrics_by_name(request)
-    assert _step(request) == step
-    assert _value(request, "train.loss") == expected["train/loss"]
+    assert report_step(request) == step
+    assert report_value(request, "train.loss") == expected["train/loss"]
 
     tokens = metrics["tokens"]
     assert tokens.unit == "{token}"
@@ -263,7 +203,7 @@ def test_metrics_endpoint_is_used_as_is(http_receiver, monkeypatch):
     exporter.close()
     (request,) = http_receiver.received
     assert request.path == "/v1/metrics"
-    assert _value(request.request, "train.loss") == 0.5
+    assert report_value(request.request, "train.loss") == 0.5
 
 
 def test_arguments_win_over_environment(http_receiver, grpc_receiver, monkeypatch):
@@ -289,7 +229,7 @@ def test_arguments_win_over_environment(http_receiver, grpc_receiver, monkeypatc
     assert resource["service.name"] == "from-code"
     assert resource["team"] == "vision"
     assert resource["torchtelemetry.world_size"] == 4
-    assert _step(request.request) == 7
+    assert report_step(request.request) == 7
 
 
 def test_service_name_from_environment(http_receiver, monkeypatch):
@@ -395,88 +335,6 @@ def test_grpc_endpoint_credentials_are_refused(monkeypatch):
         OTelExporter(protocol="grpc")
 
 
-# -- outages ----------------------------------------------------------------------------
-
-
-def test_receiver_down_then_up(target):
-    exporter = _exporter(target)
-    exporter.describe([LOSS], RunInfo(run_id="outage"))
-    assert exporter.export(1, {"train/loss": 1.0}, time.time()) is ExportResult.SUCCESS
-
-    target.receiver.stop()
-    for step in (2, 3, 4):
-        assert exporter.export(step, {"train/loss": float(step)}, time.time()) is ExportResult.FAILURE
-    assert not exporter.force_flush(1)  # the newest report is still undelivered
-
-    target.receiver.start()
-    step, deadline = 5, time.monotonic() + 60
-    while exporter.export(step, {"train/loss": float(step)}, time.time()) is not ExportResult.SUCCESS:
-        assert time.monotonic() < deadline, "exports never recovered after the receiver came back"
-        step += 1
-    for later in (step + 1, step + 2):
-        assert exporter.export(later, {"train/loss": float(later)}, time.time()) is ExportResult.SUCCESS
-    assert exporter.force_flush(5)
-    exporter.close(5)
-    assert target.steps() == [1, step, step + 1, step + 2]
-
-
-def test_failed_report_is_delivered_by_flush(target):
-    exporter = _exporter(target)
-    exporter.describe([LOSS], RunInfo(run_id="flush-retry"))
-    target.receiver.stop()
-    assert exporter.export(3, {"train/loss": 3.0}, time.time()) is ExportResult.FAILURE
-    target.receiver.start()
-    deadline = time.monotonic() + 60
-    while not exporter.force_flush(5):  # a gRPC channel in reconnect backoff may need another attempt
-        assert time.monotonic() < deadline, "the kept report was never delivered"
-    exporter.close(5)
-    assert target.steps() == [3]
-
-
-def test_outage_through_the_hub(target):
-    hub = ExportHub([_exporter(target)], run=RunInfo(run_id="hub-outage"), queue_size=4)
-    try:
-        hub.describe([LOSS])
-        hub.submit(1, {"train/loss": 1.0})
-        assert hub.force_flush(30)
-        target.receiver.stop()
-        for step in range(2, 6):
-            hub.submit(step, {"train/loss": float(step)})  # returns at once: the exporter thread waits
-        assert not hub.force_flush(30)
-        health = hub.health()["otlp"]
-        assert health.errors >= 1
-        assert health.errors + health.dropped_reports == 4
-        assert target.steps() == [1]
-
-        target.receiver.start()
-        step, deadline = 6, time.monotonic() + 60
-        while True:
-            hub.submit(step, {"train/loss": float(step)})
-            if hub.force_flush(30) and step in target.steps():
-                break
-            assert time.monotonic() < deadline, "reports never arrived after the receiver came back"
-            step += 1
-        errors = hub.health()["otlp"].errors
-        for later in (step + 1, step + 2):
-            hub.submit(later, {"train/loss": float(later)})
-        assert hub.force_flush(30)
-        assert target.steps()[-2:] == [step + 1, step + 2]
-        assert hub.health()["otlp"].errors == errors
-        assert _value(target.receiver.received[-1].request, "train.loss") == float(step + 2)
-    finally:
-        hub.close(10)
-
-
-def test_close_twice_warns_and_export_after_close_fails(http_receiver, caplog):
-    exporter = OTelExporter(endpoint=http_receiver.metrics_endpoint)
-    exporter.describe([LOSS], RunInfo(run_id="twice"))
-    exporter.close()
-    with pytest.warns(RuntimeWarning, match="already closed"):
-        exporter.close()
-    assert exporter.export(1, {"train/loss": 1.0}, time.time()) is ExportResult.FAILURE
-    assert http_receiver.received == []
-
-
 def test_counter_and_label_values_of_one_report(http_receiver):
     descriptors = [
         MetricDescriptor("data/samples", MetricKind.COUNTER, "samples", "Samples seen"),
@@ -498,48 +356,3 @@ def test_counter_and_label_values_of_one_report(http_receiver):
         "0": 10.5,
         "1": 11.0,
     }
-
-
-def test_a_partial_success_is_an_error_logged_once_with_the_count_and_message(target, caplog):
-    caplog.set_level(logging.INFO, logger="torchtelemetry")
-    exporter = _exporter(target)
-    exporter.describe([LOSS, MetricDescriptor("seen", MetricKind.COUNTER)], RunInfo(run_id="partial"))
-    target.receiver.partial_success = (1, "seen: unsupported temporality")
-    for step in (1, 2):
-        assert exporter.export(step, {"train/loss": 1.0, "seen": 2.0}, time.time()) is ExportResult.FAILURE
-    assert not exporter.force_flush(5), "the newest report was not delivered whole"
-    assert target.steps() == [1, 2], "a partially rejected report is not sent again (OTLP)"
-    failures = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
-    assert len(failures) == 1, failures
-    assert "rejected 1 of 3 data points" in failures[0] and "seen: unsupported temporality" in failures[0]
-
-    target.receiver.partial_success = None
-    assert exporter.export(3, {"train/loss": 1.0, "seen": 3.0}, time.time()) is ExportResult.SUCCESS
-    assert exporter.force_flush(5)
-    exporter.close(5)
-    assert "recovered after 2 failures" in caplog.text
-
-
-def test_a_wall_clock_set_back_mid_run_moves_no_start_time_and_no_timestamp_back(
-    http_receiver, monkeypatch, tmp_path
-):
-    real_time, real_time_ns = time.time, time.time_ns
-    exporter = OTelExporter(endpoint=http_receiver.metrics_endpoint, timeout_s=5)
-    jsonl = tmp_path / "metrics.jsonl"
-    with tt.Telemetry(
-        {"seen": tt.SumMetric(kind="counter")}, [exporter, tt.JsonlExporter(jsonl)], every=1, signals=False
-    ) as telemetry:
-        for step in range(6):
-            if step == 3:  # NTP steps the clock an hour back, mid-run
-                monkeypatch.setattr(time, "time", lambda: real_time() - 3600)
-                monkeypatch.setattr(time, "time_ns", lambda: real_time_ns() - 3600 * 10**9)
-            telemetry.metrics["seen"].update(1.0)
-            telemetry.step(step)
-            telemetry.flush()
-    points = [metrics_by_name(r.request)["seen"].sum.data_points[0] for r in http_receiver.received]
-    assert [point.as_double for point in points] == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
-    assert len({point.start_time_unix_nano for point in points}) == 1, "the counter's start never moves"
-    times = [point.time_unix_nano for point in points]
-    assert times == sorted(times) and points[0].start_time_unix_nano <= times[0]
-    stamps = [json.loads(line)["timestamp"] for line in jsonl.read_text().splitlines()]
-    assert stamps == sorted(stamps) and len(stamps) == 6

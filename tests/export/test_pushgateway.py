@@ -8,7 +8,7 @@ import uuid
 import pytest
 
 from tests.distributed import free_port, run_ranks
-from tests.export.test_prometheus import (
+from tests.export.scraped_run import (
     DESCRIPTORS,
     RUN,
     WORLD_SIZE,
