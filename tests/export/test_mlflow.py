@@ -14,8 +14,8 @@ import torch
 
 import torchtelemetry as tt
 from tests.distributed import free_port, run_ranks
-from tests.export.test_otel import STEPS, expected_values
 from tests.export.trackers import CONFIG, NO_HISTOGRAM, TIMESTAMPS, export_label_clashes, tracker_rank
+from tests.export.workload import STEPS, expected_values
 from torchtelemetry.export import ExportResult, MetricDescriptor, MLflowExporter, RunInfo
 
 mlflow = pytest.importorskip("mlflow")

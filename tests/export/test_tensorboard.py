@@ -14,8 +14,8 @@ import torch
 
 import torchtelemetry as tt
 from tests.distributed import run_ranks
-from tests.export.test_otel import BINS, STEPS, expected_values
 from tests.export.trackers import CONFIG, NO_HISTOGRAM, TIMESTAMPS, export_label_clashes, tracker_rank
+from tests.export.workload import BINS, STEPS, expected_values
 from torchtelemetry.export import (
     ExportResult,
     HistogramValue,

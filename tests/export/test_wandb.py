@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from tests.distributed import run_ranks
-from tests.export.test_otel import STEPS, expected_values, global_report, make_metrics, update_window
 from tests.export.trackers import export_label_clashes
+from tests.export.workload import STEPS, expected_values, global_report, make_metrics, update_window
 from tests.receivers import WandbRunLog, find_wandb_logs, wait_for_wandb_logs
 from torchtelemetry.export import (
     DrawnHistogram,

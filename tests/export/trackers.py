@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 import torchtelemetry.export
-from tests.export.test_otel import BINS, STEPS, global_report, make_metrics, update_window
+from tests.export.workload import BINS, STEPS, global_report, make_metrics, update_window
 from torchtelemetry.export import BaseExporter, ExportHub, ExportResult, MetricDescriptor, NullHub, RunInfo
 from torchtelemetry.report import describe_metrics
 
