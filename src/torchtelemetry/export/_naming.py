@@ -12,7 +12,7 @@ import logging
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
-from torchtelemetry.metric import MetricKind
+from torchtelemetry.metric import DEFAULT_LABEL_NAME, MetricKind
 from torchtelemetry.report import (
     HistogramValue,
     MetricDescriptor,
@@ -92,7 +92,7 @@ def prometheus_name(descriptor: MetricDescriptor, namespace: str = NAMESPACE) ->
 
 def prometheus_label_name(label: str) -> str:
     """A legal Prometheus label name (no `__` prefix, which Prometheus reserves)."""
-    name = _snake(label).lstrip("_") or "label"
+    name = _snake(label).lstrip("_") or DEFAULT_LABEL_NAME
     return f"_{name}" if name[0].isdigit() else name
 
 
@@ -118,7 +118,7 @@ def tracker_label_name(descriptor: MetricDescriptor, label_value: str) -> str:
     (MLflow refuses a whole batch over one bad key; a '/' would add a path segment).
     """
     label = path_segment(label_value)
-    return f"{tracker_name(descriptor)}/{descriptor.label_name or 'label'}_{label}"
+    return f"{tracker_name(descriptor)}/{descriptor.label_name or DEFAULT_LABEL_NAME}_{label}"
 
 
 class TrackerKeys:
@@ -170,7 +170,7 @@ class TrackerKeys:
             descriptor = self._descriptors.get(path) or MetricDescriptor(path)
             if isinstance(value, Mapping):
                 for label, entry in value.items():
-                    owner = f"{path} {descriptor.label_name or 'label'}={label!r}"
+                    owner = f"{path} {descriptor.label_name or DEFAULT_LABEL_NAME}={label!r}"
                     key = tracker_label_name(descriptor, label)
                     if self._claim(key, owner, left_out):
                         keyed.append((key, float(entry)))
