@@ -46,10 +46,10 @@ class ListExporter(BaseExporter):
     def _start(self, run: RunInfo) -> None:
         self.calls.append("start")
 
-    def _export(self, step: int, scalars: ReportValues, timestamp: float) -> None:
+    def _export(self, step: int, values: ReportValues, timestamp: float) -> None:
         if step in self.failing:
             raise ExportFailed(f"step {step} is in failing")
-        self.reports.append((step, dict(scalars)))
+        self.reports.append((step, dict(values)))
 
     def _flush(self, timeout_s: float) -> bool:
         self.calls.append("flush")
@@ -100,7 +100,7 @@ def test_a_name_the_backend_refuses_raises_from_describe_and_starts_nothing() ->
 
 def test_a_hook_that_raises_anything_is_a_failure_not_an_exception(caplog: pytest.LogCaptureFixture) -> None:
     class Broken(ListExporter):
-        def _export(self, step: int, scalars: ReportValues, timestamp: float) -> None:
+        def _export(self, step: int, values: ReportValues, timestamp: float) -> None:
             raise KeyError(step)
 
         def _flush(self, timeout_s: float) -> bool:

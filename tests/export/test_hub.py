@@ -45,9 +45,9 @@ class RecordingExporter:
     def describe(self, descriptors: Sequence[MetricDescriptor], run: RunInfo) -> None:
         self.described.append(tuple(descriptors))
 
-    def export(self, step: int, scalars: ReportValues, timestamp: float) -> ExportResult:
+    def export(self, step: int, values: ReportValues, timestamp: float) -> ExportResult:
         self.threads.add(threading.current_thread().name)
-        self.reports.append((step, dict(scalars)))
+        self.reports.append((step, dict(values)))
         return ExportResult.SUCCESS
 
     def force_flush(self, timeout_s: float = 10.0) -> bool:
@@ -65,10 +65,10 @@ class FlakyExporter(RecordingExporter):
         super().__init__(name)
         self.failing = True
 
-    def export(self, step: int, scalars: ReportValues, timestamp: float) -> ExportResult:
+    def export(self, step: int, values: ReportValues, timestamp: float) -> ExportResult:
         if self.failing:
             raise ConnectionError(f"backend down at step {step}")
-        return super().export(step, scalars, timestamp)
+        return super().export(step, values, timestamp)
 
 
 class StuckExporter(RecordingExporter):
@@ -79,10 +79,10 @@ class StuckExporter(RecordingExporter):
         self.entered = threading.Event()
         self.release = threading.Event()
 
-    def export(self, step: int, scalars: ReportValues, timestamp: float) -> ExportResult:
+    def export(self, step: int, values: ReportValues, timestamp: float) -> ExportResult:
         self.entered.set()
         self.release.wait()
-        return super().export(step, scalars, timestamp)
+        return super().export(step, values, timestamp)
 
 
 @pytest.fixture

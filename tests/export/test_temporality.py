@@ -44,12 +44,12 @@ class DeltaRecorder(BaseExporter):
         self.hold.set()
         self.entered = threading.Event()
 
-    def _export(self, step: int, scalars: ReportValues, timestamp: float) -> None:
+    def _export(self, step: int, values: ReportValues, timestamp: float) -> None:
         self.entered.set()
         self.hold.wait(30)
         if step in self.failing:
             raise RuntimeError(f"step {step} fails")
-        self.reports[step] = dict(scalars)
+        self.reports[step] = dict(values)
 
 
 class TotalRecorder(DeltaRecorder):

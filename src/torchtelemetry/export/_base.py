@@ -9,7 +9,7 @@ once. A subclass implements small hooks:
 - `_start(run)`: open the port / file / client, once, after the first `_describe` (a start that
   fails should log and leave `_export` to raise `ExportFailed`, or raise `ExporterStartError`
   when the run must not go on without it, e.g. a port in use);
-- `_export(step, scalars, timestamp)`: publish one report; raise `ExportFailed` (or any error) on failure;
+- `_export(step, values, timestamp)`: publish one report; raise `ExportFailed` (or any error) on failure;
 - `_flush(timeout_s) -> bool`: deliver what is buffered (only once started);
 - `_close(timeout_s)`: release what the exporter opened (called once, started or not).
 
@@ -140,7 +140,7 @@ class BaseExporter:
                 self._started = True  # once: a backend that failed to start reports it on each export
                 self._start(run)
 
-    def export(self, step: int, scalars: ReportValues, timestamp: float) -> ExportResult:
+    def export(self, step: int, values: ReportValues, timestamp: float) -> ExportResult:
         """Publish one report; FAILURE (logged once per burst) instead of raising."""
         check_same_process(self._pid, f"{type(self).__name__}.export")
         with self._lock:
@@ -149,7 +149,7 @@ class BaseExporter:
             if not self._started:
                 return self._failed("export() before describe()")
             try:
-                self._export(step, scalars, timestamp)
+                self._export(step, values, timestamp)
             except ExportFailed as failure:
                 return self._failed(f"step {step}: {failure}", failure.__cause__)
             except Exception as error:
@@ -189,7 +189,7 @@ class BaseExporter:
     def _start(self, run: RunInfo) -> None:
         """Open the backend (port, file, client); called once, after the first `_describe`."""
 
-    def _export(self, step: int, scalars: ReportValues, timestamp: float) -> None:
+    def _export(self, step: int, values: ReportValues, timestamp: float) -> None:
         """Publish one report; raise `ExportFailed` (or any error) when it was not published."""
         raise NotImplementedError(f"{type(self).__name__} must implement _export()")
 

@@ -32,28 +32,26 @@ class ConsoleExporter(BaseExporter):
     def _describe(self, descriptors: Sequence[MetricDescriptor], run: RunInfo) -> None:
         self._run_id = run.run_id
 
-    def _export(self, step: int, scalars: ReportValues, timestamp: float) -> None:
+    def _export(self, step: int, values: ReportValues, timestamp: float) -> None:
         stream = self._stream or sys.stderr
-        stream.write(self.format_line(step, scalars, timestamp) + "\n")
+        stream.write(self.format_line(step, values, timestamp) + "\n")
         stream.flush()
 
     def _flush(self, timeout_s: float) -> bool:
         (self._stream or sys.stderr).flush()
         return True
 
-    def format_line(self, step: int, scalars: ReportValues, timestamp: float) -> str:
+    def format_line(self, step: int, values: ReportValues, timestamp: float) -> str:
         """The line written for one report (without newline)."""
         clock = time.strftime("%H:%M:%S", time.localtime(timestamp))
         parts = [f"{clock} step {step} [{self._run_id}]"]
         parts.extend(
-            f"{name}={_format(value)}"
-            for name, value in scalars.items()
-            if not name.startswith(HEALTH_PREFIX)
+            f"{name}={_format(value)}" for name, value in values.items() if not name.startswith(HEALTH_PREFIX)
         )
         trouble = [
             f"{name.removeprefix(HEALTH_PREFIX)}:{exporter}={value:g}"
             for name in ("exporter/errors", "exporter/dropped_reports")
-            if isinstance(counts := scalars.get(name), Mapping)
+            if isinstance(counts := values.get(name), Mapping)
             for exporter, value in counts.items()
             if value
         ]

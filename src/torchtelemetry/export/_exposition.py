@@ -144,7 +144,7 @@ class PrometheusCollector:
             self._series = series
             self._run_id = run.run_id
 
-    def set_report(self, step: int, scalars: ReportValues, timestamp: float) -> list[str]:
+    def set_report(self, step: int, values: ReportValues, timestamp: float) -> list[str]:
         """Make this report the one scrapes see; returns the problems of values left out (empty if none)."""
         problems: list[str] = []
         if self._run_id is None:
@@ -155,7 +155,7 @@ class PrometheusCollector:
             self._gauge_family(self._fixed[LAST_UPDATE_METRIC.name], run, float(timestamp)),
         ]
         updates = {}
-        for path, value in scalars.items():
+        for path, value in values.items():
             series = self._series.get(path)
             if series is None:
                 problems.append(f"{path!r} was not described")

@@ -110,7 +110,7 @@ class ExportHub:
     def submit(
         self,
         step: int,
-        scalars: ReportValues,
+        values: ReportValues,
         timestamp: float | None = None,
         *,
         window: ReportValues | None = None,
@@ -130,7 +130,7 @@ class ExportHub:
             return
         if not self._started:
             raise RuntimeError("ExportHub.submit: call describe(descriptors) first")
-        values = dict(scalars)
+        values = dict(values)  # a copy: names the hub refuses are dropped from it
         if any(name not in self._descriptors for name in values):
             self._describe_new(values)
         timestamp = wall_time() if timestamp is None else timestamp
@@ -222,7 +222,7 @@ class NullHub:
     def submit(
         self,
         step: int,
-        scalars: ReportValues,
+        values: ReportValues,
         timestamp: float | None = None,
         *,
         window: ReportValues | None = None,

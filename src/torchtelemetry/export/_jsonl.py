@@ -37,14 +37,14 @@ class JsonlExporter(BaseExporter):
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = self.path.open("a", encoding="utf-8")
 
-    def _export(self, step: int, scalars: ReportValues, timestamp: float) -> None:
+    def _export(self, step: int, values: ReportValues, timestamp: float) -> None:
         if self._file is None:
             raise ExportFailed(f"{self.path} could not be opened at describe()")
         record = {
             "step": step,
             "timestamp": timestamp,
             "run_id": self._run_id,
-            "values": {name: _jsonable(value) for name, value in scalars.items()},
+            "values": {name: _jsonable(value) for name, value in values.items()},
         }
         self._file.write(json.dumps(record, allow_nan=False) + "\n")
         self._file.flush()

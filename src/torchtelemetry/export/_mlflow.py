@@ -109,12 +109,12 @@ class MLflowExporter(BaseExporter):
                 error.__cause__,
             )
 
-    def _export(self, step: int, scalars: ReportValues, timestamp: float) -> None:
+    def _export(self, step: int, values: ReportValues, timestamp: float) -> None:
         """`log_batch` of every value at `step` and `timestamp` (in chunks of MLflow's 1000 metrics)."""
         run_id = self._ensure_run()
         metric = self._mlflow.entities.Metric
         milliseconds = int(timestamp * 1000)
-        keyed, left_out = self._keys.keyed(scalars)
+        keyed, left_out = self._keys.keyed(values)
         metrics = [metric(key, value, milliseconds, step) for key, value in self._values(keyed)]
         try:
             for start in range(0, len(metrics), _MAX_METRICS_PER_BATCH):

@@ -162,11 +162,11 @@ class TrackerKeys:
         self._descriptors = merged
         self._owners = {**fixed, **{key: owner for owner, key in claims}}
 
-    def keyed(self, scalars: ReportValues) -> tuple[list[tuple[str, float | HistogramValue]], list[str]]:
+    def keyed(self, values: ReportValues) -> tuple[list[tuple[str, float | HistogramValue]], list[str]]:
         """Each value of a report with its key, and what was left out because its key means another value."""
         keyed: list[tuple[str, float | HistogramValue]] = []
         left_out: list[str] = []
-        for path, value in scalars.items():
+        for path, value in values.items():
             descriptor = self._descriptors.get(path) or MetricDescriptor(path)
             if isinstance(value, Mapping):
                 for label, entry in value.items():

@@ -196,13 +196,13 @@ class OTelExporter(BaseExporter):
             f" with headers {header_names}" if header_names else "",
         )
 
-    def _export(self, step: int, scalars: ReportValues, timestamp: float) -> None:
+    def _export(self, step: int, values: ReportValues, timestamp: float) -> None:
         """Push one report; raises `ExportFailed` when the collector did not acknowledge it."""
         if self._disabled:
             return
         if self._otlp is None:
             raise ExportFailed("no OTLP client (creating it failed at describe()); nothing sent")
-        self._push(self._metrics_data(step, scalars, timestamp))
+        self._push(self._metrics_data(step, values, timestamp))
 
     def _flush(self, timeout_s: float) -> bool:
         """Retry the newest report if its push failed; True when nothing is left undelivered.
@@ -281,7 +281,7 @@ class OTelExporter(BaseExporter):
                 f"points (OTLP partial success, not retried): {partial.error_message or 'no message'}"
             )
 
-    def _metrics_data(self, step: int, scalars: ReportValues, timestamp: float) -> tuple[Any, int]:
+    def _metrics_data(self, step: int, values: ReportValues, timestamp: float) -> tuple[Any, int]:
         from opentelemetry.sdk.metrics.export import MetricsData, ResourceMetrics, ScopeMetrics
         from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
@@ -296,7 +296,7 @@ class OTelExporter(BaseExporter):
         now_ns = max(now_ns, self._delta_start_ns)
         delta = self.temporality != "cumulative"
         metrics = [otel_metric(STEP_METRIC, int(step), self._start_ns, now_ns)]
-        for path, value in scalars.items():
+        for path, value in values.items():
             descriptor = self._descriptors.get(path)
             if descriptor is None:
                 if path not in self._unknown_warned:

@@ -182,9 +182,9 @@ class PrometheusExporter(BaseExporter):
     def _start(self, run: RunInfo) -> None:
         self.start()
 
-    def _export(self, step: int, scalars: ReportValues, timestamp: float) -> None:
+    def _export(self, step: int, values: ReportValues, timestamp: float) -> None:
         """Make this report the one scrapes see."""
-        problems = self._collector.set_report(step, scalars, timestamp)
+        problems = self._collector.set_report(step, values, timestamp)
         if problems:
             raise ExportFailed(f"values left out: {'; '.join(problems)}")
 

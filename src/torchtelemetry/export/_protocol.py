@@ -86,7 +86,7 @@ class Exporter(Protocol):
         """
         ...
 
-    def export(self, step: int, scalars: ReportValues, timestamp: float) -> ExportResult:
+    def export(self, step: int, values: ReportValues, timestamp: float) -> ExportResult:
         """Publish one report; `timestamp` is Unix seconds at collection."""
         ...
 

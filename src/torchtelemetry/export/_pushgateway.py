@@ -87,9 +87,9 @@ class PushgatewayExporter(BaseExporter):
         self._collector.set_descriptors(descriptors, run)
         self._grouping_key = {**self._extra_key, RUN_LABEL: run.run_id}
 
-    def _export(self, step: int, scalars: ReportValues, timestamp: float) -> None:
+    def _export(self, step: int, values: ReportValues, timestamp: float) -> None:
         """Push this report (replacing the group)."""
-        problems = self._collector.set_report(step, scalars, timestamp)
+        problems = self._collector.set_report(step, values, timestamp)
         if problems:
             raise ExportFailed(f"values left out: {'; '.join(problems)}")
         self._pending = True

@@ -34,7 +34,7 @@ DROP_LOG_INTERVAL_S = 60.0
 @dataclass(frozen=True, slots=True)
 class _Report:
     step: int
-    scalars: ReportValues
+    values: ReportValues
     timestamp: float
     window: ReportValues
 
@@ -108,10 +108,10 @@ class ExporterQueue:
         """Start the exporter's thread."""
         self._thread.start()
 
-    def put_report(self, step: int, scalars: ReportValues, timestamp: float, window: ReportValues) -> None:
+    def put_report(self, step: int, values: ReportValues, timestamp: float, window: ReportValues) -> None:
         """Queue a report; when the queue is full, drop (and count) the oldest queued report first.
 
-        `window` holds the collection window's own values of the names `scalars` carries as
+        `window` holds the collection window's own values of the names `values` carries as
         running totals (the first delta after a start).
         """
         with self._cond:
@@ -126,7 +126,7 @@ class ExporterQueue:
                         self._dropped_reports,
                         DROP_LOG_INTERVAL_S,
                     )
-            self._items.append(_Report(step, scalars, timestamp, window))
+            self._items.append(_Report(step, values, timestamp, window))
             self._queued_reports += 1
             self._cond.notify()
 
@@ -210,9 +210,9 @@ class ExporterQueue:
                     return
 
     def _export(self, report: _Report) -> None:
-        scalars = self._converter.convert({**report.scalars, **self._extra_values(self.name)}, report.window)
+        values = self._converter.convert({**report.values, **self._extra_values(self.name)}, report.window)
         try:
-            result = self.exporter.export(report.step, scalars, report.timestamp)
+            result = self.exporter.export(report.step, values, report.timestamp)
         except Exception as error:
             self._failed(f"export of step {report.step} raised", error)
             return

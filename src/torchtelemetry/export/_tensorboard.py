@@ -98,11 +98,11 @@ class TensorBoardExporter(BaseExporter):
             return
         logger.info("TensorBoardExporter %r: event files in %s", self.name, self.log_dir)
 
-    def _export(self, step: int, scalars: ReportValues, timestamp: float) -> None:
+    def _export(self, step: int, values: ReportValues, timestamp: float) -> None:
         writer = self._writer
         if writer is None:
             raise ExportFailed(f"no event file (could not write in {self.log_dir}); nothing logged")
-        keyed, left_out = self._keys.keyed(scalars)
+        keyed, left_out = self._keys.keyed(values)
         try:
             for tag, value in keyed:
                 if isinstance(value, HistogramValue):

@@ -124,7 +124,7 @@ class WandbExporter(BaseExporter):
     def _describe(self, descriptors: Sequence[MetricDescriptor], run: RunInfo) -> None:
         self._keys.describe(descriptors)
 
-    def _export(self, step: int, scalars: ReportValues, timestamp: float) -> None:
+    def _export(self, step: int, values: ReportValues, timestamp: float) -> None:
         """`run.log(row, step=step)`; a step below the last logged one is dropped."""
         if self._run is None:
             raise ExportFailed("no W&B run (wandb.init failed at describe()); nothing logged")
@@ -137,7 +137,7 @@ class WandbExporter(BaseExporter):
                 self._last_step,
             )
             raise ExportFailed(f"below the last logged step {self._last_step}")
-        keyed, left_out = self._keys.keyed(scalars)
+        keyed, left_out = self._keys.keyed(values)
         try:
             self._run.log(self._row(keyed), step=step)
         except Exception as error:

@@ -28,7 +28,7 @@ class Submit(Protocol):
     def __call__(
         self,
         step: int,
-        scalars: ReportValues,
+        values: ReportValues,
         timestamp: float | None = None,
         *,
         window: ReportValues | None = None,
