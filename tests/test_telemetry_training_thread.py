@@ -12,27 +12,15 @@ from types import FrameType
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import torchtelemetry as tt
 from tests.hostsync import NoHostSync
+from tests.ops import OpCounter
 from torchtelemetry.metric._aggregation import _any_negative  # the CPU-only check, exempt by design
 from torchtelemetry.report.signals import check_count  # step(tokens=)'s, CPU-only as well
 
 EVERY = 2
 STEPS = 12
-
-
-class _OpCounter(TorchDispatchMode):
-    """Counts the aten ops dispatched in this thread (dispatch modes are per thread)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: collections.Counter[str] = collections.Counter()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.ops[str(func)] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _wait_until_collected(telemetry: tt.Telemetry) -> None:
@@ -61,7 +49,7 @@ def _training_thread_work(num_metrics: int) -> tuple[collections.Counter, collec
             metrics["group0/metric0"].update(1.0)
             telemetry.step(step)
         telemetry.flush()  # nothing in flight: every measured step starts from the same state
-        ops = _OpCounter()
+        ops = OpCounter()
         gc.disable()
         for step in range(4, 4 + STEPS):
             metrics["group0/metric0"].update(1.0)

@@ -3,33 +3,20 @@ of tensor ops that does not grow with the number of built-in metrics."""
 
 from __future__ import annotations
 
-import collections
 import math
 from typing import Any
 
 import pytest
 import torch
 from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import torchtelemetry as tt
 from tests.collect.test_collector import assert_same, expected_window, feed_window, make_metrics
 from tests.distributed import run_ranks
+from tests.ops import OpCounter
 from tests.sync.collectives import CollectiveCounter
 from torchtelemetry.collect import AsyncMetricCollector
 from torchtelemetry.report import to_python
-
-
-class OpCounter(TorchDispatchMode):
-    """Counts the aten ops dispatched in this thread."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: collections.Counter[str] = collections.Counter()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.ops[str(func)] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def every_builtin(copies: int) -> dict[str, tt.Metric]:
