@@ -31,13 +31,11 @@ class StepWindows:
         signals: SignalSet | None,
         *,
         every: int,
-        max_pending: int,
     ) -> None:
         self._collector = collector
         self._publisher = publisher
         self._signals = signals
         self._every = every
-        self._max_pending = max_pending
         self.steps_in_window = 0
         """Steps since the last collection: the window that would be scheduled now."""
         self._steps_since_grid = 0
@@ -75,7 +73,7 @@ class StepWindows:
 
     def schedule(self, *, final: bool = False) -> None:
         """Schedule the current window; wait for the oldest only when the collector's ring is full."""
-        if self._collector.pending >= self._max_pending:
+        if self._collector.pending >= self._collector.max_pending:
             self.backpressure_waits += 1
             self.drain(block=True, limit=1)
         now = self.flush_signals(final=final)

@@ -115,9 +115,7 @@ class Telemetry:
         self._signals = parts.signals
         self._descriptors = parts.descriptors
         self._publisher = parts.publisher
-        self._windows = StepWindows(
-            self._collector, self._publisher, self._signals, every=self.every, max_pending=self.max_pending
-        )
+        self._windows = StepWindows(self._collector, self._publisher, self._signals, every=self.every)
         self._closed = False
 
     @property
