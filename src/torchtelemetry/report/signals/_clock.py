@@ -92,7 +92,7 @@ class HostClock:
         return [(seconds, steps)]
 
     def close(self) -> None:
-        pass
+        """Nothing to release: a host clock holds no thread and no event."""
 
 
 class EventClock:
