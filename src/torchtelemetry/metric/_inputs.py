@@ -105,7 +105,6 @@ class UpdateInputs:
         self._check_into_state(value, state, "value")
         if weight is not None:
             self._check_into_state(weight, state, "weight")
-        if weight is not None:
             batch = (value.to(dtype) * weight.to(dtype)).sum()
         elif value.dim() == 0:
             batch = value  # added into the state in its dtype: a 0-d operand takes the state's
