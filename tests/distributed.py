@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import os
 import queue
+import random
 import shutil
 import signal
 import socket
@@ -18,7 +19,28 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
+def _first_ephemeral_port() -> int:
+    """The lowest local port the kernel gives outgoing connections and port-0 binds."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as ports:
+            return int(ports.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def free_port() -> int:
+    """A port free on 127.0.0.1 now, for a server the test starts later. Picked below the ephemeral
+    range where there is room, so no outgoing connection (a scrape, gloo) or port-0 server takes it
+    in the meantime (a port the kernel gave out for port 0 was taken so once as a 2-rank run started)."""
+    first = _first_ephemeral_port()
+    for _ in range(200 if first > 10000 else 0):
+        port = random.randint(10000, first - 1)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
