@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pytest
@@ -13,7 +14,17 @@ import torchtelemetry as tt
 from tests.collect.test_collector import assert_same, expected_window, feed_window, make_metrics
 from tests.distributed import run_ranks
 from tests.sync.collectives import CollectiveCounter, CollectiveRecorder
-from torchtelemetry.collect import AsyncMetricCollector, CollectionError, WindowPlan
+from torchtelemetry.collect import (
+    HOST_TRANSPORT_LIMIT_BYTES,
+    AsyncMetricCollector,
+    CollectionError,
+    WindowPlan,
+)
+from torchtelemetry.collect._transports import (
+    NCCL_BLOCKING_WAIT_VARIABLES,
+    choose_transport,
+    nccl_blocking_wait,
+)
 from torchtelemetry.metric import metric_leaves
 from torchtelemetry.report import to_python
 from torchtelemetry.sync import window_cost
@@ -207,3 +218,48 @@ def test_every_transport_gives_exact_windows_locally(transport: str) -> None:
 def test_an_unknown_transport_is_refused() -> None:
     with pytest.raises(ValueError, match="transport must be 'host', 'device' or 'auto', got 'nccl'"):
         AsyncMetricCollector(tt.SumMetric(), transport="nccl")  # type: ignore[arg-type]
+
+
+# -- NCCL's blocking wait (issue 35.6) -----------------------------------------------------------
+
+LARGE = HOST_TRANSPORT_LIMIT_BYTES + 8
+
+
+@pytest.fixture
+def blocking_wait(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    for name in NCCL_BLOCKING_WAIT_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TORCH_NCCL_BLOCKING_WAIT", "1")
+    return monkeypatch
+
+
+def test_auto_sends_a_large_cuda_window_through_the_host_under_nccl_blocking_wait(
+    blocking_wait: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Under blocking wait, the device transport's Work.wait() would hold the training thread until the
+    window's collective completes, every window: "auto" takes the host transport, and says why."""
+    with caplog.at_level(logging.WARNING, logger="torchtelemetry.collect._transports"):
+        assert choose_transport("auto", device_type="cuda", packed_bytes=LARGE, backend="nccl") == "host"
+    assert "TORCH_NCCL_BLOCKING_WAIT=1" in caplog.text and "host transport" in caplog.text
+    blocking_wait.setenv("TORCH_NCCL_BLOCKING_WAIT", "0")
+    assert choose_transport("auto", device_type="cuda", packed_bytes=LARGE, backend="nccl") == "device"
+
+
+def test_the_device_transport_is_refused_under_nccl_blocking_wait(blocking_wait: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ValueError, match=r"transport='device' under TORCH_NCCL_BLOCKING_WAIT=1 would block"):
+        choose_transport("device", device_type="cuda", packed_bytes=LARGE, backend="nccl")
+    blocking_wait.delenv("TORCH_NCCL_BLOCKING_WAIT")
+    blocking_wait.setenv("NCCL_BLOCKING_WAIT", "true")  # the older name, still read by ProcessGroupNCCL
+    with pytest.raises(ValueError, match=r"under NCCL_BLOCKING_WAIT=true"):
+        choose_transport("device", device_type="cuda", packed_bytes=LARGE, backend="nccl")
+    blocking_wait.setenv("TORCH_NCCL_BLOCKING_WAIT", "0")  # the newer name wins, as in c10d
+    assert choose_transport("device", device_type="cuda", packed_bytes=LARGE, backend="nccl") == "device"
+
+
+def test_blocking_wait_changes_nothing_but_nccl_windows_on_cuda(blocking_wait: pytest.MonkeyPatch) -> None:
+    assert nccl_blocking_wait()
+    assert choose_transport("device", device_type="cpu", packed_bytes=LARGE, backend="gloo") == "device"
+    assert choose_transport("device", device_type="cuda", packed_bytes=LARGE, backend=None) == "device"
+    with AsyncMetricCollector(tt.SumMetric(), transport="device") as collector:
+        collector.schedule_collection()
+        assert collector.collect_results() == 0.0

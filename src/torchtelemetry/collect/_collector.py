@@ -171,7 +171,14 @@ class AsyncMetricCollector:
         return "device" if isinstance(self._transport, DeviceTransport) else "host"
 
     def _make_transport(self, storage: BoundStorage, resolved: dist.ProcessGroup | None) -> Transport:
-        if choose_transport(self.transport, storage, resolved) == "device":
+        backend = None if resolved is None else str(dist.get_backend(resolved))
+        chosen = choose_transport(
+            self.transport,
+            device_type=storage.device.type,
+            packed_bytes=storage.packed_bytes,
+            backend=backend,
+        )
+        if chosen == "device":
             self._bound_group = resolved  # the training's own group: no second communicator
             return DeviceTransport(
                 storage.window, storage.buffers, resolved, self.max_pending, self.timeout_s

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import datetime
 import functools
+import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -42,6 +44,7 @@ __all__ = [
     "DEFAULT_MAX_PENDING",
     "DEFAULT_TIMEOUT_S",
     "HOST_TRANSPORT_LIMIT_BYTES",
+    "NCCL_BLOCKING_WAIT_VARIABLES",
     "BoundStorage",
     "CollectionError",
     "Finish",
@@ -51,8 +54,11 @@ __all__ = [
     "check_collection_limits",
     "choose_transport",
     "dedicated_gloo_group",
+    "nccl_blocking_wait",
     "reduce_failure",
 ]
+
+logger = logging.getLogger(__name__)
 
 HOST_TRANSPORT_LIMIT_BYTES = 1 << 20
 """`transport="auto"` moves a window of CUDA metrics through the host up to this many packed bytes."""
@@ -132,15 +138,42 @@ class BoundStorage:
         return cls(window=window, buffers=buffers, initials=layout.storage(window.initial_tensors()))
 
 
-def choose_transport(requested: TransportName, storage: BoundStorage, group: dist.ProcessGroup | None) -> str:
+NCCL_BLOCKING_WAIT_VARIABLES = ("TORCH_NCCL_BLOCKING_WAIT", "NCCL_BLOCKING_WAIT")
+"""What makes ProcessGroupNCCL's `Work.wait()` block the host until the collective completes
+(read when the group is created; the first one set wins, as in ProcessGroupNCCL.hpp)."""
+
+
+def nccl_blocking_wait() -> bool:
+    """Whether NCCL groups created now wait on the host (`TORCH_NCCL_BLOCKING_WAIT=1`, parsed as
+    c10d's `getCvarBool` parses it)."""
+    for name in NCCL_BLOCKING_WAIT_VARIABLES:
+        value = os.environ.get(name)
+        if value is not None:
+            return value.strip().lower() in ("y", "yes", "1", "t", "true")
+    return False
+
+
+def choose_transport(
+    requested: TransportName, *, device_type: str, packed_bytes: int, backend: str | None
+) -> str:
     """ "host" or "device" for `requested` ("auto" decides by size, device and group), or a
     `ValueError` for a device transport the group cannot run without blocking or at all."""
-    backend = None if group is None else str(dist.get_backend(group))
-    on_cuda = storage.device.type == "cuda"
+    on_cuda = device_type == "cuda"
+    # Under NCCL's blocking wait, the device transport's Work.wait() on the training thread would wait
+    # on the host for every window's collective (ProcessGroupNCCL::WorkNCCL::wait).
+    blocking_wait = on_cuda and backend is not None and "nccl" in backend and nccl_blocking_wait()
     if requested == "auto":
         # gloo alone runs a CUDA tensor's collective on the host: its wait() would block the training thread.
-        large = storage.packed_bytes > HOST_TRANSPORT_LIMIT_BYTES
-        return "device" if on_cuda and large and backend != "gloo" else "host"
+        large = packed_bytes > HOST_TRANSPORT_LIMIT_BYTES
+        if on_cuda and large and blocking_wait:
+            logger.warning(
+                "AsyncMetricCollector: %s is set, so NCCL's Work.wait() blocks the host until the collective "
+                "completes; the %d-byte window goes through the host transport (gloo, from the worker) "
+                "instead of the device transport, which would wait on the training thread every window",
+                _set_blocking_wait_variable(),
+                packed_bytes,
+            )
+        return "device" if on_cuda and large and backend != "gloo" and not blocking_wait else "host"
     if requested == "device":
         if not on_cuda and backend is not None and "gloo" not in backend:
             raise ValueError(
@@ -153,7 +186,18 @@ def choose_transport(requested: TransportName, storage: BoundStorage, group: dis
                 "every window (gloo waits for a CUDA tensor's collective on the host); use "
                 "transport='host' (or 'auto'), or an NCCL group"
             )
+        if blocking_wait:
+            raise ValueError(
+                f"AsyncMetricCollector: transport='device' under {_set_blocking_wait_variable()} would block "
+                "the training thread every window (NCCL's Work.wait() then waits on the host for the "
+                "collective); use transport='host' (or 'auto'), or unset it"
+            )
     return requested
+
+
+def _set_blocking_wait_variable() -> str:
+    name = next(name for name in NCCL_BLOCKING_WAIT_VARIABLES if name in os.environ)
+    return f"{name}={os.environ[name]}"
 
 
 def dedicated_gloo_group(ranks: tuple[int, ...], timeout_s: float) -> dist.ProcessGroup:
