@@ -4,7 +4,8 @@ of tensor ops that does not grow with the number of built-in metrics."""
 from __future__ import annotations
 
 import math
-from typing import Any
+import threading
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -15,8 +16,10 @@ from tests.collect.test_collector import assert_same, expected_window, feed_wind
 from tests.distributed import run_ranks
 from tests.ops import OpCounter
 from tests.sync.collectives import CollectiveCounter
-from torchtelemetry.collect import AsyncMetricCollector
+from torchtelemetry.collect import AsyncMetricCollector, WindowPlan
+from torchtelemetry.metric import metric_leaves
 from torchtelemetry.report import to_python
+from torchtelemetry.sync import WindowExchange
 
 
 def every_builtin(copies: int) -> dict[str, tt.Metric]:
@@ -129,6 +132,47 @@ def test_custom_metrics_and_overriding_subclasses_use_their_own_compute() -> Non
     with AsyncMetricCollector(metrics) as collector:
         collector.schedule_collection()
         assert_same(collector.collect_results(), expected)
+
+
+class LeadingCounts(tt.Metric):
+    """A custom compute() that reads a value on the host (`.item()`) and sizes its results by it."""
+
+    computed_on: ClassVar[list[str]] = []
+    """The thread of every call of compute()."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts = tt.MetricAccumulator(torch.zeros(4), "sum")
+
+    def update(self, label: int) -> None:
+        self.counts.update(torch.nn.functional.one_hot(torch.tensor(label), 4).double())
+
+    def compute(self) -> dict[str, Any]:
+        LeadingCounts.computed_on.append(threading.current_thread().name)
+        seen = int(self.counts.value.count_nonzero().item())
+        return {"leading": self.counts.value[:seen], "seen": seen}
+
+
+def test_the_batched_part_of_a_window_leaves_custom_computes_to_their_states_copied_apart() -> None:
+    """The device transport's split (issue 35.8): its training thread computes only the built-in rules
+    (fixed shapes, no host read), the worker computes custom metrics from their states on the host."""
+    metrics = {"leading": LeadingCounts(), "range": RangeMetric(), "sum": tt.SumMetric()}
+    plan = WindowPlan(metric_leaves(metrics, op="test"), 1)
+    slot = WindowExchange(plan.layout, None).new_slot(plan.device)
+    for labels in ([0], [0, 1, 1, 2]):  # the custom result's shape changes between windows
+        for label in labels:
+            metrics["leading"].update(label)
+        metrics["range"].update(torch.tensor([1.0, 4.5]))
+        metrics["sum"].update(torch.tensor(float(len(labels))))
+        torch._foreach_copy_(plan.layout.views(slot.buffers), plan.local_tensors())
+        expected = plan.results(*plan.compute(slot.buffers))
+        LeadingCounts.computed_on.clear()
+        batched = plan.compute(slot.buffers, custom=False)
+        assert LeadingCounts.computed_on == []
+        states = {key: value.clone() for key, value in plan.custom_states(slot.buffers).items()}
+        assert_same(plan.results(*batched, plan.compute_custom(states)), expected)
+    assert expected[0] == {"leading": [2.0, 2.0, 1.0], "seen": 3}  # both windows: nothing resets
+    assert expected[2] == 5.0
 
 
 def test_sync_and_compute_reads_without_resetting() -> None:

@@ -27,7 +27,7 @@ from torchtelemetry.collect._transports import (
     cuda_events,
     reduce_failure,
 )
-from torchtelemetry.sync import LayoutMismatchError, Slot, WindowExchange
+from torchtelemetry.sync import BucketKey, LayoutMismatchError, Slot, WindowExchange
 
 __all__ = ["DeviceTransport"]
 
@@ -63,7 +63,9 @@ class DeviceTransport(Transport):
         device = self.plan.device
         self._stream = torch.cuda.Stream(device, priority=_HIGH_PRIORITY) if device.type == "cuda" else None
         self._results: list[torch.Tensor] = []
-        """Pinned host buffers for each ring slot's packed results."""
+        """Pinned host buffers for each ring slot's packed results (built-in metrics and steps)."""
+        self._custom_states: list[dict[BucketKey, torch.Tensor]] = []
+        """Pinned host buffers for each ring slot's custom metrics' states, computed by the worker."""
         if self._stream is None:
             return
         ring = len(self._slots)
@@ -76,8 +78,11 @@ class DeviceTransport(Transport):
         first = self._slots[0]
         if first.rows is not None:
             first.rows.zero_()
-        flat, _ = self.plan.compute(self.exchange.reduced(first))  # a dry run, for the results' size
+        # A dry run: the results' size (built-in rules give the same shapes every window).
+        flat, _ = self.plan.compute(self.exchange.reduced(first), custom=False)
         self._results = [torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True) for _ in range(ring)]
+        self._custom_states = [self.plan.custom_states_like(pin_memory=True) for _ in range(ring)]
+        self.plan.prepare(torch.device("cpu"))  # custom metrics compute on the host, in the worker
         torch.cuda.current_stream(device).synchronize()
 
     def schedule(self, window: int, step: int, reset: Any) -> Finish:
@@ -110,21 +115,34 @@ class DeviceTransport(Transport):
             works = exchange.reduce(slot, async_op=True)
             for work in works:
                 work.wait()  # the side stream waits for the collective; the host does not
-            flat, placement = plan.compute(exchange.reduced(slot))
+            reduced = exchange.reduced(slot)
+            flat, placement = plan.compute(reduced, custom=False)
             host = self._results[index]
-            if host.shape != flat.shape:  # a custom compute() whose result shape changed
-                host = self._results[index] = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
             host.copy_(flat, non_blocking=True)
+            custom = self._custom_states[index]
+            for key, states in plan.custom_states(reduced).items():
+                custom[key].copy_(states, non_blocking=True)
             done = self._done[index]
             done.record(stream)
-        return functools.partial(self._read, host, placement, done)
+        return functools.partial(self._read, host, placement, custom, done)
 
     def _finish_on_host(self, slot: Slot, works: list[Any]) -> list[Any]:
-        """Worker thread: wait for the Work issued by the training thread, then compute."""
+        """Worker thread: wait for the Work issued by the training thread, then compute (custom
+        metrics from their states apart, as on CUDA)."""
         _wait(works, self.exchange, self.timeout_s)
-        return self.plan.results(*self.plan.compute(self.exchange.reduced(slot)))
+        reduced = self.exchange.reduced(slot)
+        custom = self.plan.compute_custom(self.plan.custom_states(reduced))
+        return self.plan.results(*self.plan.compute(reduced, custom=False), custom)
 
-    def _read(self, host: torch.Tensor, placement: Any, done: torch.cuda.Event) -> list[Any]:
-        """Worker thread: wait for the packed results (sleeping, GIL released) and read them."""
+    def _read(
+        self,
+        host: torch.Tensor,
+        placement: Any,
+        custom: dict[BucketKey, torch.Tensor],
+        done: torch.cuda.Event,
+    ) -> list[Any]:
+        """Worker thread: wait for the packed results (sleeping, GIL released), compute the custom
+        metrics on the host (their `compute()` may read values or change shape: not on the training
+        thread), and read everything."""
         done.synchronize()
-        return self.plan.results(host, placement)
+        return self.plan.results(host, placement, self.plan.compute_custom(custom) if custom else None)

@@ -84,6 +84,43 @@ class ResultPlacement:
     """Number of float64 words at the start of the flat tensor (int64 values follow)."""
 
 
+class _Results:
+    """Result leaves of a window gathered into one flat int64 tensor (floats first, as float64 bits)."""
+
+    def __init__(self) -> None:
+        self._floats: list[torch.Tensor] = []
+        self._ints: list[torch.Tensor] = []
+        self._counts = [0, 0]
+        self._pieces: list[tuple[list[int], Any, list[tuple]]] = []
+
+    def add(self, positions: list[int], results: Any, k: int, *, unbatched: bool = False) -> None:
+        """The results of the metrics at `positions`, each tensor leaf batched over them (`k`
+        instances along dim 0), or holding one metric's own leaves if `unbatched`."""
+        leaves, spec = pytree.tree_flatten(results)
+        if unbatched:
+            leaves = [leaf.unsqueeze(0) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+        self._pieces.append((positions, _builder(spec), [self._place(leaf, k) for leaf in leaves]))
+
+    def _place(self, leaf: Any, k: int) -> tuple:
+        if not isinstance(leaf, torch.Tensor):
+            return ("value", leaf)
+        part = 0 if leaf.is_floating_point() else 1
+        (self._floats if part == 0 else self._ints).append(leaf.reshape(-1))
+        kind = "bool" if leaf.dtype == torch.bool else ("float", "int")[part]
+        described = (kind, self._counts[part], leaf.numel() // k, tuple(leaf.shape[1:]))
+        self._counts[part] += leaf.numel()
+        return described
+
+    def packed(self) -> tuple[torch.Tensor, ResultPlacement]:
+        parts = []
+        if self._floats:
+            parts.append(torch.cat(self._floats).to(torch.float64).view(torch.int64))
+        if self._ints:
+            parts.append(torch.cat(self._ints).to(torch.int64))
+        flat = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+        return flat, ResultPlacement(tuple(self._pieces), self._counts[0])
+
+
 def _builder(spec: pytree.TreeSpec) -> Callable[[list[Any]], Any]:
     """A fast `tree_unflatten` for the specs results have most: a leaf, or a dict of leaves."""
     if spec.is_leaf():
@@ -170,8 +207,16 @@ class WindowPlan:
                     (f"{named[p][0]}.{attr}", m.accumulators[attr])
                     for p, m in zip(group.positions, group.metrics, strict=True)
                 )
+        self._custom_from = len(entries)
+        """The first layout entry of a custom metric (theirs come last, before the steps)."""
         for position, metric in self._custom:
             entries.extend((f"{named[position][0]}.{a}", acc) for a, acc in metric.accumulators.items())
+        self._custom_layout = (
+            BucketLayout([(name, acc.local, acc.reduce_op) for name, acc in entries[self._custom_from :]])
+            if self._custom
+            else None
+        )
+        """Where `custom_states` packs the custom metrics' states apart."""
         self.accumulators: tuple[MetricAccumulator, ...] = tuple(acc for _, acc in entries)
         sum_dtypes = {acc.dtype for acc in self.accumulators if acc.reduce_op is ReduceOp.SUM}
         steps_dtype = (
@@ -228,24 +273,14 @@ class WindowPlan:
         key, start = self._steps_at
         buffers[key][start + rank].fill_(step)
 
-    def compute(self, buffers: dict[BucketKey, torch.Tensor]) -> tuple[torch.Tensor, ResultPlacement]:
-        """Every metric's results from the reduced `buffers`, as one flat int64 tensor on their device."""
-        floats: list[torch.Tensor] = []
-        ints: list[torch.Tensor] = []
-        counts = [0, 0]
+    def compute(
+        self, buffers: dict[BucketKey, torch.Tensor], *, custom: bool = True
+    ) -> tuple[torch.Tensor, ResultPlacement]:
+        """Every metric's results from the reduced `buffers`, as one flat int64 tensor on their device.
 
-        def place(leaf: Any, k: int) -> tuple:
-            if not isinstance(leaf, torch.Tensor):
-                return ("value", leaf)
-            per_instance = leaf.numel() // k
-            part = 0 if leaf.is_floating_point() else 1
-            (floats if part == 0 else ints).append(leaf.reshape(-1))
-            kind = "bool" if leaf.dtype == torch.bool else ("float", "int")[part]
-            described = (kind, counts[part], per_instance, tuple(leaf.shape[1:]))
-            counts[part] += leaf.numel()
-            return described
-
-        pieces = []
+        With `custom=False` the custom metrics are left out (see `custom_states`): what is computed
+        then has the same ops and result shapes every window, and reads no value on the host."""
+        results = _Results()
         device = next(iter(buffers.values())).device
         for group in self._groups:
             k = len(group.metrics)
@@ -255,34 +290,53 @@ class WindowPlan:
                 )
                 for block in group.blocks
             }
-            results = group.rule.compute(states, group.constants_on(device))
-            leaves, spec = pytree.tree_flatten(results)
-            pieces.append((group.positions, _builder(spec), [place(leaf, k) for leaf in leaves]))
-        if self._custom:
-            if device not in self._custom_on:
-                self.prepare(device)
-            views = self.layout.views(buffers)
-            state = {id(acc): view for acc, view in zip(self.accumulators, views, strict=False)}
-            for position, metric in self._custom_on[device]:
-                results = self._custom_compute(position, _reading(metric, state), device)
-                leaves, spec = pytree.tree_flatten(results)
-                pieces.append(
-                    ([position], _builder(spec), [place(_batch_of_one(leaf), 1) for leaf in leaves])
-                )
+            results.add(group.positions, group.rule.compute(states, group.constants_on(device)), k)
+        if custom and self._custom:
+            views = self.layout.views(buffers)[self._custom_from : len(self.accumulators)]
+            self._compute_custom(results, views, device)
         key, start = self._steps_at
-        pieces.append(
-            (
-                [-1],
-                pytree.tree_structure(0),
-                [place(buffers[key][start : start + self.world_size].unsqueeze(0), 1)],
-            )
-        )
-        parts = []
-        if floats:
-            parts.append(torch.cat(floats).to(torch.float64).view(torch.int64))
-        if ints:
-            parts.append(torch.cat(ints).to(torch.int64))
-        return torch.cat(parts), ResultPlacement(tuple(pieces), counts[0])
+        results.add([-1], buffers[key][start : start + self.world_size].unsqueeze(0), 1)
+        return results.packed()
+
+    def custom_states(self, buffers: dict[BucketKey, torch.Tensor]) -> dict[BucketKey, torch.Tensor]:
+        """The custom metrics' states in the reduced `buffers`, packed into one new buffer per
+        dtype (shapes fixed at bind), for `compute_custom` elsewhere: a custom `compute()` may read
+        values on the host (`.item()`) or change its results' shape, so the device transport runs
+        it on the worker, on the host, instead of on the training thread. Empty without custom
+        metrics."""
+        if self._custom_layout is None:
+            return {}
+        views = self.layout.views(buffers)[self._custom_from : len(self.accumulators)]
+        return self._custom_layout.storage(views)
+
+    def custom_states_like(self, *, pin_memory: bool) -> dict[BucketKey, torch.Tensor]:
+        """Host buffers shaped as `custom_states` returns them (allocated once, at bind)."""
+        if self._custom_layout is None:
+            return {}
+        return {
+            key: torch.empty(self._custom_layout.size(key), dtype=buffer.dtype, pin_memory=pin_memory)
+            for key, buffer in self._custom_layout.storage(
+                self.local_tensors()[self._custom_from : -1]
+            ).items()
+        }
+
+    def compute_custom(self, states: dict[BucketKey, torch.Tensor]) -> tuple[torch.Tensor, ResultPlacement]:
+        """The custom metrics' results from `custom_states` (copied anywhere, e.g. to the host)."""
+        results = _Results()
+        if self._custom_layout is not None:
+            device = next(iter(states.values())).device
+            self._compute_custom(results, self._custom_layout.views(states), device)
+        return results.packed()
+
+    def _compute_custom(self, results: _Results, views: list[torch.Tensor], device: torch.device) -> None:
+        if device not in self._custom_on:
+            self.prepare(device)
+        state = {
+            id(acc): view for acc, view in zip(self.accumulators[self._custom_from :], views, strict=True)
+        }
+        for position, metric in self._custom_on[device]:
+            computed = self._custom_compute(position, _reading(metric, state), device)
+            results.add([position], computed, 1, unbatched=True)
 
     def _custom_compute(self, position: int, metric: Metric, device: torch.device) -> Any:
         try:
@@ -294,12 +348,23 @@ class WindowPlan:
                 "accumulator's `value` and work on that device (keep tensor constants there too)"
             ) from error
 
-    def results(self, flat: torch.Tensor, placement: ResultPlacement) -> list[Any]:
-        """Each metric's results as Python values (host `flat` from `compute`), in `named` order.
+    def results(
+        self,
+        flat: torch.Tensor,
+        placement: ResultPlacement,
+        custom: tuple[torch.Tensor, ResultPlacement] | None = None,
+    ) -> list[Any]:
+        """Each metric's results as Python values (host `flat` from `compute`), in `named` order;
+        `custom`: the custom metrics' (`compute_custom`) if `compute` left them out.
 
         Raises `WindowMismatchError` if the ranks' steps differ."""
-        values = (flat[: placement.floats].view(torch.float64).tolist(), flat[placement.floats :].tolist())
         out: list[Any] = [None] * len(self.named)
+        for part_flat, part in (flat, placement), *(() if custom is None else (custom,)):
+            self._place(out, part_flat, part)
+        return out
+
+    def _place(self, out: list[Any], flat: torch.Tensor, placement: ResultPlacement) -> None:
+        values = (flat[: placement.floats].view(torch.float64).tolist(), flat[placement.floats :].tolist())
         for positions, build, described in placement.pieces:
             if build is _ONE_LEAF and described[0][0] in ("float", "int") and not described[0][3]:
                 start = described[0][1]  # the common case: one scalar per metric
@@ -323,7 +388,6 @@ class WindowPlan:
                 continue
             for position, instance in zip(positions, per_metric, strict=True):
                 out[position] = build(instance)
-        return out
 
     @staticmethod
     def _check_steps(steps: list[float | int]) -> None:
@@ -333,7 +397,3 @@ class WindowPlan:
                 f"ranks collected different windows ({per_rank}); every rank must schedule a collection "
                 "at the same steps (call Telemetry.step() / schedule_collection() the same way on every rank)"
             )
-
-
-def _batch_of_one(leaf: Any) -> Any:
-    return leaf.unsqueeze(0) if isinstance(leaf, torch.Tensor) else leaf
