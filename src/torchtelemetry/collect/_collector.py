@@ -137,8 +137,11 @@ class AsyncMetricCollector:
         collector's gloo group (host transport) and checks that every rank holds the same metrics
         (a `LayoutMismatchError` on every rank if not). Moves the metrics to `device` if one was
         given, and every local state into one flat buffer per bucket (values kept): capture CUDA
-        graphs of `update()` after `bind()`. Everything that may block happens here, so that
-        `schedule_collection()` never does.
+        graphs of `update()` after `bind()`, with `torch.cuda.graph(..., capture_error_mode=
+        "thread_local")`: while a window is in flight the worker thread waits on CUDA events, which
+        the default "global" mode forbids to every thread during a capture (docs/collection.md).
+        Never call `schedule_collection()` inside a capture. Everything that may block happens here,
+        so that `schedule_collection()` never does.
 
         A metric object is collected by one bound collector at a time, at one path of its tree:
         anything else raises a `ValueError` naming the metric and both places.

@@ -3,13 +3,16 @@
 For large CUDA states (a confusion matrix over thousands of classes). The slots live on the
 device; inside `schedule_collection()` the collective is issued asynchronously, in program order
 on every rank, so it cannot interleave with the training's own collectives (DDP, FSDP)
-differently on different ranks. On CUDA the exchange, the compute and ONE packed device-to-host
-copy are enqueued on a high-priority side stream that waits for the snapshot; the worker only
-waits (sleeping) for the final event. What it hands the worker (`_finish_on_host`, `_read`) only
-waits on a Work handle or an event and never receives a process group to issue on.
+differently on different ranks. On CUDA the exchange, the built-in metrics' batched compute and
+ONE packed device-to-host copy (plus one per dtype of custom metrics' states) are enqueued on a
+high-priority side stream that waits for the snapshot; the worker waits (sleeping) for the final
+event, then runs custom metrics' `compute()` on the host, where a `.item()` or a result of another
+shape costs the training thread nothing. What it hands the worker (`_finish_on_host`, `_read`)
+only waits on a Work handle or an event and never receives a process group to issue on.
 
 Set up at `bind()` (`_prepare`), never in a window: the side stream, the events, the pinned
-buffers for the packed results (sized by one dry run of the compute), and `record_stream` of
+buffers for the packed results (sized by one dry run of the built-in rules, whose shapes are
+fixed) and for custom metrics' states, and `record_stream` of
 every slot on the side stream, so that slots freed by an `unbind()` that timed out are not
 reused while the side stream (and the NCCL work it waits for) may still write them.
 """
