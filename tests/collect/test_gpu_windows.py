@@ -90,6 +90,30 @@ def test_update_is_captured_in_a_cuda_graph_while_windows_are_in_flight(transpor
     assert replayed == 2.0  # (1 x 4 + 3 x 4) / 8
 
 
+class ScaledHistogram(tt.HistogramMetric):
+    """A subclass with its own compute() reading a tensor attribute (bounds) that `to()` moved."""
+
+    def compute(self) -> dict[str, torch.Tensor]:
+        results = super().compute()
+        results["bounds"] = self.bounds * 2
+        return results
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_custom_metric_on_cuda_gets_a_right_first_window(transport: str) -> None:
+    """Its tensor attributes reach the host at bind (the host transport computes there, and so does
+    the device transport for custom metrics)."""
+    metrics = {
+        "h": ScaledHistogram(bins=[1.0, 2.0]).to("cuda"),
+        "big": tt.ConfusionMatrixMetric(600).to("cuda"),
+    }
+    with AsyncMetricCollector(metrics, transport=transport) as collector:  # type: ignore[arg-type]
+        metrics["h"].update(torch.tensor([0.5, 1.5, 9.0], device="cuda"))
+        collector.schedule_collection()
+        result = collector.collect_results()["h"]
+    assert result == {"bounds": [2.0, 4.0], "counts": [1.0, 1.0, 1.0], "sum": 11.0, "count": 3.0}
+
+
 class LeadingCounts(tt.Metric):
     """A custom compute() that reads a value on the host and sizes its results by it."""
 
