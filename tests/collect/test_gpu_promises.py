@@ -73,6 +73,7 @@ def test_the_first_window_on_an_nccl_group_syncs_nothing_and_leaves_the_stream_b
         metrics = _metrics(prefix=f"first_window/{transport}/")
         with AsyncMetricCollector(metrics, transport=transport, max_pending=3) as collector:  # type: ignore[arg-type]
             assert collector.transport_in_use() == transport
+            busy_for(0.01)  # calibrated before the checks
             torch.cuda.synchronize()
             busy = []
             torch.cuda.set_sync_debug_mode("error")  # process-wide: the worker must not sync either
@@ -161,11 +162,13 @@ def test_telemetry_issues_nccl_collectives_only_from_the_training_thread() -> No
 # -- the worker thread and the side stream -------------------------------------------------------
 
 
-def _worker_device_rank(rank: int, world_size: int, transport: str) -> dict[str, Any]:
+def _worker_device_rank(rank: int, world_size: int) -> dict[str, Any]:
     last = torch.cuda.device_count() - 1
     torch.cuda.set_device(last)  # with two GPUs or more, this process never uses GPU 0 itself
     metric = tt.SumMetric().to(f"cuda:{last}")
-    with AsyncMetricCollector(metric, transport=transport) as collector:  # type: ignore[arg-type]
+    with AsyncMetricCollector(
+        metric
+    ) as collector:  # the worker's device is set at bind, for either transport
         metric.update(torch.ones((), device=f"cuda:{last}"))
         # Read from inside the worker, where it runs the window.
         collector.schedule_collection(then=lambda results: (torch.cuda.current_device(), results))
@@ -178,12 +181,11 @@ def _worker_device_rank(rank: int, world_size: int, transport: str) -> dict[str,
     }
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
-def test_the_worker_thread_works_on_the_metrics_device(transport: str) -> None:
+def test_the_worker_thread_works_on_the_metrics_device() -> None:
     """35.1, read from inside the worker. A thread starts on GPU 0, so on one GPU the worker's device
     is the metrics' with or without the fix (`set_device(0)` is then a no-op in c10); on two GPUs or
     more the metrics sit on the last and the reverted worker reports GPU 0."""
-    (outcome,) = run_ranks(_worker_device_rank, 1, transport, timeout_s=240)
+    (outcome,) = run_ranks(_worker_device_rank, 1, timeout_s=240)
     assert outcome["worker_device"] == outcome["last"]
     assert outcome["results"] == [1.0]
     if outcome["last"] > 0:
