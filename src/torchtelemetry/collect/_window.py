@@ -313,11 +313,10 @@ class WindowPlan:
         """Host buffers shaped as `custom_states` returns them (allocated once, at bind)."""
         if self._custom_layout is None:
             return {}
+        packed = self._custom_layout.storage(self.local_tensors()[self._custom_from : -1])
         return {
-            key: torch.empty(self._custom_layout.size(key), dtype=buffer.dtype, pin_memory=pin_memory)
-            for key, buffer in self._custom_layout.storage(
-                self.local_tensors()[self._custom_from : -1]
-            ).items()
+            key: torch.empty(buffer.shape, dtype=buffer.dtype, pin_memory=pin_memory)
+            for key, buffer in packed.items()
         }
 
     def compute_custom(self, states: dict[BucketKey, torch.Tensor]) -> tuple[torch.Tensor, ResultPlacement]:
