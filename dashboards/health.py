@@ -143,7 +143,8 @@ def health_panels() -> list[dict[str, Any]]:
         stat(
             "Ranks holding the memory extremes",
             "The rank with the largest resident set and, on CUDA, with the most allocated, reserved "
-            "and fragmented memory, the least headroom, and the most allocator retries and OOMs.",
+            "and fragmented memory, the least headroom, and the most allocator retries and OOMs in "
+            "the window (their counts: the panel 'CUDA allocator: retries and OOMs').",
             "none",
             targets(
                 *(
@@ -153,15 +154,6 @@ def health_panels() -> list[dict[str, Any]]:
                 (by("", "train/memory/headroom/min_rank"), "least headroom"),
             ),
             decimals=0,
-        ),
-        timeseries(
-            "CUDA allocator: worst rank's retries and OOMs per window",
-            "Allocator retries and OOMs of the rank with the most in each window (CUDA runs only).",
-            "short",
-            targets(
-                (by("", "train/memory/alloc_retries/max"), "{{run}} retries"),
-                (by("", "train/memory/ooms/max"), "{{run}} OOMs"),
-            ),
         ),
         stat(
             "Goodput",

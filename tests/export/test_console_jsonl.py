@@ -56,7 +56,7 @@ def test_jsonl_appends_one_standard_json_object_per_report(tmp_path: Path) -> No
     exporter = JsonlExporter(path)
     assert not path.exists()  # nothing opened before describe
     exporter.describe([], RUN)
-    report = {**REPORT, "train/min": math.inf, "bad": {"0": math.nan}}
+    report = {**REPORT, "train/min": math.inf, "train/max": -math.inf, "bad": {"0": math.nan}}
     assert exporter.export(3, report, 1700000000.5) is ExportResult.SUCCESS
     assert exporter.force_flush(5)
     exporter.close()
@@ -75,8 +75,9 @@ def test_jsonl_appends_one_standard_json_object_per_report(tmp_path: Path) -> No
                 "train/loss": 0.123456789,
                 "step_time": {"0": 0.25, "1": 0.5},
                 "grad_norm": {"bounds": [0.5, 1.0], "counts": [1.0, 2.0, 1.0], "sum": 3.0, "count": 4.0},
-                "train/min": None,
-                "bad": {"0": None},
+                "train/min": "Infinity",  # non-finite values as OTel JSON writes them: strings
+                "train/max": "-Infinity",
+                "bad": {"0": "NaN"},
             },
         },
         {"step": 4, "timestamp": 1700000001.0, "run_id": "run-8", "values": {"train/loss": 1.0}},

@@ -81,6 +81,25 @@ def test_weighted_mean_matches_numpy_average() -> None:
     assert computed(metric).item() == pytest.approx(expected, rel=1e-12)
 
 
+@pytest.mark.parametrize("number", [3000000001.0, 16777217.0, 2.123456789, 0.1])
+@pytest.mark.parametrize(
+    "form", [lambda x: x, lambda x: [x], lambda x: (x, 0.0)], ids=["float", "list", "tuple"]
+)
+def test_python_floats_enter_a_float64_state_exactly(number: float, form) -> None:
+    """A Python float is a float64: it enters a float64 state with no float32 stop on the way."""
+    total, mean, largest = tt.SumMetric(), tt.WeightedMeanMetric(), tt.MaxMetric()
+    weight = tt.WeightedMeanMetric()
+    histogram = tt.HistogramMetric([1.0])
+    for metric in (total, mean, largest, histogram):
+        metric.update(form(number))
+    weight.update(torch.tensor(1.0, dtype=torch.float64), number)
+    assert computed(total).item() == number
+    assert computed(largest).item() == number
+    assert computed(histogram)["sum"].item() == number
+    assert mean.weighted_sum.local.item() == number
+    assert weight.total_weight.local.item() == number
+
+
 def test_weighted_mean_is_nan_without_weight() -> None:
     assert torch.isnan(computed(tt.WeightedMeanMetric()))
 

@@ -1,8 +1,9 @@
 """A stand-in for `pynvml` (nvidia-ml-py) with the calls `NvmlReader` makes, for machines without a GPU.
 
 Readings depend on the process's `RANK` (rank r draws 100 + 50 r watts, runs at 60 + r degrees,
-clocks 1980 - 100 r MHz, is 90 - 10 r percent busy and, on rank 1 only, is power-capped). `calls`
-records every call with the thread that made it.
+clocks 1980 - 100 r MHz, is 90 - 10 r percent busy and, on rank 1 only, is power-capped). GPUs are
+found by UUID only (`uuid_of(index)`; GPU 3 holds one MIG instance, `MIG_UUID`), as NVML finds them;
+there is no lookup by index. `calls` records every call with the thread that made it.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from types import SimpleNamespace
 
 NVML_TEMPERATURE_GPU = 0
 NVML_CLOCK_SM = 1
+MIG_UUID = "MIG-5c1a55e1-0000-4000-8000-000000000003"
 calls: list[tuple[str, str]] = []
 initialized = [0]
 
@@ -35,13 +37,25 @@ def nvmlShutdown() -> None:
     initialized[0] -= 1
 
 
-def nvmlDeviceGetHandleByUUID(uuid: str) -> object:
-    raise RuntimeError("no UUIDs here")
+class NVMLError(Exception):
+    """pynvml's base error (nvmlDeviceGetHandleByUUID raises its NVMLError_NotFound subclass)."""
 
 
-def nvmlDeviceGetHandleByIndex(index: int) -> str:
-    _called("nvmlDeviceGetHandleByIndex")
-    return f"gpu{index}"
+def uuid_of(index: int) -> str:
+    """GPU `index`'s UUID as CUDA reports it (`torch.cuda.get_device_properties(i).uuid`: no prefix)."""
+    return f"00000000-1111-2222-3333-{index:012d}"
+
+
+def nvmlDeviceGetHandleByUUID(uuid: str) -> str:
+    _called("nvmlDeviceGetHandleByUUID")
+    handles = {f"GPU-{uuid_of(index)}": f"gpu{index}" for index in range(4)} | {MIG_UUID: "gpu3/mig0"}
+    if uuid not in handles:
+        raise NVMLError("Not Found")
+    return handles[uuid]
+
+
+def nvmlDeviceGetDeviceHandleFromMigDeviceHandle(handle: str) -> str:
+    return handle.split("/")[0]
 
 
 def nvmlDeviceGetPowerUsage(handle: str) -> int:

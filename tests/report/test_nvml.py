@@ -15,7 +15,7 @@ from torchtelemetry.report.signals import GpuHealth, SignalSet, builtin_signals,
 
 
 def _gpu_health(rank: int, world_size: int) -> tuple[dict, list]:
-    reader = open_nvml(torch.device("cpu"), module="tests.report.fake_nvml")
+    reader = open_nvml(torch.device("cpu"), module="tests.report.fake_nvml", uuid=fake_nvml.uuid_of(rank))
     assert reader is not None
     gpu = GpuHealth(context(world_size, rank), reader)
     signals = SignalSet([gpu])
@@ -41,6 +41,35 @@ def test_readings_are_reduced_over_ranks_with_the_ranks_as_values_and_read_off_t
     readers = {thread for name, thread in calls if name == "nvmlDeviceGetPowerUsage"}
     assert readers == {"torchtelemetry-nvml"}
     assert calls[-1][0] == "nvmlShutdown"
+
+
+@pytest.mark.parametrize(
+    ("uuid", "handle"),
+    [
+        (fake_nvml.uuid_of(2), "gpu2"),  # as CUDA reports it
+        (f"GPU-{fake_nvml.uuid_of(1)}", "gpu1"),  # as NVML writes it
+        (fake_nvml.MIG_UUID.removeprefix("MIG-"), "gpu3"),  # a MIG instance: the GPU it lives on
+    ],
+    ids=["cuda form", "nvml form", "mig instance"],
+)
+def test_the_gpu_is_the_one_with_the_uuid_cuda_reports(uuid: str, handle: str) -> None:
+    """CUDA_VISIBLE_DEVICES=2 makes NVML's GPU 2 CUDA's device 0: only the UUID names the same GPU."""
+    reader = open_nvml(torch.device("cuda", 0), module="tests.report.fake_nvml", uuid=uuid)
+    assert reader is not None and reader.handle == handle
+    reader.close()
+
+
+def test_a_gpu_nvml_does_not_know_exports_nothing_and_one_line_says_why(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """No guess by CUDA index (NVML's indices ignore CUDA_VISIBLE_DEVICES: another GPU's readings)."""
+    initialized = fake_nvml.initialized[0]
+    with caplog.at_level(logging.INFO, logger="torchtelemetry.report.signals._nvml"):
+        reader = open_nvml(torch.device("cuda", 0), module="tests.report.fake_nvml", uuid="0badc0de-0000")
+    assert reader is None
+    assert len(caplog.records) == 1
+    assert "no GPU health (hw/gpu/...) for cuda:0" in caplog.text and "0badc0de-0000" in caplog.text
+    assert fake_nvml.initialized[0] == initialized  # NVML shut down again
 
 
 def test_without_nvml_nothing_is_exported_and_one_line_says_why(caplog: pytest.LogCaptureFixture) -> None:

@@ -20,8 +20,9 @@ class JsonlExporter(BaseExporter):
     """Appends `{"step", "timestamp", "run_id", "values"}` per report to `path` (opened on first describe).
 
     Values keep their shape: floats, `{label: float}` mappings, and histograms
-    as `{"bounds", "counts", "sum", "count"}`. Non-finite floats are written as
-    null so every line is standard JSON.
+    as `{"bounds", "counts", "sum", "count"}`. Non-finite floats are written as the JSON
+    strings "NaN", "Infinity" and "-Infinity" (as OpenTelemetry's JSON encoding does), so every
+    line is standard JSON and a NaN loss is told apart from a missing one.
     """
 
     def __init__(self, path: str | os.PathLike[str] = "torchtelemetry.jsonl", *, name: str = "jsonl") -> None:
@@ -74,6 +75,9 @@ def _jsonable(value: Any) -> Any:
     return _finite(value)
 
 
-def _finite(value: Any) -> float | None:
+def _finite(value: Any) -> float | str:
+    """`value` as a float, or its name as a JSON string when it is not finite."""
     value = float(value)
-    return value if math.isfinite(value) else None
+    if math.isfinite(value):
+        return value
+    return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")

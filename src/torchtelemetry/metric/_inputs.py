@@ -37,6 +37,22 @@ _WIDENED: dict[torch.dtype, torch.dtype | None] = {
     },
     **({torch.uint64: None} if hasattr(torch, "uint64") else {}),
 }
+# Real dtypes every op takes as they are: a tensor of one of them on the metric's device, outside
+# autograd, goes into the update unconverted.
+_READY = frozenset(
+    {
+        torch.bool,
+        torch.uint8,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+        torch.float64,
+    }
+)
 
 
 class UpdateInputs:
@@ -138,37 +154,52 @@ class UpdateInputs:
     def _as_tensor(self, value: Any, what: str, device: torch.device | None = None) -> torch.Tensor:
         """Accept tensors, Python numbers and numpy scalars/arrays; put them on the metric's device.
 
-        Python numbers become tensors by a fill on the device, never by a host-to-device copy;
-        numpy data and 0-d CPU tensors by a non-blocking copy. `device` (the metric's) saves
-        looking it up again.
+        A tensor of a real dtype on the metric's device, outside autograd, is used as it is (the
+        common case: four attribute reads). Python numbers become tensors by a fill on the device,
+        never by a host-to-device copy, in float64 (a Python float is one: exact) or int64; numpy
+        data and 0-d CPU tensors by a non-blocking copy. `device` (the metric's) saves looking it
+        up again.
         """
         device = device or self.device
         if isinstance(value, torch.Tensor):
-            if value.device != device:
-                if not (value.is_cpu and value.dim() == 0):
-                    raise ValueError(
-                        f"{self.display_name()}: {what} is on {value.device}, but the metric lives on "
-                        f"{device}; move the input or call metric.to({str(value.device)!r})"
-                    )
-                value = value.to(device, non_blocking=True)
-            if value.requires_grad:
-                value = value.detach()
-            if value.dtype in _WIDENED:
-                return self._widened(value, what)
-            return self._real(value, what) if value.is_complex() else value
-        if type(value) in (float, bool) or (type(value) is int and _INT64_MIN <= value <= _INT64_MAX):
+            if value.dtype in _READY and not value.requires_grad and value.device == device:
+                return value
+            return self._converted(value, what, device)
+        number = type(value)
+        if number is float:
+            return torch.full((), value, dtype=torch.float64, device=device)
+        if number is bool or (number is int and _INT64_MIN <= value <= _INT64_MAX):
             return torch.full((), value, device=device)
-        if type(value) is int:
+        if number is int:
             raise ValueError(f"{self.display_name()}: {what}={value} does not fit in a 64-bit integer")
         try:
             tensor = torch.as_tensor(value)
+            if tensor.dtype == torch.get_default_dtype() and isinstance(value, (list, tuple)):
+                # Python floats in a list: float64 (the default dtype would round them first)
+                tensor = torch.as_tensor(value, dtype=torch.float64)
         except (TypeError, ValueError, RuntimeError) as error:
             raise TypeError(
                 f"{self.display_name()}: {what} must be a tensor or a number, got {type(value).__name__}"
             ) from error
         tensor = self._widened(tensor, what) if tensor.dtype in _WIDENED else self._real(tensor, what)
-        # Host data (numpy): staged by a non-blocking copy, never one the host waits for.
+        # Host data (numpy, lists): staged by a non-blocking copy, never one the host waits for.
         return tensor.to(device, non_blocking=True)
+
+    def _converted(self, value: torch.Tensor, what: str, device: torch.device) -> torch.Tensor:
+        """A tensor that is not ready as it is: a 0-d CPU tensor moved to `device` (any other device
+        raises), detached from autograd, widened (`_widened`); complex raises."""
+        if value.device != device:
+            if not (value.is_cpu and value.dim() == 0):
+                raise ValueError(
+                    f"{self.display_name()}: {what} is on {value.device}, but the metric lives on "
+                    f"{device}; move the input or call metric.to({str(value.device)!r})"
+                )
+            value = value.to(device, non_blocking=True)
+        if value.requires_grad:
+            value = value.detach()
+        if value.dtype in _WIDENED:
+            return self._widened(value, what)
+        return self._real(value, what)
 
     def _widened(self, tensor: torch.Tensor, what: str) -> torch.Tensor:
         """A float8 tensor as float32, a uint16/uint32 one as int64 (exact); uint64 raises."""

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import resource
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
 
 import torch
 
 from torchtelemetry.metric import MaxMetric, Metric, SumMetric
 
-__all__ = ["AllocatorStats", "allocator_metrics", "peak_memory"]
+__all__ = ["AllocatorReading", "AllocatorStats", "allocator_metrics", "peak_memory"]
 
 
 def allocator_metrics() -> dict[str, Metric]:
@@ -27,31 +29,62 @@ def allocator_metrics() -> dict[str, Metric]:
     }
 
 
+class AllocatorReading(NamedTuple):
+    """One reading of the CUDA caching allocator (bytes; retries and OOMs since the previous one)."""
+
+    allocated: float
+    reserved: float
+    peak_active: float
+    peak_reserved: float
+    alloc_retries: float
+    ooms: float
+
+
 class AllocatorStats:
     """Reads `torch.cuda.memory_stats` (host-side counters of the caching allocator) once per window.
 
     Peaks are since the process started or since the user last called
     `torch.cuda.reset_peak_memory_stats`; the library never resets them. Retries and OOMs are
-    returned as the increase since the previous read, so summed over ranks and windows they
-    give the run's totals.
+    returned as the increase since the previous read, so summed over ranks and windows they give
+    the run's totals. A count lower than the previous read means someone called
+    `torch.cuda.reset_accumulated_memory_stats()`: the count restarted from 0, so the increase is
+    the count itself (re-based, never negative). `memory_stats` and `mem_get_info` are the two
+    CUDA calls; a test passes stand-ins to run the rest on a CPU.
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        *,
+        memory_stats: Callable[[torch.device], Mapping[str, Any]] = torch.cuda.memory_stats,
+        mem_get_info: Callable[[torch.device], tuple[int, int]] = torch.cuda.mem_get_info,
+    ) -> None:
         self.device = device
-        self._retries = 0.0
-        self._ooms = 0.0
+        self._memory_stats = memory_stats
+        self._mem_get_info = mem_get_info
+        self._counts = {"num_alloc_retries": 0.0, "num_ooms": 0.0}
 
-    def read(self) -> list[float]:
-        """[max active bytes, max reserved bytes, new allocation retries, new OOMs]."""
-        stats = torch.cuda.memory_stats(self.device)
-        retries, ooms = float(stats.get("num_alloc_retries", 0)), float(stats.get("num_ooms", 0))
-        new = [retries - self._retries, ooms - self._ooms]
-        self._retries, self._ooms = retries, ooms
-        return [
-            float(stats.get("active_bytes.all.peak", 0)),
-            float(stats.get("reserved_bytes.all.peak", 0)),
-            *new,
-        ]
+    def read(self) -> AllocatorReading:
+        """The allocator now; retries and OOMs since the previous `read()`."""
+        stats = self._memory_stats(self.device)
+        return AllocatorReading(
+            allocated=float(stats.get("allocated_bytes.all.current", 0)),
+            reserved=float(stats.get("reserved_bytes.all.current", 0)),
+            peak_active=float(stats.get("active_bytes.all.peak", 0)),
+            peak_reserved=float(stats.get("reserved_bytes.all.peak", 0)),
+            alloc_retries=self._increase(stats, "num_alloc_retries"),
+            ooms=self._increase(stats, "num_ooms"),
+        )
+
+    def free_bytes(self) -> float:
+        """What the device can still give (`cudaMemGetInfo`'s free bytes)."""
+        free, _ = self._mem_get_info(self.device)
+        return float(free)
+
+    def _increase(self, stats: Mapping[str, Any], key: str) -> float:
+        count, previous = float(stats.get(key, 0)), self._counts[key]
+        self._counts[key] = count
+        return count - previous if count >= previous else count
 
 
 def peak_memory(device: torch.device) -> float:

@@ -11,10 +11,13 @@ a collective of its own. Exported under `train/memory/`, at any world size:
 | `reserved` | bytes the caching allocator holds (CUDA) | `/max`, `/max_rank` |
 | `fragmentation` | reserved - allocated: cached, not in use (CUDA) | `/max`, `/max_rank` |
 | `headroom` | bytes the device can still give (`cudaMemGetInfo` free) | `/min`, `/min_rank` |
-| `alloc_retries`, `ooms` | the window's allocator retries and OOMs (CUDA) | `/max`, `/max_rank` (once any) |
+| `alloc_retries`, `ooms` | the window's allocator retries and OOMs (CUDA) | `/max_rank` (once any) |
 | `rss` | resident set of the process (every device) | `/max`, `/max_rank` |
 
-Values are the largest (headroom: smallest) read on the rank during the window.
+Values are the largest (headroom: smallest) read on the rank during the window. Retries and OOMs
+are counted once, run-wide, by `PeakMemory` (`train/memory/alloc_retries`, `train/memory/ooms`:
+counters summed over ranks); here only the rank with the most in the window is named. Both read
+`AllocatorStats`, which re-bases after `torch.cuda.reset_accumulated_memory_stats()`.
 """
 
 from __future__ import annotations
@@ -22,9 +25,8 @@ from __future__ import annotations
 import os
 import resource
 
-import torch
-
 from torchtelemetry.metric import Metric, MetricKind, ReduceOp
+from torchtelemetry.report._memory import AllocatorStats
 from torchtelemetry.report._values import MetricDescriptor, ReportValue
 from torchtelemetry.report.signals._base import (
     RankValues,
@@ -59,9 +61,14 @@ class MemoryHealth(Signal):
 
     name = "memory"
 
-    def __init__(self, context: SignalContext) -> None:
+    def __init__(self, context: SignalContext, allocator: AllocatorStats | None = None) -> None:
+        """`allocator`: where the CUDA quantities are read (by default the device's allocator on
+        CUDA, none elsewhere: then only `rss`)."""
         super().__init__(context)
-        self.cuda = context.device.type == "cuda"
+        if allocator is None and context.device.type == "cuda":
+            allocator = AllocatorStats(context.device)
+        self.allocator = allocator
+        self.cuda = allocator is not None
         self.quantities = (*CUDA_QUANTITIES, "rss") if self.cuda else ("rss",)
         self.ranks = RankValues(context.world_size, context.rank, self.quantities).to(context.device)
         self.headroom = (
@@ -69,7 +76,6 @@ class MemoryHealth(Signal):
             if self.cuda
             else None
         )
-        self._retries = self._ooms = 0.0
 
     def metrics(self) -> dict[str, Metric]:
         state: dict[str, Metric] = {STATE: self.ranks}
@@ -82,22 +88,17 @@ class MemoryHealth(Signal):
 
     def flush(self, duration_s: float, *, final: bool = False) -> None:
         values = {"rss": float(resident_bytes())}
-        if self.cuda:
-            stats = torch.cuda.memory_stats(self.context.device)
-            allocated = float(stats.get("allocated_bytes.all.current", 0))
-            reserved = float(stats.get("reserved_bytes.all.current", 0))
-            retries, ooms = float(stats.get("num_alloc_retries", 0)), float(stats.get("num_ooms", 0))
+        if self.allocator is not None:
+            reading = self.allocator.read()
             values.update(
-                allocated=allocated,
-                reserved=reserved,
-                fragmentation=reserved - allocated,
-                alloc_retries=retries - self._retries,
-                ooms=ooms - self._ooms,
+                allocated=reading.allocated,
+                reserved=reading.reserved,
+                fragmentation=reading.reserved - reading.allocated,
+                alloc_retries=reading.alloc_retries,
+                ooms=reading.ooms,
             )
-            self._retries, self._ooms = retries, ooms
-            free, _ = torch.cuda.mem_get_info(self.context.device)
             assert self.headroom is not None
-            self.headroom.write(0, float(free))
+            self.headroom.write(0, self.allocator.free_bytes())
         for index, quantity in enumerate(self.quantities):
             self.ranks.write(index, values[quantity])
 
@@ -107,8 +108,10 @@ class MemoryHealth(Signal):
             if not by_rank:
                 continue
             rank = highest_rank(by_rank)
-            window[f"{PREFIX}/{quantity}/max"] = by_rank[rank]
-            if quantity not in COUNTED or by_rank[rank] > 0:
+            if quantity not in COUNTED:
+                window[f"{PREFIX}/{quantity}/max"] = by_rank[rank]
+                window[f"{PREFIX}/{quantity}/max_rank"] = float(rank)
+            elif by_rank[rank] > 0:  # the count itself is PeakMemory's counter
                 window[f"{PREFIX}/{quantity}/max_rank"] = float(rank)
         headroom = finite_by_rank(window.pop(f"{HEADROOM_STATE}/headroom", None))
         if headroom:
@@ -123,6 +126,14 @@ def memory_descriptors(*, cuda: bool) -> list[MetricDescriptor]:
     out = []
     for quantity in quantities:
         unit, description = DESCRIPTIONS[quantity]
+        if quantity in COUNTED:
+            out.append(
+                MetricDescriptor(
+                    f"{PREFIX}/{quantity}/max_rank",
+                    description=f"Rank with the most {quantity} in the window (counter: {PREFIX}/{quantity})",
+                )
+            )
+            continue
         out.append(
             MetricDescriptor(
                 f"{PREFIX}/{quantity}/max", MetricKind.GAUGE, unit, f"{description}, max over ranks"

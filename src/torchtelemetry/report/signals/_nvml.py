@@ -13,7 +13,10 @@ its slot of a per-rank state that rides the window. Exported under OpenTelemetry
 | `hw/gpu/utilization` | `nvmlDeviceGetUtilizationRates().gpu` | percent |
 | `hw/gpu/throttled` | 1 when the clocks are held down by power or thermal limits | |
 
-A reading is at most one window old. Without NVML (the package or the driver) nothing is exported
+A reading is at most one window old. The GPU is found by the UUID CUDA reports for the rank's
+device (`CUDA_VISIBLE_DEVICES` may renumber devices; NVML's indices ignore it), a MIG instance's
+included: its readings are the whole GPU's (power, temperature and clocks belong to the GPU). Without
+NVML (the package or the driver), or when NVML knows no device with that UUID, nothing is exported
 and one line is logged.
 """
 
@@ -39,7 +42,7 @@ from torchtelemetry.report.signals._base import (
     lowest_rank,
 )
 
-__all__ = ["THROTTLE_REASONS", "GpuHealth", "NvmlReader", "gpu_descriptors", "open_nvml"]
+__all__ = ["THROTTLE_REASONS", "GpuHealth", "NvmlReader", "cuda_uuid", "gpu_descriptors", "open_nvml"]
 
 logger = logging.getLogger(__name__)
 
@@ -58,12 +61,17 @@ application clock settings, sync boost and display clocks are not."""
 
 
 class NvmlReader:
-    """Reads one GPU through an NVML module (`pynvml` of nvidia-ml-py, or a stand-in with its API)."""
+    """Reads one GPU through an NVML module (`pynvml` of nvidia-ml-py, or a stand-in with its API),
+    found by `uuid` (`cuda_uuid`); raises `LookupError` when NVML knows no such device."""
 
-    def __init__(self, nvml: ModuleType | Any, device: torch.device) -> None:
+    def __init__(self, nvml: ModuleType | Any, uuid: str) -> None:
         self.nvml = nvml
         nvml.nvmlInit()
-        self.handle = _handle(nvml, device)
+        try:
+            self.handle = _handle(nvml, uuid)
+        except BaseException:
+            nvml.nvmlShutdown()
+            raise
         # nvidia-ml-py 12.535 renamed the throttle reasons "clock event reasons"
         reasons = getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
         self._reasons = reasons or nvml.nvmlDeviceGetCurrentClocksThrottleReasons
@@ -84,25 +92,42 @@ class NvmlReader:
         self.nvml.nvmlShutdown()
 
 
-def _handle(nvml: Any, device: torch.device) -> Any:
-    """The NVML handle of `device`: by UUID (NVML numbers GPUs ignoring CUDA_VISIBLE_DEVICES)."""
-    index = device.index if device.index is not None else 0
-    try:
-        uuid = str(torch.cuda.get_device_properties(index).uuid)
-        return nvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
-    except Exception:  # no CUDA here (a stand-in NVML in tests), or an NVML without the UUID
-        return nvml.nvmlDeviceGetHandleByIndex(index)
+def cuda_uuid(device: torch.device) -> str:
+    """The UUID CUDA reports for `device` (a MIG instance's own under MIG), without NVML's prefix."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return str(torch.cuda.get_device_properties(index).uuid)
 
 
-def open_nvml(device: torch.device, module: str = "pynvml") -> NvmlReader | None:
-    """An `NvmlReader` for `device`, or None (logged once) when NVML cannot be used."""
+def _handle(nvml: Any, uuid: str) -> Any:
+    """The NVML handle of the GPU with `uuid`: a whole GPU ("GPU-..."), or the GPU a MIG instance
+    ("MIG-...") lives on. Never by index: NVML numbers GPUs ignoring CUDA_VISIBLE_DEVICES."""
+    bare = uuid.removeprefix("GPU-").removeprefix("MIG-")
     try:
-        return NvmlReader(importlib.import_module(module), device)
+        return nvml.nvmlDeviceGetHandleByUUID(f"GPU-{bare}")
+    except nvml.NVMLError:
+        pass
+    try:
+        instance = nvml.nvmlDeviceGetHandleByUUID(f"MIG-{bare}")
+    except nvml.NVMLError:
+        raise LookupError(f"NVML has no GPU or MIG instance with the UUID CUDA reports ({bare})") from None
+    return nvml.nvmlDeviceGetDeviceHandleFromMigDeviceHandle(instance)
+
+
+def open_nvml(device: torch.device, module: str = "pynvml", *, uuid: str | None = None) -> NvmlReader | None:
+    """An `NvmlReader` for `device` (found by `uuid`, by default `cuda_uuid(device)`), or None (logged
+    once) when NVML cannot be used or knows no such device."""
+    try:
+        nvml = importlib.import_module(module)
     except ImportError:
         logger.info(
             "Telemetry: no GPU health (hw/gpu/...): pip install 'torchtelemetry[nvml]' (nvidia-ml-py)"
         )
-    except Exception as error:  # NVMLError: no driver, no such device
+        return None
+    try:
+        return NvmlReader(nvml, uuid if uuid is not None else cuda_uuid(device))
+    except LookupError as error:
+        logger.warning("Telemetry: no GPU health (hw/gpu/...) for %s: %s", device, error)
+    except Exception as error:  # NVMLError: no driver
         logger.info("Telemetry: no GPU health (hw/gpu/...): NVML unavailable (%s)", error)
     return None
 

@@ -24,14 +24,17 @@ class PeakMemory(Signal):
 
     name = "peak_memory"
 
-    def __init__(self, context: SignalContext) -> None:
+    def __init__(self, context: SignalContext, allocator: AllocatorStats | None = None) -> None:
+        """`allocator`: where the CUDA detail is read (by default the device's allocator on CUDA,
+        none elsewhere)."""
         super().__init__(context)
         self.peak = MaxMetric(
             unit="bytes", description="Peak device memory allocated (CUDA), else peak resident memory"
         ).to(context.device)
-        cuda = context.device.type == "cuda"
-        self.allocator = AllocatorStats(context.device) if cuda else None
-        self.memory = allocator_metrics() if cuda else {}
+        if allocator is None and context.device.type == "cuda":
+            allocator = AllocatorStats(context.device)
+        self.allocator = allocator
+        self.memory = allocator_metrics() if allocator is not None else {}
         for metric in self.memory.values():
             metric.to(context.device)
 
@@ -50,8 +53,8 @@ class PeakMemory(Signal):
     def flush(self, duration_s: float, *, final: bool = False) -> None:
         self.peak.extremum.local.clamp_(min=peak_memory(self.context.device))
         if self.allocator is not None:
-            max_active, max_reserved, retries, ooms = self.allocator.read()
-            self.memory["max_active"].extremum.local.clamp_(min=max_active)
-            self.memory["max_reserved"].extremum.local.clamp_(min=max_reserved)
-            self.memory["alloc_retries"].total.local.add_(retries)
-            self.memory["ooms"].total.local.add_(ooms)
+            reading = self.allocator.read()
+            self.memory["max_active"].extremum.local.clamp_(min=reading.peak_active)
+            self.memory["max_reserved"].extremum.local.clamp_(min=reading.peak_reserved)
+            self.memory["alloc_retries"].total.local.add_(reading.alloc_retries)
+            self.memory["ooms"].total.local.add_(reading.ooms)
