@@ -80,6 +80,43 @@ def test_every_rank_stops_at_the_same_step_and_the_last_window_is_exported(
     assert reports[-1]["values"]["tokens"] == (last + 1) * TOKENS * WORLD_SIZE, "nothing lost"
 
 
+def _build_with(rank: int, world_size: int, settings: list[dict[str, float]]) -> str:
+    """Build a StopOnSignal with this rank's settings; the error it raises, or "built"."""
+    import torchtelemetry as tt
+
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        with tt.StopOnSignal(**settings[rank]):  # type: ignore[arg-type]
+            return "built"
+    except ValueError as error:
+        assert signal.getsignal(signal.SIGTERM) is previous, "no handler left installed"
+        return str(error)
+
+
+@pytest.mark.parametrize(
+    ("settings", "named"),
+    [
+        (
+            [{"every": 10, "timeout_s": 30}, {"every": 5, "timeout_s": 30}],
+            "rank 0: every=10, timeout_s=30, rank 1: every=5, timeout_s=30",
+        ),
+        (
+            [{"every": 4, "timeout_s": 30}, {"every": 4, "timeout_s": 45}],
+            "rank 0: every=4, timeout_s=30, rank 1: every=4, timeout_s=45",
+        ),
+    ],
+    ids=["every", "timeout_s"],
+)
+def test_every_and_timeout_s_that_differ_across_ranks_raise_on_every_rank(
+    settings: list[dict[str, float]], named: str
+) -> None:
+    errors = run_ranks(_build_with, 2, settings, timeout_s=120)
+    for error in errors:
+        assert "StopOnSignal: every and timeout_s must be the same on every rank" in error
+        assert named in error
+    assert run_ranks(_build_with, 2, [settings[0], settings[0]], timeout_s=120) == ["built", "built"]
+
+
 def test_a_single_process_stops_at_the_next_step(tmp_path: Path) -> None:
     import torch
 

@@ -143,7 +143,9 @@ def write_stack(
     Docker or 127.0.0.1) and `metrics_port`; the Pushgateway's and the Collector's that a
     Prometheus outside Docker scrapes to `pushgateway` and `collector` (`HOST:PORT`, or
     `http://HOST:PORT`). Raises `FileExistsError` before writing anything if a file is there
-    already, unless `overwrite`, and `ValueError` for an address that no shipped config uses.
+    already, unless `overwrite`, and `ValueError` for an address that no shipped config uses, for
+    an `out` that is not a directory, and for a symbolic link inside `out` on the way to a file
+    (a dangling one included): nothing is ever written outside `out`.
     """
     if not 0 < metrics_port < 65536:
         raise ValueError(f"metrics_port: must be in 1..65535, got {metrics_port}")
@@ -172,6 +174,14 @@ def write_stack(
                 f"port {port}, so there is nothing to set; edit the written configs instead"
             )
     root = Path(out)
+    if root.exists() and not root.is_dir():
+        raise ValueError(f"out: {root} is not a directory; name a directory to write into")
+    links = sorted({str(link) for name in contents for link in _links_on_the_way(root, name)})
+    if links:
+        raise ValueError(
+            f"out: {root} holds symbolic links the stack would be written through ({', '.join(links)}); "
+            "nothing is written outside the directory, even with --force: remove them or write elsewhere"
+        )
     present = [name for name in contents if (root / name).exists()]
     if present and not overwrite:
         raise FileExistsError(
@@ -184,6 +194,15 @@ def write_stack(
         path.write_bytes(data)
         written.append(path)
     return written
+
+
+def _links_on_the_way(root: Path, name: str) -> Iterator[Path]:
+    """The symbolic links (dangling ones too) among the paths below `root` that lead to `root / name`."""
+    path = root
+    for part in Path(name).parts:
+        path = path / part
+        if path.is_symlink():
+            yield path
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -232,8 +251,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             collector=args.collector,
             overwrite=args.force,
         )
-    except (ValueError, FileExistsError) as error:
-        parser.error(str(error))
+    except (ValueError, OSError) as error:  # a usage error, or a DIR that cannot be written: one line
+        parser.exit(2, f"{parser.prog}: error: {error}\n")
     for path in written:
         print(path)
     print(f"torchtelemetry stack: wrote {len(written)} files; next: cd {args.out} && docker compose up -d")

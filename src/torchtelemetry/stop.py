@@ -42,9 +42,11 @@ class StopOnSignal:
     ```
 
     Building it installs the handlers (on the main thread) and, with more than one rank, creates
-    a gloo group of all ranks: it is collective, like `Telemetry`. A second signal of a kind
-    already received gives it to the handler that was there before (Ctrl-C twice interrupts at
-    once). Leaving the `with` block (or `restore()`) puts the previous handlers back.
+    a gloo group of all ranks and checks that `every` and `timeout_s` are the same on every rank
+    (else the ranks would agree at different calls and stop at different steps): it is collective,
+    like `Telemetry`, and raises `ValueError` on every rank naming each rank's values. A second
+    signal of a kind already received gives it to the handler that was there before (Ctrl-C twice
+    interrupts at once). Leaving the `with` block (or `restore()`) puts the previous handlers back.
 
     Args:
         every: calls of `agreed()` between two agreements (a signal stops the loop at most this
@@ -81,6 +83,7 @@ class StopOnSignal:
             # A group of its own: the agreement never interleaves with the training's collectives
             # or the metrics collector's, and runs on the host whatever the training's backend.
             self._group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+            self._check_same_on_every_rank()
         self._previous = {signum: signal.signal(signum, self._on_signal) for signum in signals}
 
     @property
@@ -121,15 +124,43 @@ class StopOnSignal:
         previous, self._previous = self._previous, {}
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-        group, self._group = self._group, None
-        if group is not None and dist.is_initialized():
-            dist.destroy_process_group(group)
+        self._release_group()
 
     def __enter__(self) -> StopOnSignal:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.restore()
+
+    def _check_same_on_every_rank(self) -> None:
+        """Raise `ValueError` (on every rank, the group released) unless every rank has this rank's
+        `every` and `timeout_s`; one all-gather, bounded by this rank's `timeout_s`."""
+        mine = torch.tensor([float(self.every), self.timeout_s], dtype=torch.float64)
+        gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(self._group))]
+        try:
+            dist.all_gather(gathered, mine, group=self._group)
+        except RuntimeError as error:
+            self._release_group()
+            raise RuntimeError(
+                f"StopOnSignal: the ranks did not all build it within timeout_s={self.timeout_s} s "
+                f"(a rank died, or builds it elsewhere): {error}"
+            ) from error
+        settings = [(int(every), timeout_s) for every, timeout_s in (row.tolist() for row in gathered)]
+        if len(set(settings)) > 1:
+            self._release_group()
+            found = ", ".join(
+                f"rank {rank}: every={every}, timeout_s={timeout_s:g}"
+                for rank, (every, timeout_s) in enumerate(settings)
+            )
+            raise ValueError(
+                f"StopOnSignal: every and timeout_s must be the same on every rank (the ranks agree at the "
+                f"same calls, or stop at different steps), got {found}; pass the same values on every rank"
+            )
+
+    def _release_group(self) -> None:
+        group, self._group = self._group, None
+        if group is not None and dist.is_initialized():
+            dist.destroy_process_group(group)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         if self.received is None:

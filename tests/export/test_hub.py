@@ -195,6 +195,69 @@ def test_errors_are_logged_once_per_burst(caplog: pytest.LogCaptureFixture) -> N
     assert hub.health()["flaky"].errors == 5
 
 
+class MisbehavingExporter(RecordingExporter):
+    """While `misbehaving`, export raises `misbehaviour` (an exception) or returns it; close raises it."""
+
+    def __init__(self, name: str, misbehaviour: object) -> None:
+        super().__init__(name)
+        self.misbehaviour = misbehaviour
+        self.misbehaving = True
+
+    def export(self, step: int, values: ReportValues, timestamp: float) -> ExportResult:
+        if not self.misbehaving:
+            return super().export(step, values, timestamp)
+        if isinstance(self.misbehaviour, BaseException):
+            raise self.misbehaviour
+        return self.misbehaviour  # type: ignore[return-value]
+
+    def force_flush(self, timeout_s: float = 10.0) -> bool:
+        if self.misbehaving and isinstance(self.misbehaviour, BaseException):
+            raise self.misbehaviour
+        return super().force_flush(timeout_s)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        super().close(timeout_s)
+        if isinstance(self.misbehaviour, BaseException):
+            raise self.misbehaviour
+
+
+@pytest.mark.parametrize(
+    ("misbehaviour", "reason"),
+    [
+        (SystemExit(3), "raised: SystemExit: 3"),
+        (KeyboardInterrupt("typed ^C"), "raised: KeyboardInterrupt: typed ^C"),
+        (True, "returned True, not an ExportResult"),
+        (None, "returned None, not an ExportResult"),
+    ],
+    ids=["SystemExit", "KeyboardInterrupt", "True", "None"],
+)
+def test_an_exporter_thread_survives_whatever_its_exporter_raises_or_returns(
+    misbehaviour: object, reason: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    exporter = MisbehavingExporter("odd", misbehaviour)
+    hub = ExportHub([exporter], run=RUN, queue_size=4)
+    hub.describe([LOSS])
+    with caplog.at_level(logging.INFO, logger="torchtelemetry"):
+        for step in range(1, 21):
+            hub.submit(step, {"train/loss": float(step)})
+        hub.force_flush(30)  # returns once everything before it was exported, failed or dropped
+        health = hub.health()["odd"]
+        assert health.exported_reports + health.errors + health.dropped_reports == 20
+        assert health.errors >= 1
+        exporter.misbehaving = False
+        hub.submit(21, {"train/loss": 21.0})
+        assert hub.force_flush(30)  # the thread is alive and exports again
+        hub.close(30)
+    health = hub.health()["odd"]
+    assert health.exported_reports == 1 and [step for step, _ in exporter.reports] == [21]
+    assert health.exported_reports + health.errors + health.dropped_reports == 21
+    assert exporter.closes == 1
+    assert not [t for t in threading.enumerate() if t.name == "torchtelemetry-export-odd"]
+    messages = [r.getMessage() for r in caplog.records if "'odd'" in r.getMessage()]
+    assert len([m for m in messages if reason in m and "export of step" in m]) == 1  # once, with the reason
+    assert f"exporter 'odd': recovered after {health.errors} failures" in messages
+
+
 def test_collisions_and_illegal_names_raise_at_describe_before_any_thread() -> None:
     threads_before = set(threading.enumerate())
     prometheus, recorder = PrometheusExporter(port=0), RecordingExporter("recorder")

@@ -97,6 +97,9 @@ def test_bad_options_and_collisions() -> None:
         PushgatewayExporter("127.0.0.1:9091", grouping_key={"run": "x"})
     with pytest.raises(ValueError, match="timeout_s"):
         PushgatewayExporter("127.0.0.1:9091", timeout_s=0)
+    with pytest.raises(ValueError, match=r"http://\*\*\*@gw:9091/\?token=\*\*\* has a query") as refused:
+        PushgatewayExporter("http://u:pa55@gw:9091/?token=t0k3n")  # the push path would go after it
+    assert "pa55" not in str(refused.value) and "t0k3n" not in str(refused.value)
     exporter = PushgatewayExporter("127.0.0.1:9091")
     with pytest.raises(NameCollisionError):
         exporter.describe([DESCRIPTORS[0], DESCRIPTORS[0].__class__("train.loss")], RUN)

@@ -187,3 +187,32 @@ def test_files_already_there_are_kept_unless_overwritten(tmp_path: Path, capsys)
 
     assert main(["stack", "--out", str(tmp_path), "--force"]) == 0
     assert written(tmp_path) == repository_stack()
+
+
+def test_nothing_is_written_outside_the_directory_through_a_symbolic_link(tmp_path: Path, capsys) -> None:
+    outside, out = tmp_path / "outside", tmp_path / "out"
+    outside.mkdir()
+    out.mkdir()
+    (out / "docker-compose.yml").symlink_to(outside / "planted.yml")  # dangling: exists() says False
+    (out / "dashboards").symlink_to(outside, target_is_directory=True)
+    for force in ([], ["--force"]):
+        with pytest.raises(SystemExit) as exit_:
+            main(["stack", "--out", str(out), *force])
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1, err  # one line, no usage dump, no traceback
+        assert f"{out / 'dashboards'}, {out / 'docker-compose.yml'}" in err and "symbolic links" in err
+    assert not any(outside.iterdir()), "nothing written through the links"
+    assert sorted(out.iterdir()) == [out / "dashboards", out / "docker-compose.yml"], "nothing written"
+
+
+def test_out_naming_a_file_is_one_line_naming_it(tmp_path: Path, capsys) -> None:
+    (tmp_path / "file").write_text("mine\n")
+    with pytest.raises(SystemExit) as exit_:
+        main(["stack", "--out", str(tmp_path / "file")])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err == f"torchtelemetry stack: error: out: {tmp_path / 'file'} is not a directory; " + (
+        "name a directory to write into\n"
+    )
+    assert (tmp_path / "file").read_text() == "mine\n"

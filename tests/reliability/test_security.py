@@ -41,6 +41,7 @@ from torchtelemetry.export import (
     PushgatewayExporter,
     RunInfo,
     exporters_from_spec,
+    redact_url,
 )
 
 pytest.importorskip("opentelemetry.exporter.otlp.proto.grpc")
@@ -137,6 +138,7 @@ SECRETS = {
     "bearer": "bearer-s3cr3t-7f1c",
     "url_password": "url-pa55word-9e2d",
     "gateway_password": "gw-pa55word-41aa",
+    "query_token": "qu3ry-t0ken-5b7e",
 }
 
 
@@ -183,7 +185,7 @@ def test_no_secret_in_logs_stderr_or_exported_labels(
             ),
             OTelExporter(protocol="grpc", endpoint=grpc_receiver.endpoint, headers=bearer, name="otlp-grpc"),
             OTelExporter(  # failing: the error paths log too
-                endpoint=f"http://{user_info}{closed.address}/v1/metrics",
+                endpoint=f"http://{user_info}{closed.address}/v1/metrics?api_key={SECRETS['query_token']}",
                 headers=bearer,
                 timeout_s=0.5,
                 name="otlp-down",
@@ -412,3 +414,21 @@ def test_awkward_label_values_arrive_intact_over_otlp(protocol: str) -> None:
     points = metrics_by_name(received.request)["train.step_time"].gauge.data_points
     assert {attributes(p.attributes)["rank"]: p.as_double for p in points} == AWKWARD
     assert resource_attributes(received.request)[0]["service.instance.id"] == AWKWARD_RUN
+
+
+@pytest.mark.parametrize(
+    ("url", "logged"),
+    [
+        (
+            "https://u:p4ss@otlp.example:4318/v1/metrics?api_key=S3CR3T&tenant=a",
+            "https://***@otlp.example:4318/v1/metrics?api_key=***&tenant=***",
+        ),
+        ("otlp.example:4317", "otlp.example:4317"),
+        ("http://127.0.0.1:9091", "http://127.0.0.1:9091"),
+        ("http://gw/?S3CR3T#S3CR3T", "http://gw/?***#***"),
+        ("http://gw/?e=someone@example.org", "http://gw/?e=***"),
+        ("sqlite:///mlflow.db", "sqlite:///mlflow.db"),
+    ],
+)
+def test_one_helper_masks_the_secrets_of_any_logged_url(url: str, logged: str) -> None:
+    assert redact_url(url) == logged

@@ -41,6 +41,7 @@ from torchtelemetry.export._signal_registry import (
 )
 from torchtelemetry.export._temporality import Temporality
 from torchtelemetry.export._tensorboard import TensorBoardExporter
+from torchtelemetry.export._urls import redact_url
 from torchtelemetry.export._wandb import WandbExporter
 from torchtelemetry.metric import MetricKind
 from torchtelemetry.report import (
@@ -104,6 +105,7 @@ __all__ = [
     "otel_unit",
     "prometheus_label_name",
     "prometheus_name",
+    "redact_url",
     "tracker_label_name",
     "tracker_name",
 ]

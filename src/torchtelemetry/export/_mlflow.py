@@ -13,6 +13,7 @@ from torchtelemetry.export._base import BaseExporter, ExportFailed
 from torchtelemetry.export._naming import TrackerKeys
 from torchtelemetry.export._protocol import RunInfo
 from torchtelemetry.export._temporality import Temporality
+from torchtelemetry.export._urls import redact_url
 from torchtelemetry.metric import MetricKind
 from torchtelemetry.report import HistogramValue, MetricDescriptor, ReportValues
 
@@ -120,7 +121,7 @@ class MLflowExporter(BaseExporter):
             for start in range(0, len(metrics), _MAX_METRICS_PER_BATCH):
                 self._client.log_batch(run_id, metrics=metrics[start : start + _MAX_METRICS_PER_BATCH])
         except Exception as error:
-            raise ExportFailed(f"log_batch to {self.tracking_uri} failed") from error
+            raise ExportFailed(f"log_batch to {redact_url(self.tracking_uri)} failed") from error
         if left_out:
             raise ExportFailed(f"values left out: {'; '.join(left_out)}")
 
@@ -154,14 +155,14 @@ class MLflowExporter(BaseExporter):
                 self._client.update_run(run.info.run_id, status="RUNNING")
             self._log_params(run.info.run_id, already=run.data.params)
         except Exception as error:
-            raise ExportFailed(f"cannot start an MLflow run at {self.tracking_uri}") from error
+            raise ExportFailed(f"cannot start an MLflow run at {redact_url(self.tracking_uri)}") from error
         self.run_id = run.info.run_id
         logger.info(
             "MLflowExporter %r: %s MLflow run %s at %s",
             self.name,
             "resumed" if found else "started",
             self.run_id,
-            self.tracking_uri,
+            redact_url(self.tracking_uri),
         )
         return self.run_id
 

@@ -38,14 +38,13 @@ from torchtelemetry.export._otlp_settings import (
     METRICS_PROTOCOL_ENV,
     PROTOCOL_ENV,
     check_headers,
-    has_user_info,
     metrics_endpoint,
-    redact_url,
     resolve_protocol,
     temporality_preference,
 )
 from torchtelemetry.export._protocol import RunInfo
 from torchtelemetry.export._temporality import Temporality
+from torchtelemetry.export._urls import has_user_info, redact_url
 from torchtelemetry.metric import MetricKind
 from torchtelemetry.report import MetricDescriptor, ReportValues, wall_time
 
@@ -163,7 +162,8 @@ class OTelExporter(BaseExporter):
 
     @property
     def url(self) -> str:
-        """The metrics endpoint with any `user:password@` masked: what logs and the demo show."""
+        """The metrics endpoint with its secrets masked (`redact_url`: user information, query values):
+        what logs, errors and the demo show."""
         return redact_url(self.endpoint)
 
     def _describe(self, descriptors: Sequence[MetricDescriptor], run: RunInfo) -> None:

@@ -12,7 +12,7 @@ import logging
 import os
 import re
 from collections.abc import Mapping
-from urllib.parse import unquote, urlsplit, urlunsplit
+from urllib.parse import unquote
 
 __all__ = [
     "ENDPOINT_ENV",
@@ -23,9 +23,7 @@ __all__ = [
     "PROTOCOL_ENV",
     "TEMPORALITY_ENV",
     "check_headers",
-    "has_user_info",
     "metrics_endpoint",
-    "redact_url",
     "resolve_protocol",
     "temporality_preference",
 ]
@@ -107,20 +105,6 @@ def resolve_protocol(protocol: str | None, environ: Mapping[str, str] = os.envir
             )
             return _DEFAULT_PROTOCOL
     return _DEFAULT_PROTOCOL
-
-
-def has_user_info(url: str) -> bool:
-    """Whether `url` carries `user:password@`."""
-    return "@" in urlsplit(url if "//" in url else f"//{url}").netloc
-
-
-def redact_url(url: str) -> str:
-    """`url` with any `user:password@` masked, safe for logs."""
-    if not has_user_info(url):
-        return url
-    parts = urlsplit(url if "//" in url else f"//{url}")
-    redacted = urlunsplit(parts._replace(netloc=f"***@{parts.netloc.rpartition('@')[2]}"))
-    return redacted if "//" in url else redacted.removeprefix("//")
 
 
 # An HTTP token (RFC 9110); gRPC metadata keys are lower-case letters, digits, '-', '_' and '.'.

@@ -16,6 +16,7 @@ from torchtelemetry.export._exposition import (
 )
 from torchtelemetry.export._naming import NAMESPACE
 from torchtelemetry.export._protocol import RunInfo
+from torchtelemetry.export._urls import redact_url
 from torchtelemetry.report import MetricDescriptor, ReportValues, wall_time
 
 __all__ = ["PushgatewayExporter"]
@@ -34,7 +35,8 @@ class PushgatewayExporter(BaseExporter):
     final report may then never be scraped). Scrape the gateway with
     `honor_labels: true` so `job` and `run` are kept.
     Credentials in the URL (`https://user:password@host:9091`) are sent as HTTP
-    basic auth and kept out of `url`, logs and repr.
+    basic auth and kept out of `url`, logs and repr. A query string is refused (the push path
+    goes after the address).
     """
 
     def __init__(
@@ -63,8 +65,14 @@ class PushgatewayExporter(BaseExporter):
             )
         if timeout_s <= 0:
             raise ValueError(f"PushgatewayExporter.timeout_s: must be positive, got {timeout_s}")
+        if "?" in url or "#" in url:
+            raise ValueError(
+                f"PushgatewayExporter.url: {redact_url(url)} has a query or a fragment, which the push "
+                "path /metrics/job/... is appended after; pass the gateway's address alone (credentials "
+                "as user:password@host)"
+            )
         bare_url, self._credentials = _split_credentials(url)
-        super().__init__(name, subject=f"PushgatewayExporter {name!r} ({bare_url})")
+        super().__init__(name, subject=f"PushgatewayExporter {name!r} ({redact_url(bare_url)})")
         self.url = bare_url
         """The gateway address, without credentials."""
         self.job = job

@@ -4,8 +4,10 @@ The caller side never blocks on the exporter: a full queue drops its oldest repo
 exporter's thread exports, describes, flushes and closes in queue order and counts what
 succeeded and failed: the queue is the one owner of an exporter's health. A failure the exporter
 reports (`ExportResult.FAILURE`) is only counted here, since the exporter logs it with its reason
-(the `Exporter` protocol; `BaseExporter` does); what the exporter raises instead is logged here,
-once per burst.
+(the `Exporter` protocol; `BaseExporter` does); what the exporter raises instead (anything, even
+`SystemExit` or `KeyboardInterrupt`) or returns that is not an `ExportResult` is logged here, once
+per burst: the thread outlives every exporter, so exported + errors + dropped always adds up to
+the reports submitted.
 """
 
 from __future__ import annotations
@@ -201,7 +203,7 @@ class ExporterQueue:
                 self._converter.learn(item.descriptors)
                 try:
                     self.exporter.describe(item.descriptors, self._run)
-                except Exception as error:
+                except BaseException as error:  # an exporter never ends its thread, not even by SystemExit
                     self._failed("describe raised", error)
             else:
                 item.ok = self._finish(item)
@@ -213,7 +215,7 @@ class ExporterQueue:
         values = self._converter.convert({**report.values, **self._extra_values(self.name)}, report.window)
         try:
             result = self.exporter.export(report.step, values, report.timestamp)
-        except Exception as error:
+        except BaseException as error:  # an exporter never ends its thread, not even by SystemExit
             self._failed(f"export of step {report.step} raised", error)
             return
         if result is ExportResult.SUCCESS:
@@ -222,20 +224,28 @@ class ExporterQueue:
                 self._exported_reports += 1
                 self._last_success_timestamp = wall_time()
             self._failures.succeeded()
-        else:
+        elif result is ExportResult.FAILURE:
             self._count_error()  # the exporter logged why: it reports failure instead of raising
+        else:
+            self._failed(f"export of step {report.step} returned {result!r}, not an ExportResult")
 
     def _finish(self, barrier: _Barrier) -> bool:
         try:
             ok = bool(self.exporter.force_flush(max(0.0, barrier.deadline - time.monotonic())))
-        except Exception:
+        except BaseException:  # an exporter never ends its thread, not even by SystemExit
             logger.exception("exporter %r: force_flush raised", self.name)
             ok = False
         if barrier.close:
-            ok = close_exporter(self.exporter, barrier.deadline) and ok
+            try:
+                ok = close_exporter(self.exporter, barrier.deadline) and ok
+            except (
+                BaseException
+            ):  # what close_exporter leaves to its caller's thread: SystemExit and the like
+                logger.exception("exporter %r: close raised", self.name)
+                ok = False
         return ok
 
-    def _failed(self, what: str, error: BaseException) -> None:
+    def _failed(self, what: str, error: BaseException | None = None) -> None:
         """Count and log (once per burst) what the exporter raised instead of reporting."""
         self._count_error()
         self._failures.failed(what, error)
