@@ -96,6 +96,8 @@ class HeartbeatPublisher:
         self._failed = False
         self.dump = ""
         """The stack file of the current hang (empty while the rank makes progress)."""
+        self.published: tuple[int, str, int] | None = None
+        """The `Heartbeat.where()` last set in the store."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="torchtelemetry-heartbeat", daemon=True)
 
@@ -135,6 +137,7 @@ class HeartbeatPublisher:
         payload = json.dumps([self._published, step, phase, round(stalled_s, 3), self.dump])
         try:
             self._store.set(self._key, payload)
+            self.published = where
         except Exception as error:  # the exporting rank is gone: nobody reads, say so once
             if not self._failed:
                 self._failed = True

@@ -111,14 +111,18 @@ class Hang:
 def find_hang(beats: Sequence[RankBeat], phases: Sequence[str], hang_after_s: float) -> Hang | None:
     """The hang among `beats`, or None while every rank made progress within `hang_after_s`.
 
-    Furthest behind: the lowest step, then the earliest phase (not in a phase, the data wait, then
-    `phases` in their declared order, then anything else such as the window collection), then the
-    longest stalled.
+    Furthest behind, among the lost ranks if any (a rank that died is what the others wait for,
+    wherever they stopped): the lowest step, then the earliest phase (not in a phase, the data wait,
+    then `phases` in their declared order, then anything else such as the window collection), then
+    the longest stalled.
     """
     if not beats or all(beat.stalled_s < hang_after_s for beat in beats):
         return None
     order = {BETWEEN_PHASES: -2, "data": -1, **{name: index for index, name in enumerate(phases)}}
-    behind = min(beats, key=lambda beat: (beat.step, order.get(beat.phase, len(phases)), -beat.stalled_s))
+    candidates = [beat for beat in beats if beat.lost] or beats
+    behind = min(
+        candidates, key=lambda beat: (beat.step, order.get(beat.phase, len(phases)), -beat.stalled_s)
+    )
     return Hang(behind, sum(beat.lost for beat in beats))
 
 
