@@ -211,5 +211,43 @@ def health_panels() -> list[dict[str, Any]]:
             ),
             decimals=0,
         ),
+        *hang_panels(),
         row("Your metrics: every gauge, counter and histogram of the run's metric tree"),
+    ]
+
+
+def hang_panels() -> list[dict[str, Any]]:
+    """The Hangs row: which rank stopped, where, and for how long (exported by the exporting rank's
+    monitor while the training threads are stuck; RankHung fires on it)."""
+    return [
+        row("Hangs: the rank every other rank waits for, its step and phase"),
+        stat(
+            "Hang: rank, step, lost ranks, stack file",
+            "The rank furthest behind once a rank made no progress for hang_after_s, the step it "
+            "stopped in, the ranks whose heartbeat stopped altogether (died), and the file its stacks "
+            "were written to (train/hang/dump, label file). Rank and step keep naming the last hang "
+            "after it clears.",
+            "none",
+            targets(
+                (by("", "train/hang/rank"), "rank"),
+                (by("", "train/hang/step"), "step"),
+                (by("", "train/hang/lost_ranks"), "lost ranks"),
+                (by(", file", "train/hang/dump"), "stacks of rank {{file}}"),
+            ),
+            decimals=0,
+        ),
+        timeseries(
+            "Hang: seconds since the rank furthest behind moved, by the phase it stopped in",
+            "0 while every rank makes progress; during a hang, the seconds since the rank furthest "
+            "behind last entered or left a phase or step, labelled with that phase.",
+            "s",
+            targets(
+                (by("", "train/hang/seconds"), "{{run}} seconds"),
+                (
+                    f"{by(', phase', 'train/hang/phase')} * on (job, run) group_left "
+                    f"{by('', 'train/hang/seconds')}",
+                    "{{run}} stopped in {{phase}}",
+                ),
+            ),
+        ),
     ]

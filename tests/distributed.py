@@ -160,3 +160,37 @@ def run_ranks(
     if errors:
         raise RankFailed(errors)
     return [outcomes[rank][1] for rank in range(world_size)]
+
+
+@contextmanager
+def started_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    pg_timeout_s: float = 300.0,
+    env: dict[str, str] | None = None,
+) -> Iterator[list[Any]]:
+    """Start `fn(rank, world_size, *args)` on `world_size` gloo ranks and yield their processes
+    without waiting for them (ranks that hang on purpose); every one is killed on leaving."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    rendezvous_dir = tempfile.mkdtemp(prefix="torchtelemetry-rdzv-")
+    rendezvous = os.path.join(rendezvous_dir, "store")
+    procs = [
+        ctx.Process(
+            target=_entry,
+            args=(fn, rank, world_size, rendezvous, results, args, env or {}, pg_timeout_s),
+            daemon=True,
+        )
+        for rank in range(world_size)
+    ]
+    try:
+        for proc in procs:
+            proc.start()
+        yield procs
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(timeout=30)
+        shutil.rmtree(rendezvous_dir, ignore_errors=True)

@@ -25,6 +25,7 @@ from torchtelemetry.export import (
 )
 from torchtelemetry.metric import Metric, metric_leaves
 from torchtelemetry.report import (
+    HANG_DESCRIPTORS,
     MetricDescriptor,
     ModelFlops,
     RankSeriesLimit,
@@ -84,6 +85,8 @@ def assemble_run(metrics: Any, exporters: Sequence[Exporter] | str, config: Tele
         leaves = user_leaves + list(signal_metrics.items())
         ranks = RankSeriesLimit(world_size, config.max_rank_series)
         descriptors = describe_with_signals(metrics, signals, ranks)
+        if config.hang_after_s is not None:  # the hang monitor's reports (`_hang_monitor`)
+            descriptors += HANG_DESCRIPTORS
         if isinstance(exporters, str):
             exporters = exporters_from_spec(exporters)
         if policy.exporting:

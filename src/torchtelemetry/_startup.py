@@ -147,6 +147,21 @@ class EveryRank:
                 "torch.distributed.checkpoint.save does), not on one rank only"
             ) from error
 
+    def all_gather_object(self, value: object, op: str) -> list[object]:
+        """Every rank's `value`, by global rank (`[value]` without a process group); a `RuntimeError`
+        naming `op` within `timeout_s` when a rank does not take part."""
+        if self._group is None:
+            return [value]
+        gathered: list[object] = [None] * dist.get_world_size()
+        try:
+            dist.all_gather_object(gathered, value, group=self._group)
+        except RuntimeError as error:
+            raise RuntimeError(
+                f"{op} (rank {dist.get_rank()} of {dist.get_world_size()}): not every rank took part "
+                f"within timeout_s={self.timeout_s:g}s ({error})"
+            ) from error
+        return gathered
+
     def release(self) -> None:
         """Destroy the group (once; nothing to do once the process group itself is gone)."""
         group, self._group = self._group, None

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from torchtelemetry.collect import AsyncMetricCollector, CollectionError
-from torchtelemetry.report import SignalSet, WindowPublisher
+from torchtelemetry.report import COLLECT_PHASE, Heartbeat, SignalSet, WindowPublisher
 
 __all__ = ["StepWindows"]
 
@@ -47,6 +47,8 @@ class StepWindows:
         """Times scheduling waited because `max_pending` collections were in flight."""
         self.failure: CollectionError | None = None
         """The collection that failed; nothing more is collected after it."""
+        self.beat: Heartbeat | None = None
+        """The heartbeat, told when this thread waits for collections (phase "collect")."""
 
     def stepped(self, step: int, inputs: Mapping[str, Any]) -> None:
         """Step `step` ended (`inputs`: its `step()` keywords): collect what finished, schedule if due."""
@@ -100,16 +102,24 @@ class StepWindows:
         # Values logged at the windows' steps came before this call (a framework logs right after
         # the step()): their reports may be submitted now.
         self._publisher.release()
-        collected = 0
-        while self._collector.pending and (block or self._collector.ready()):
-            if limit is not None and collected >= limit:
-                return
-            try:
-                self._collector.collect_results()
-            except CollectionError as error:
-                self.failure = error
-                raise
-            collected += 1
+        beat = self.beat if block and self._collector.pending else None
+        if beat is not None:
+            beat.phases.append(COLLECT_PHASE)
+            beat.moves += 1
+        try:
+            collected = 0
+            while self._collector.pending and (block or self._collector.ready()):
+                if limit is not None and collected >= limit:
+                    return
+                try:
+                    self._collector.collect_results()
+                except CollectionError as error:
+                    self.failure = error
+                    raise
+                collected += 1
+        finally:
+            if beat is not None:
+                beat.phases.pop()
 
     def state(self) -> dict[str, int]:
         """The bookkeeping a checkpoint keeps: the last step, the steps of the current window and since

@@ -80,6 +80,14 @@ class TelemetryConfig:
     has this many)."""
     queue_size: int = 8
     """Reports buffered per exporter before the oldest is dropped."""
+    hang_after_s: float | None = 300.0
+    """A rank that made no progress (no step, no phase entered or left) for this long is hung: the
+    exporting rank exports `train/hang/*` naming the rank furthest behind, and every stuck rank dumps
+    its stacks to `dump_dir` (docs/signals.md, Hangs). None: no heartbeat."""
+    heartbeat_interval_s: float = 1.0
+    """How often each rank publishes where it is, and the exporting rank reads every rank's."""
+    dump_dir: str | os.PathLike[str] | None = None
+    """Where a hung rank writes its stacks (and NCCL's flight recorder); None: the current directory."""
 
     def __post_init__(self) -> None:
         check_collection_limits("TelemetryConfig.", timeout_s=self.timeout_s, max_pending=self.max_pending)
@@ -95,6 +103,18 @@ class TelemetryConfig:
             if value is not None and not (math.isfinite(value) and value > 0):
                 raise ValueError(f"TelemetryConfig.{key} must be a positive number, got {value}")
         check_phase_names(self.phases)
+        for key in ("hang_after_s", "heartbeat_interval_s"):
+            value = getattr(self, key)
+            if (value is not None or key == "heartbeat_interval_s") and not (
+                isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+            ):
+                raise ValueError(f"TelemetryConfig.{key} must be a positive number of seconds, got {value}")
+        if self.hang_after_s is not None and self.hang_after_s < 2 * self.heartbeat_interval_s:
+            raise ValueError(
+                f"TelemetryConfig.hang_after_s ({self.hang_after_s}) must be at least twice "
+                f"heartbeat_interval_s ({self.heartbeat_interval_s}): a rank publishes where it is once "
+                "per interval, so a shorter bound would call a rank between two heartbeats hung"
+            )
         if self.straggler_top_k < 1:
             raise ValueError(
                 f"TelemetryConfig.straggler_top_k must be at least 1, got {self.straggler_top_k}"

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from torchtelemetry._heartbeat import watch_hangs
 from torchtelemetry._process import check_same_process, current_pid
 from torchtelemetry._run_parts import assemble_run, startup_timeout_s
 from torchtelemetry._startup import (
@@ -98,6 +99,7 @@ class Telemetry:
                 max_pending=self.config.max_pending,
             )
             self._collector = collector.bind()
+            self._hang_watch = watch_hangs(self.config, parts, every_rank)
         except BaseException:
             if failure is None:  # started exporters (open ports, threads) must not outlive a failed set-up,
                 parts.close()  # nor the signals' threads and their counting in update()
@@ -116,6 +118,8 @@ class Telemetry:
         self._descriptors = parts.descriptors
         self._publisher = parts.publisher
         self._windows = StepWindows(self._collector, self._publisher, self._signals, every=self.every)
+        self._beat = self._hang_watch.beat if self._hang_watch is not None else None
+        self._windows.beat = self._beat
         self._closed = False
 
     @property
@@ -162,6 +166,8 @@ class Telemetry:
             "learning_rate": learning_rate,
             "data_time": data_time,
         }
+        if self._beat is not None:
+            self._beat.step = step + 1
         self._windows.stepped(step, inputs)
 
     def data_wait(self) -> HostTimer | contextlib.AbstractContextManager[None]:
@@ -246,6 +252,8 @@ class Telemetry:
                 self._windows.drain(block=True)
         finally:
             self._closed = True
+            if self._hang_watch is not None:  # its reports go through the hub: stop it first
+                self._hang_watch.close(timeout_s)
             self._publisher.release()  # windows still in flight after a failure must not wait for logs
             self._collector.unbind(timeout_s=timeout_s)
             self.hub.close(timeout_s)

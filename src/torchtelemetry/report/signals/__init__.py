@@ -28,6 +28,16 @@ from torchtelemetry.report.signals._builtin import (
 from torchtelemetry.report.signals._clock import EventClock, HostClock, HostTimer, PhaseClock, PhaseTimer
 from torchtelemetry.report.signals._data_wait import DataWait
 from torchtelemetry.report.signals._goodput import Goodput
+from torchtelemetry.report.signals._hang import (
+    BETWEEN_PHASES,
+    COLLECT_PHASE,
+    HANG_DESCRIPTORS,
+    Hang,
+    Heartbeat,
+    RankBeat,
+    find_hang,
+    hang_values,
+)
 from torchtelemetry.report.signals._learning_rate import LearningRate
 from torchtelemetry.report.signals._memory_health import MemoryHealth, memory_descriptors, resident_bytes
 from torchtelemetry.report.signals._nonfinite import CountingUpdate, NonFiniteSentinel, watched_metrics
@@ -47,6 +57,14 @@ from torchtelemetry.report.signals._stragglers import MIN_SHARE, StragglerScores
 from torchtelemetry.report.signals._throughput import Count, ModelFlopsSignal, check_count
 
 __all__ = [
+    "BETWEEN_PHASES",
+    "COLLECT_PHASE",
+    "HANG_DESCRIPTORS",
+    "Hang",
+    "Heartbeat",
+    "RankBeat",
+    "find_hang",
+    "hang_values",
     "DEFAULT_SPIKE_SIGMA",
     "DEFAULT_SPIKE_WINDOWS",
     "DEFAULT_TOP_K",

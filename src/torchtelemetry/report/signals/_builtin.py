@@ -14,6 +14,7 @@ from torchtelemetry.report._values import MetricDescriptor
 from torchtelemetry.report.signals._base import Signal, SignalContext
 from torchtelemetry.report.signals._data_wait import DataWait
 from torchtelemetry.report.signals._goodput import Goodput
+from torchtelemetry.report.signals._hang import HANG_DESCRIPTORS
 from torchtelemetry.report.signals._learning_rate import LearningRate
 from torchtelemetry.report.signals._memory_health import MemoryHealth, memory_descriptors
 from torchtelemetry.report.signals._nonfinite import NonFiniteSentinel, watched_metrics
@@ -99,9 +100,10 @@ def builtin_descriptors(max_rank_series: int = 1) -> list[MetricDescriptor]:
 
 def signal_descriptors() -> list[MetricDescriptor]:
     """Every name the built-in signals can export, in every shape: the values per rank both as one
-    series per rank and as a run above `max_rank_series` ranks exports them."""
+    series per rank and as a run above `max_rank_series` ranks exports them; and a hang report's."""
     found: dict[str, MetricDescriptor] = {}
     for max_rank_series in (1, 0):
         described = RankSeriesLimit(1, max_rank_series).describe(builtin_descriptors(max_rank_series))
         found.update((d.name, d) for d in described)
+    found.update((d.name, d) for d in HANG_DESCRIPTORS)
     return list(found.values())

@@ -19,6 +19,8 @@ from typing import Any, Protocol
 
 import torch
 
+from torchtelemetry.report.signals._hang import Heartbeat
+
 __all__ = ["EventClock", "HostClock", "HostTimer", "PhaseClock", "PhaseTimer"]
 
 logger = logging.getLogger(__name__)
@@ -42,37 +44,56 @@ class PhaseClock(Protocol):
 class PhaseTimer:
     """`with telemetry.phase("forward"):` adds the block's time to its phase (nesting allowed)."""
 
-    __slots__ = ("_clock", "_index", "_started", "name")
+    __slots__ = ("_clock", "_index", "_started", "beat", "name")
 
     def __init__(self, clock: PhaseClock, index: int, name: str) -> None:
         self._clock = clock
         self._index = index
         self._started: list[Any] = []
         self.name = name
+        self.beat: Heartbeat | None = None
+        """Where the training thread is, told of each entry and exit (None: no heartbeat)."""
 
     def __enter__(self) -> PhaseTimer:
+        beat = self.beat
+        if beat is not None:
+            beat.phases.append(self.name)
+            beat.moves += 1
         self._started.append(self._clock.start())
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._clock.stop(self._index, self._started.pop())
+        beat = self.beat
+        if beat is not None:
+            beat.phases.pop()
 
 
 class HostTimer:
     """`with timer:` hands the block's host seconds to `record` (reusable, nestable; the data wait)."""
 
-    __slots__ = ("_record", "_started")
+    __slots__ = ("_record", "_started", "beat", "name")
 
-    def __init__(self, record: Callable[[float], None]) -> None:
+    def __init__(self, record: Callable[[float], None], name: str = "data") -> None:
         self._record = record
         self._started: list[float] = []
+        self.name = name
+        self.beat: Heartbeat | None = None
+        """Where the training thread is, told of each entry and exit (None: no heartbeat)."""
 
     def __enter__(self) -> HostTimer:
+        beat = self.beat
+        if beat is not None:
+            beat.phases.append(self.name)
+            beat.moves += 1
         self._started.append(time.perf_counter())
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._record(time.perf_counter() - self._started.pop())
+        beat = self.beat
+        if beat is not None:
+            beat.phases.pop()
 
 
 class HostClock:

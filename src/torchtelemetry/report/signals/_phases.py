@@ -114,6 +114,10 @@ class Phases(Signal):
                 "collection, as their times ride the window's collective"
             ) from None
 
+    def timers(self) -> list[PhaseTimer]:
+        """The context managers of every declared phase."""
+        return list(self._timers.values())
+
     def metrics(self) -> dict[str, Metric]:
         return {PHASE: self.times} if self.phases else {}
 

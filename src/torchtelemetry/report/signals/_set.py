@@ -12,6 +12,7 @@ from torchtelemetry.report.signals._base import Signal, WindowTiming
 from torchtelemetry.report.signals._clock import HostTimer, PhaseTimer
 from torchtelemetry.report.signals._data_wait import DataWait
 from torchtelemetry.report.signals._goodput import Goodput
+from torchtelemetry.report.signals._hang import Heartbeat
 from torchtelemetry.report.signals._phases import DATA_PHASE, Phases
 
 __all__ = ["SignalSet"]
@@ -89,6 +90,14 @@ class SignalSet:
                 f"Telemetry.phase: no phases are timed (phase {name!r}); set TelemetryConfig.phases"
             )
         return self._phases.timer(name)
+
+    def record_into(self, beat: Heartbeat) -> None:
+        """Tell `beat` of every phase and data wait entered and left from now on (the heartbeat)."""
+        timers: list[PhaseTimer | HostTimer] = list(self._phases.timers()) if self._phases else []
+        if self._data_wait is not None:
+            timers.append(self._data_wait)
+        for timer in timers:
+            timer.beat = beat
 
     def checkpoint_saved(self, step: int) -> None:
         if self._goodput is not None:
