@@ -34,11 +34,13 @@ from torchtelemetry.report.signals import (
     MIN_HISTORY,
     HostTimer,
     PhaseTimer,
+    ProgressFile,
     SignalContext,
     SignalSet,
     WindowTiming,
     builtin_signals,
     check_phase_names,
+    progress_path,
     signal_descriptors,
 )
 
@@ -51,6 +53,8 @@ __all__ = [
     "MIN_HISTORY",
     "HostTimer",
     "PhaseTimer",
+    "ProgressFile",
+    "progress_path",
     "SignalContext",
     "SignalSet",
     "check_phase_names",
