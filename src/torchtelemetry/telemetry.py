@@ -31,7 +31,7 @@ from torchtelemetry.report import (
     run_state,
 )
 
-__all__ = ["Telemetry", "TelemetryConfig", "TelemetryStartupError"]
+__all__ = ["RunIdentity", "Telemetry", "TelemetryConfig", "TelemetryStartupError"]
 
 logger = logging.getLogger(__name__)
 
