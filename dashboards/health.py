@@ -158,10 +158,12 @@ def health_panels() -> list[dict[str, Any]]:
         stat(
             "Goodput",
             "Share of the wall time since the run's first start whose progress reached a checkpoint "
-            "(telemetry.checkpoint_saved); GoodputLow fires under 90 %.",
+            "(telemetry.checkpoint_saved); GoodputLow fires under 90 %. Not exported before the "
+            'run\'s first durable checkpoint: "no checkpoint yet".',
             "percentunit",
             targets((by("", "train/goodput", "min"), "{{run}}")),
             thresholds=_thresholds(("red", None), ("orange", 0.8), ("green", 0.9)),
+            no_value="no checkpoint yet",
         ),
         timeseries(
             "Goodput: productive and wall time",

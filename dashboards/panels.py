@@ -54,7 +54,9 @@ def stat(
     *,
     decimals: int | None = None,
     thresholds: dict[str, Any] | None = None,
+    no_value: str | None = None,
 ) -> dict[str, Any]:
+    """A stat panel; `no_value` is shown (uncoloured) while the query returns nothing."""
     defaults: dict[str, Any] = {
         "unit": unit,
         "color": {"mode": "thresholds"},
@@ -62,6 +64,8 @@ def stat(
     }
     if decimals is not None:
         defaults["decimals"] = decimals
+    if no_value is not None:
+        defaults["noValue"] = no_value
     return _panel("stat", title, description, 3, 4, queries) | {
         "fieldConfig": {"defaults": defaults, "overrides": []},
         "options": {

@@ -26,6 +26,7 @@ PUBLIC = [
     "PerRankMetric",
     "PrometheusExporter",
     "PushgatewayExporter",
+    "RunIdentity",
     "StopOnSignal",
     "SumMetric",
     "Telemetry",

@@ -36,7 +36,7 @@ from torchtelemetry.metric import (
     sync_metrics,
 )
 from torchtelemetry.stop import StopOnSignal
-from torchtelemetry.telemetry import Telemetry, TelemetryStartupError
+from torchtelemetry.telemetry import RunIdentity, Telemetry, TelemetryStartupError
 
 __all__ = [
     "AccuracyMetric",
@@ -56,6 +56,7 @@ __all__ = [
     "PerRankMetric",
     "PrometheusExporter",
     "PushgatewayExporter",
+    "RunIdentity",
     "StopOnSignal",
     "SumMetric",
     "Telemetry",

@@ -73,7 +73,9 @@ def export_policy(group: dist.ProcessGroup | None, given: object, op: str = "Tel
     return ExportPolicy(exporting=dist.get_rank(group) == 0, run_id_suffix="" if whole else f"-group{leader}")
 
 
-def agree_on_start(failure: Exception | None, *, timeout_s: float, op: str = "Telemetry") -> EveryRank:
+def agree_on_start(
+    failure: Exception | None, *, timeout_s: float, op: str = "Telemetry", proposal: object = None
+) -> EveryRank:
     """Share each rank's start-up outcome with every rank; raise on every rank if one failed.
 
     Collective over the default group, on a gloo group of its own created with `timeout_s`, so a
@@ -82,19 +84,20 @@ def agree_on_start(failure: Exception | None, *, timeout_s: float, op: str = "Te
     rank where it happened (with a note naming the rank); the other ranks raise
     `TelemetryStartupError` naming each failed rank and its error. Without a process group it only
     re-raises `failure`. Returns that gloo group as an `EveryRank`, for later checks that every
-    rank is at the same point; the caller releases it.
+    rank is at the same point, whose `agreed` is global rank 0's `proposal` (the run id every rank
+    takes); the caller releases it.
     """
     if not (dist.is_available() and dist.is_initialized()):
         if failure is not None:
             raise failure
-        return EveryRank(None, timeout_s)
+        return EveryRank(None, timeout_s, proposal)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     outcome = None if failure is None else f"{type(failure).__name__}: {failure}"
-    outcomes: list[str | None] = [None] * world_size
+    outcomes: list[tuple[str | None, object]] = [(None, None)] * world_size
     try:
         group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
         try:
-            dist.all_gather_object(outcomes, outcome, group=group)
+            dist.all_gather_object(outcomes, (outcome, proposal), group=group)
         except BaseException:
             dist.destroy_process_group(group)
             raise
@@ -104,7 +107,7 @@ def agree_on_start(failure: Exception | None, *, timeout_s: float, op: str = "Te
             f"({type(error).__name__}: {error}); building it is collective: build it on every rank "
             "(only rank 0 exports), or raise timeout_s if some rank starts later"
         ) from (failure if failure is not None else error)
-    failed = {index: text for index, text in enumerate(outcomes) if text is not None}
+    failed = {index: text for index, (text, _) in enumerate(outcomes) if text is not None}
     if failure is not None or failed:
         dist.destroy_process_group(group)
     if failure is not None:
@@ -116,16 +119,18 @@ def agree_on_start(failure: Exception | None, *, timeout_s: float, op: str = "Te
             f"{op} (rank {rank} of {world_size}): could not start on every rank ({listed}); "
             "every rank stops here instead of training with part of the set-up"
         )
-    return EveryRank(group, timeout_s)
+    return EveryRank(group, timeout_s, outcomes[0][1])
 
 
 class EveryRank:
     """A gloo group of every rank with its own timeout (None without a process group): checks that
     every rank makes a collective call before anything waits on the training's own groups."""
 
-    def __init__(self, group: dist.ProcessGroup | None, timeout_s: float) -> None:
+    def __init__(self, group: dist.ProcessGroup | None, timeout_s: float, agreed: object = None) -> None:
         self._group = group
         self.timeout_s = timeout_s
+        self.agreed = agreed
+        """Global rank 0's proposal at start-up."""
 
     def require(self, op: str) -> None:
         """Return once every rank has called this for `op`; raise a `RuntimeError` naming `op`

@@ -33,7 +33,8 @@ class TelemetryConfig:
     """Ranks to reduce over: a ProcessGroup, a 1-D DeviceMesh, (mesh, dim), or None (the default group)."""
     run_id: str | None = None
     """Stable run id (Prometheus `run` label, OTel instance id, W&B run id); default
-    `$TORCHTELEMETRY_RUN_ID`, else a new one."""
+    `$TORCHTELEMETRY_RUN_ID`, else the run's own, kept across restarts: the checkpoint's, the
+    progress file's, the launcher's job id, or a new one (`Telemetry.run_identity`)."""
     run_config: Mapping[str, Any] = field(default_factory=dict)
     """Hyperparameters handed to exporters with the run (the W&B run config, OTel resource)."""
     signals: bool = True
@@ -54,9 +55,10 @@ class TelemetryConfig:
     spike_windows: int = DEFAULT_SPIKE_WINDOWS
     """Windows the spike score's mean and standard deviation are taken over."""
     progress_file: str | os.PathLike[str] | None = None
-    """A file the exporting rank rewrites every window with the run id and step; after a restart
-    from a checkpoint, the steps it holds past the checkpoint count as recomputed. Keep it where
-    the checkpoints are."""
+    """A file the exporting rank rewrites every window (on a thread of its own) with the run id and
+    step; after a restart from a checkpoint, the steps it holds past the checkpoint count as
+    recomputed, and its run id names the resumed launch's run. A group smaller than the world
+    writes `<stem>-group<r><suffix>`. Keep it where the checkpoints are, one per run."""
     nvml: bool = True
     """On CUDA, sample GPU power, temperature, clocks, utilization and throttling through NVML
     (the extra `nvml`) once per window; without NVML one line is logged."""

@@ -12,7 +12,7 @@ import torch
 
 from torchtelemetry._heartbeat import watch_hangs
 from torchtelemetry._process import check_same_process, current_pid
-from torchtelemetry._run_parts import assemble_run, startup_timeout_s
+from torchtelemetry._run_parts import RunIdentity, assemble_run, startup_timeout_s
 from torchtelemetry._startup import (
     EveryRank,
     TelemetryStartupError,
@@ -22,7 +22,7 @@ from torchtelemetry._startup import (
 from torchtelemetry._windows import StepWindows
 from torchtelemetry.collect import AsyncMetricCollector
 from torchtelemetry.config import TelemetryConfig
-from torchtelemetry.export import Exporter
+from torchtelemetry.export import Exporter, RunInfo
 from torchtelemetry.report import (
     HostTimer,
     MetricDescriptor,
@@ -32,7 +32,7 @@ from torchtelemetry.report import (
     run_state,
 )
 
-__all__ = ["Telemetry", "TelemetryConfig", "TelemetryStartupError"]
+__all__ = ["RunIdentity", "Telemetry", "TelemetryConfig", "TelemetryStartupError"]
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +90,9 @@ class Telemetry:
         timeout_s = self.config.timeout_s if failure is None else startup_timeout_s(config, fields)
         every_rank = EveryRank(None, timeout_s)
         try:
-            every_rank = agree_on_start(failure, timeout_s=timeout_s)
+            every_rank = agree_on_start(
+                failure, timeout_s=timeout_s, proposal=None if failure is not None else parts.identity
+            )
             # Keyed by metric path, so errors (a layout mismatch across ranks) name metrics as the user does.
             collector = AsyncMetricCollector(
                 dict(parts.leaves),
@@ -110,6 +112,9 @@ class Telemetry:
         self.every = self.config.every
         self.max_pending = self.config.max_pending
         self.run = parts.run
+        """The run exported (its id: see `run_identity`)."""
+        self._identity = parts.identity
+        self._run_id_suffix = parts.run_id_suffix
         self.is_exporting = parts.is_exporting
         """Whether this rank exports: rank 0 of the group (`export_policy`)."""
         self.hub = parts.hub
@@ -121,6 +126,28 @@ class Telemetry:
         self._beat = self._hang_watch.beat if self._hang_watch is not None else None
         self._windows.beat = self._beat
         self._closed = False
+        agreed = every_rank.agreed
+        if isinstance(agreed, RunIdentity) and agreed != self._identity:
+            self._adopt_run(agreed)
+
+    @property
+    def run_identity(self) -> RunIdentity:
+        """The run id every rank agreed on (without the group suffix) and where it came from: `run_id=`,
+        the environment, the checkpoint loaded, the progress file, the launcher, or new (README)."""
+        return self._identity
+
+    def _adopt_run(self, identity: RunIdentity) -> None:
+        """Export from now on as `identity`'s run (the exporters re-describe it in order with the
+        reports), and write the progress file under it."""
+        self._identity = identity
+        self.run = RunInfo(
+            run_id=identity.run_id + self._run_id_suffix,
+            world_size=self.run.world_size,
+            config=self.run.config,
+        )
+        self.hub.adopt_run(self.run)
+        if self._signals is not None:
+            self._signals.run_id = self.run.run_id
 
     @property
     def backpressure_waits(self) -> int:
@@ -304,6 +331,7 @@ class Telemetry:
         Waits for collections in flight (and exports them) first, so a restart from this state
         neither loses nor repeats a window, and later windows end at the same steps. Counter totals
         are one JSON string: a fresh `Telemetry` cannot know which counters the saved run had.
+        The run id rides along, so that a restart from this state continues the same run.
         """
         check_same_process(self._pid, "Telemetry.state_dict")
         self._every_rank.require("Telemetry.state_dict")
@@ -313,6 +341,7 @@ class Telemetry:
         return {
             **run_state(self._leaves, self._publisher.totals, self._signals, self.config.group),
             **self._windows.state(),
+            "run_id": self._identity.run_id,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -320,8 +349,20 @@ class Telemetry:
         whole, the partial window is dealt out to the new ranks (exact for sums, maxima, minima),
         built-in per-rank signals of the partial window are dropped with a warning, and a user's
         `PerRankMetric` holding a partial window raises (see `restore_local_states`).
+
+        The run continues: unless `run_id=` (or `$TORCHTELEMETRY_RUN_ID`) pins another, this launch
+        adopts the checkpoint's run id and exports as an attempt of that run (`train/goodput/restarts`
+        counts it, once however often this is called).
         """
         check_same_process(self._pid, "Telemetry.load_state_dict")
+        saved_run_id = state.get("run_id")
+        if saved_run_id is not None and not (isinstance(saved_run_id, str) and saved_run_id):
+            raise ValueError(
+                f"Telemetry.load_state_dict: run_id must be a non-empty string, got {saved_run_id!r}; "
+                "pass the state Telemetry.state_dict() returned"
+            )
+        if saved_run_id and not self._identity.pinned and saved_run_id != self._identity.run_id:
+            self._adopt_run(RunIdentity(saved_run_id, "checkpoint"))
         restore_run_state(
             state, self._leaves, self._user_leaves, self._publisher.totals, self._signals, self.config.group
         )

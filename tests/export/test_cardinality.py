@@ -115,6 +115,7 @@ def _fill(tree: dict[str, Any], signals: SignalSet, world_size: int, window: int
     tree["data"]["skipped"].update(torch.tensor(1.0))
     inputs = {"tokens": 1024, "samples": 8, "learning_rate": 1e-3, "data_time": 0.01}
     signals.record_step(10 * window, None if window == 0 else 0.1, inputs)
+    signals.checkpoint_saved(10 * window)  # goodput is exported once a checkpoint is durable
     signals.flush(1.0)
     by_type = {type(signal): signal for signal in signals.signals}
     step_time, data_wait = by_type[StepTime], by_type[DataWait]

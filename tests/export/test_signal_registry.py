@@ -96,6 +96,8 @@ def _train(rank: int, world_size: int, otlp_endpoint: str, max_rank_series: int)
             optimizer.zero_grad()
         metrics["train"]["loss"].update(loss.detach(), 4)
         telemetry.step(step, tokens=32, samples=4, learning_rate=0.1)
+        if step == 0:
+            telemetry.checkpoint_saved(step)  # goodput is exported once a checkpoint is durable
     telemetry.flush()
     scraped = http_get(prometheus.url).decode() if telemetry.is_exporting else ""
     described = [(d.name, d.kind.value, d.unit, d.description) for d in telemetry.descriptors]

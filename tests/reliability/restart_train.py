@@ -1,12 +1,14 @@
 """One rank of a small training run that checkpoints `Telemetry` with torch.distributed.checkpoint.
 
     python -m tests.reliability.restart_train --rendezvous FILE --out run.jsonl --checkpoints DIR \
-        [--resume] [--stall-after STEP] [--progress-file FILE]
+        [--resume] [--stall-after STEP] [--progress-file FILE] [--run-id ID] [--pushgateway URL]
 
 Rank and world size come from RANK / WORLD_SIZE. Every `--save-every` steps the run saves
 `{"telemetry": telemetry, "app": {"step": step}}` with `dcp.save`; `--resume` loads the newest
 complete checkpoint and continues from the step after it; each save is marked durable with
-`checkpoint_saved` (goodput), and `--progress-file` is `TelemetryConfig.progress_file`. With
+`checkpoint_saved` (goodput), and `--progress-file` is `TelemetryConfig.progress_file`; without
+`--run-id` the run finds its id itself (a resumed run: the killed one's). `--pushgateway` pushes
+there too. With
 `--stall-after`, the rank exports what it has (with a progress file, every window in flight too),
 writes `<out>.stalled.<rank>` after that step and waits to be killed (the test kills every rank
 with SIGKILL there, as a preempted or crashed job would be).
@@ -27,6 +29,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 import torchtelemetry as tt
+from torchtelemetry.export import Exporter
 
 BINS = [0.5, 1.0, 2.0]
 NUM_CLASSES = 4
@@ -75,6 +78,8 @@ def main() -> None:
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--stall-after", type=int, default=None)
     parser.add_argument("--progress-file", default=None)
+    parser.add_argument("--run-id", default=None)
+    parser.add_argument("--pushgateway", default=None)
     args = parser.parse_args()
 
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -86,12 +91,11 @@ def main() -> None:
         timeout=datetime.timedelta(seconds=60),
     )
     metrics = make_metrics()
+    exporters: list[Exporter] = [tt.JsonlExporter(args.out)]
+    if args.pushgateway:
+        exporters.append(tt.PushgatewayExporter(args.pushgateway))
     telemetry = tt.Telemetry(
-        metrics,
-        [tt.JsonlExporter(args.out)],
-        every=args.every,
-        run_id="restart",
-        progress_file=args.progress_file,
+        metrics, exporters, every=args.every, run_id=args.run_id, progress_file=args.progress_file
     )
     app = {"step": -1}
     checkpoints = Path(args.checkpoints)

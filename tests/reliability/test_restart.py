@@ -1,6 +1,8 @@
 """Checkpoint and restart: a 2-rank run killed after a torch.distributed.checkpoint save and
 restarted from it exports exactly what an uninterrupted run exports (counters keep counting,
-every window after the checkpoint holds the same values).
+every window after the checkpoint holds the same values), as an attempt of the same run: without
+`run_id=` the restarted launch finds the killed one's id, and its Pushgateway group replaces the
+killed attempt's, so no alert is left firing for it.
 
 The ranks are plain subprocesses running tests/reliability/restart_train.py, so the test can
 SIGKILL all of them the way a preemption or a crashed node does.
@@ -14,10 +16,14 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.servers import PrometheusServer, PushgatewayServer, binary
+from tests.stack._stack import alert_rules
 
 WORLD_SIZE = 2
 STEPS = 17
@@ -42,6 +48,10 @@ HOST_TIMED = {
 RESTART_COUNTED = {"train/goodput/restarts", "train/goodput/recomputed_steps"}
 """The same in both runs but for the restart itself."""
 REPO = Path(__file__).resolve().parents[2]
+
+
+def _run_ids(path: Path) -> set[str]:
+    return {json.loads(line)["run_id"] for line in path.read_text().splitlines()}
 
 
 def _launch(tmp_path: Path, name: str, out: Path, extra: list[str]) -> list[subprocess.Popen]:
@@ -127,14 +137,28 @@ def _reports(path: Path) -> dict[int, dict[str, Any]]:
     return reports
 
 
+@pytest.fixture
+def gateway(tmp_path: Path) -> Iterator[PushgatewayServer | None]:
+    """A running Pushgateway where one is installed (the run is checked without it elsewhere)."""
+    if binary("prometheus-pushgateway") is None and binary("pushgateway") is None:
+        yield None
+        return
+    with PushgatewayServer(tmp_path / "pushgateway") as server:
+        yield server
+
+
 @pytest.mark.timeout(300)
-def test_a_run_killed_after_a_checkpoint_continues_exactly_where_it_left_off(tmp_path: Path) -> None:
+def test_a_run_killed_after_a_checkpoint_continues_exactly_where_it_left_off(
+    tmp_path: Path, gateway: PushgatewayServer | None
+) -> None:
     reference_out = tmp_path / "reference.jsonl"
     killed_out, resumed_out = tmp_path / "killed.jsonl", tmp_path / "resumed.jsonl"
     # The uninterrupted reference (own directory) runs alongside the run that gets killed.
     reference_run = _launch(tmp_path / "reference", "reference", reference_out, [])
     try:
+        # No run_id=: the resumed launch finds the killed one's (progress file, checkpoint).
         progress = ["--progress-file", str(tmp_path / "progress.json")]
+        progress += ["--pushgateway", gateway.url] if gateway is not None else []
         _kill_when_stalled(
             _launch(tmp_path, "killed", killed_out, ["--stall-after", str(STALL_AFTER), *progress]),
             killed_out,
@@ -143,9 +167,11 @@ def test_a_run_killed_after_a_checkpoint_continues_exactly_where_it_left_off(tmp
         _finish(reference_run)
     checkpoints = sorted(path.name for path in (tmp_path / "checkpoints").iterdir())
     assert checkpoints == ["step_3", f"step_{CHECKPOINT_STEP}"]
-    started = time.time()
     _finish(_launch(tmp_path, "resumed", resumed_out, ["--resume", *progress]))
 
+    # One run, two attempts: every report of both carries the killed attempt's run id.
+    (run_id,) = _run_ids(killed_out)
+    assert _run_ids(resumed_out) == {run_id} and _run_ids(reference_out) != {run_id}
     reference, killed, resumed = _reports(reference_out), _reports(killed_out), _reports(resumed_out)
     assert sorted(reference) == [2, 5, 8, 11, 14, 16]
     # Saving the checkpoint at step 7 exported every window collected by then; the window ending
@@ -166,13 +192,51 @@ def test_a_run_killed_after_a_checkpoint_continues_exactly_where_it_left_off(tmp
     assert before[8]["train/goodput/restarts"] == 0 and before[8]["train/goodput/recomputed_steps"] == 0
     assert after[8]["train/goodput/restarts"] == after[16]["train/goodput/restarts"] == 1
     assert after[8]["train/goodput/recomputed_steps"] == after[16]["train/goodput/recomputed_steps"] == 1
-    for values in after.values():
+    # Before its first checkpoint (step 3) was marked durable, the killed run's goodput was unknown.
+    assert "train/goodput" not in before[2] and "train/goodput/wall_time" not in before[2]
+    for values in (before[5], before[8], *after.values()):
         assert 0 < values["train/goodput/productive_time"] < values["train/goodput/wall_time"]
         assert values["train/goodput"] == pytest.approx(
             values["train/goodput/productive_time"] / values["train/goodput/wall_time"]
         )
-    # The run's first start is the killed run's: wall time spans both runs and the gap between.
-    assert after[8]["train/goodput/wall_time"] > time.time() - started
+    # The run's first start is the killed run's: each report's wall time runs from it, so both
+    # attempts' reports put it at the same moment (each timestamp is taken right after the wall time).
+    first_starts = [
+        record["timestamp"] - record["values"]["train/goodput/wall_time"]
+        for path in (killed_out, resumed_out)
+        for record in map(json.loads, path.read_text().splitlines())
+        if "train/goodput/wall_time" in record["values"]
+    ]
+    assert max(first_starts) - min(first_starts) == pytest.approx(0, abs=1.0)
     assert after[8]["train/goodput/wall_time"] - after[8]["train/goodput/productive_time"] > (
         before[8]["train/goodput/wall_time"] - before[8]["train/goodput/productive_time"]
     )
+    if gateway is not None:
+        _check_gateway(gateway, run_id, tmp_path)
+
+
+def _check_gateway(gateway: PushgatewayServer, run_id: str, tmp_path: Path) -> None:
+    """The resumed attempt's group replaced the killed one's: one group for the run, marked finished,
+    holding the resumed attempt's last report; Prometheus scraping it finds no alert to fire."""
+    groups = [group for group in gateway.groups() if group.get("job") == "torchtelemetry"]
+    assert [group["run"] for group in groups] == [run_id]
+    if binary("prometheus") is None:
+        return
+    prometheus = PrometheusServer(tmp_path / "prometheus")
+    prometheus.scrape("torchtelemetry-pushgateway", [gateway.address], honor_labels=True)
+    with prometheus:
+        selector = f'{{job="torchtelemetry", run="{run_id}"}}'
+        (step,) = prometheus.wait_for(f"torchtelemetry_train_step{selector}")
+        assert step.value == STEPS - 1
+        (restarts,) = prometheus.query(f"torchtelemetry_train_goodput_restarts_total{selector}")
+        assert restarts.value == 1
+        # Nothing of the run could ever page for staleness: every group it left is marked finished.
+        assert (
+            prometheus.query(
+                f"torchtelemetry_last_update_timestamp_seconds{selector}"
+                " unless on (job, run) torchtelemetry_run_finished_timestamp_seconds"
+            )
+            == []
+        )
+        for rule in alert_rules():
+            assert prometheus.query(rule["expr"]) == [], rule["alert"]

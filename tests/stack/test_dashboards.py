@@ -235,3 +235,14 @@ def test_the_training_dashboard_is_what_the_generator_writes() -> None:
     assert (DASHBOARD_DIR / "training.json").read_text() == generated_training_dashboard(), (
         "dashboards/training.json is stale: run `python dashboards/generate.py`"
     )
+
+
+def test_goodput_reads_no_checkpoint_yet_until_it_is_known() -> None:
+    """A run exports no goodput before its first durable checkpoint: the panel says so, never a red 0 %."""
+    dashboard = DASHBOARDS[DASHBOARD_DIR / "training.json"]
+    (panel,) = [panel for panel in panels(dashboard) if panel["title"] == "Goodput"]
+    assert panel["fieldConfig"]["defaults"]["noValue"] == "no checkpoint yet"
+    assert all(
+        queried_metrics(target["expr"]) == {"torchtelemetry_train_goodput_ratio"}
+        for target in panel["targets"]
+    )

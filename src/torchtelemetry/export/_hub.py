@@ -107,6 +107,18 @@ class ExportHub:
             for queue in self._queues:
                 queue.start()
 
+    def adopt_run(self, run: RunInfo) -> None:
+        """Export as `run` from now on: every exporter is described again under it, in order with the
+        reports (a resumed launch adopting its checkpoint's run id). Exporters that open their run
+        once (W&B, OpenTelemetry's resource) keep the first; the Pushgateway moves its group."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("ExportHub.adopt_run: the hub is closed")
+            self.run = run
+            everything = tuple(self._descriptors.values())
+            for queue in self._queues:
+                queue.put_describe(everything, run)
+
     def submit(
         self,
         step: int,
@@ -217,6 +229,9 @@ class NullHub:
         return []
 
     def describe(self, descriptors: Sequence[MetricDescriptor]) -> None:
+        """Do nothing."""
+
+    def adopt_run(self, run: RunInfo) -> None:
         """Do nothing."""
 
     def submit(

@@ -84,6 +84,7 @@ class PushgatewayExporter(BaseExporter):
         self._registry = self._client.CollectorRegistry()
         self._registry.register(self._collector)
         self._pending = False
+        self._pushed_key: dict[str, str] | None = None
 
     @property
     def grouping_key(self) -> dict[str, str] | None:
@@ -94,6 +95,9 @@ class PushgatewayExporter(BaseExporter):
         """Check and learn the names (raises `NameCollisionError`); the run id joins the grouping key."""
         self._collector.set_descriptors(descriptors, run)
         self._grouping_key = {**self._extra_key, RUN_LABEL: run.run_id}
+        if self._pushed_key is not None and self._pushed_key != self._grouping_key:
+            self._delete(self._pushed_key, self.timeout_s)
+            self._pushed_key = None
 
     def _export(self, step: int, values: ReportValues, timestamp: float) -> None:
         """Push this report (replacing the group)."""
@@ -125,16 +129,21 @@ class PushgatewayExporter(BaseExporter):
                     error.__cause__ or error,
                 )
             return
+        self._delete(self._grouping_key, timeout_s)
+
+    def _delete(self, grouping_key: dict[str, str], timeout_s: float) -> None:
         try:
             self._client.delete_from_gateway(
                 self.url,
                 job=self.job,
-                grouping_key=self._grouping_key,
+                grouping_key=grouping_key,
                 timeout=max(0.001, min(timeout_s, self.timeout_s)),
                 handler=self._handler,
             )
         except Exception as error:
-            logger.warning("PushgatewayExporter %r: deleting its group failed: %s", self.name, error)
+            logger.warning(
+                "PushgatewayExporter %r: deleting its group %s failed: %s", self.name, grouping_key, error
+            )
 
     def _push(self, timeout_s: float) -> None:
         if timeout_s <= 0:
@@ -151,6 +160,7 @@ class PushgatewayExporter(BaseExporter):
         except Exception as error:
             raise ExportFailed("push failed") from error
         self._pending = False
+        self._pushed_key = self._grouping_key
 
     def _handler(self, url: str, method: str, timeout: float | None, headers: Any, data: bytes) -> Any:
         exposition = self._client.exposition

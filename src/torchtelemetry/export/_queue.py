@@ -44,6 +44,7 @@ class _Report:
 @dataclass(frozen=True, slots=True)
 class _Describe:
     descriptors: tuple[MetricDescriptor, ...]
+    run: RunInfo | None = None
 
 
 class _Barrier:
@@ -132,9 +133,10 @@ class ExporterQueue:
             self._queued_reports += 1
             self._cond.notify()
 
-    def put_describe(self, descriptors: Sequence[MetricDescriptor]) -> None:
-        """Queue a describe (of every name known so far), run on the exporter's thread."""
-        self._put(_Describe(tuple(descriptors)))
+    def put_describe(self, descriptors: Sequence[MetricDescriptor], run: RunInfo | None = None) -> None:
+        """Queue a describe (of every name known so far; under `run` from then on, if given), run on
+        the exporter's thread."""
+        self._put(_Describe(tuple(descriptors), run))
 
     def finish(self, timeout_s: float, *, close: bool) -> Callable[[], bool]:
         """Queue a flush (and a close, if `close`) after what is queued; returns its `wait`.
@@ -200,6 +202,7 @@ class ExporterQueue:
             if isinstance(item, _Report):
                 self._export(item)
             elif isinstance(item, _Describe):
+                self._run = item.run or self._run
                 self._converter.learn(item.descriptors)
                 try:
                     self.exporter.describe(item.descriptors, self._run)

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from torchtelemetry._optional import import_optional
-from torchtelemetry.export import Exporter, RunInfo
+from torchtelemetry.export import Exporter
 from torchtelemetry.integrations._metric_logger import TelemetryMetricLogger, check_log_prefix
 from torchtelemetry.integrations._setup import build_telemetry
 from torchtelemetry.metric import Metric, WeightedMeanMetric
@@ -60,7 +60,8 @@ class LightningTelemetryCallback(pl.Callback):
         exporters: exporters (constructed on every rank, started on global rank 0 only) or a spec string.
         config: how to collect and export (`TelemetryConfig`). Without `config` or `every`, a
             collection every `log_every_n_steps` optimizer steps of the Trainer; without `run_id`,
-            one made on rank 0; `run_config` goes on top of the modules' hyperparameters.
+            the run's own (`Telemetry.run_identity`: a resumed fit continues its checkpoint's
+            run); `run_config` goes on top of the modules' hyperparameters.
         loss: name under which the mean of the training loss over the window's batches and all
             ranks is exported; None to leave the loss out.
         update: `update(metrics, outputs, batch)`, called after every training batch.
@@ -117,7 +118,7 @@ class LightningTelemetryCallback(pl.Callback):
             self.config,
             device=trainer.strategy.root_device,
             framework_config=_hparams(trainer, pl_module),
-            run_id=self.config.run_id or trainer.strategy.broadcast(RunInfo.create().run_id),
+            run_id=self.config.run_id,
             **every,
         )
         try:

@@ -37,6 +37,7 @@ from torchtelemetry.report.signals import (
     Heartbeat,
     HostTimer,
     PhaseTimer,
+    ProgressFile,
     RankBeat,
     SignalContext,
     SignalSet,
@@ -45,6 +46,7 @@ from torchtelemetry.report.signals import (
     check_phase_names,
     find_hang,
     hang_values,
+    progress_path,
     signal_descriptors,
 )
 
@@ -63,6 +65,8 @@ __all__ = [
     "find_hang",
     "hang_values",
     "PhaseTimer",
+    "ProgressFile",
+    "progress_path",
     "SignalContext",
     "SignalSet",
     "check_phase_names",

@@ -50,6 +50,7 @@ from torchtelemetry.report.signals._nvml import (
 )
 from torchtelemetry.report.signals._peak_memory import PeakMemory
 from torchtelemetry.report.signals._phases import DATA_PHASE, DEFAULT_PHASES, Phases, check_phase_names
+from torchtelemetry.report.signals._progress import ProgressFile, ProgressRecord, progress_path
 from torchtelemetry.report.signals._set import SignalSet
 from torchtelemetry.report.signals._spikes import MIN_HISTORY, Spikes
 from torchtelemetry.report.signals._step_time import StepTime
@@ -92,6 +93,8 @@ __all__ = [
     "PhaseClock",
     "PhaseTimer",
     "Phases",
+    "ProgressFile",
+    "ProgressRecord",
     "RankValues",
     "Signal",
     "SignalContext",
@@ -109,6 +112,7 @@ __all__ = [
     "lowest_rank",
     "memory_descriptors",
     "open_nvml",
+    "progress_path",
     "resident_bytes",
     "watched_metrics",
 ]

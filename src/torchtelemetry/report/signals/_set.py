@@ -14,6 +14,7 @@ from torchtelemetry.report.signals._data_wait import DataWait
 from torchtelemetry.report.signals._goodput import Goodput
 from torchtelemetry.report.signals._hang import Heartbeat
 from torchtelemetry.report.signals._phases import DATA_PHASE, Phases
+from torchtelemetry.report.signals._progress import ProgressFile
 
 __all__ = ["SignalSet"]
 
@@ -39,6 +40,21 @@ class SignalSet:
         self._goodput = next((signal for signal in self.signals if isinstance(signal, Goodput)), None)
         data_wait = next((signal for signal in self.signals if isinstance(signal, DataWait)), None)
         self._data_wait = HostTimer(data_wait.record_wait) if data_wait is not None else None
+
+    @property
+    def progress(self) -> ProgressFile | None:
+        """Goodput's progress file (None without one)."""
+        return self._goodput.progress if self._goodput is not None else None
+
+    @property
+    def run_id(self) -> str:
+        """The run id the progress file is written under ("" without goodput)."""
+        return self._goodput.run_id if self._goodput is not None else ""
+
+    @run_id.setter
+    def run_id(self, run_id: str) -> None:
+        if self._goodput is not None:
+            self._goodput.run_id = run_id
 
     @property
     def keywords(self) -> frozenset[str]:
