@@ -10,7 +10,7 @@ import torch
 
 from tests.distributed import run_ranks
 from tests.report.windows import collect_window, context
-from torchtelemetry.report.signals import EventClock, Phases, SignalSet
+from torchtelemetry.report.signals import EventClock, HostTimer, Phases, SignalSet
 
 DEVICE_MS = [0.0]
 """The fake device's clock (milliseconds), advanced by the tests."""
@@ -55,7 +55,7 @@ def test_seconds_per_step_over_ranks_and_shares_exported_only_for_phases_entered
             _device_work(10)
         with phases.timer("backward"):
             _device_work(20)
-            with phases.timer("forward"):  # nested and re-entered: both count
+            with phases.timer("forward"):  # nested in another phase: both blocks count
                 _device_work(5)
         signals.record_step(step, None, {})
     window = collect_window(signals, step=1, steps=2, duration_s=0.1)
@@ -115,6 +115,71 @@ def test_the_host_clock_times_blocks_and_undeclared_phases_are_refused() -> None
     assert window["train/phase/forward"]["0"] >= 0.02
     with pytest.raises(ValueError, match=r"'fwd' is not a declared phase.*\('forward',\)"):
         signals.phase("fwd")
+
+
+def test_a_phase_entered_again_inside_itself_counts_once() -> None:
+    FakeEvent.gate.set()
+    phases = _event_phases()
+    signals = SignalSet([phases])
+    with phases.timer("forward"):
+        _device_work(10)
+        with phases.timer("forward"):  # e.g. a model whose submodule times its own forward
+            _device_work(10)
+            with phases.timer("forward"):
+                _device_work(5)
+        with phases.timer("backward"):  # another phase nested in it still counts on its own
+            _device_work(5)
+    signals.record_step(0, None, {})
+    window = collect_window(signals, duration_s=0.05)
+    signals.close()
+    assert window["train/phase/forward"] == {"0": pytest.approx(0.03)}
+    assert window["train/phase/backward"] == {"0": pytest.approx(0.005)}
+    assert window["train/phases/share"]["forward"] == pytest.approx(60.0)
+
+
+def test_a_data_wait_entered_again_inside_itself_is_one_wait() -> None:
+    waits: list[float] = []
+    timer = HostTimer(waits.append)
+    with timer:
+        with timer:
+            pass
+        with timer:
+            pass
+    assert len(waits) == 1
+
+
+@pytest.mark.parametrize("section", ["phase", "data_wait"])
+def test_a_phase_or_data_wait_entered_on_another_thread_is_refused_naming_it(section: str) -> None:
+    import torchtelemetry as tt
+
+    telemetry = tt.Telemetry({"train": {"loss": tt.WeightedMeanMetric()}}, [], every=2)
+    timer = telemetry.phase("forward") if section == "phase" else telemetry.data_wait()
+    errors: list[BaseException] = []
+
+    def prefetch() -> None:
+        try:
+            with telemetry.phase("data") if section == "data_wait" else telemetry.phase("forward"):
+                pass
+        except RuntimeError as error:
+            errors.append(error)
+        try:
+            with timer:  # a timer made on the training thread, entered here
+                pass
+        except RuntimeError as error:
+            errors.append(error)
+
+    thread = threading.Thread(target=prefetch, name="prefetch-0")
+    thread.start()
+    thread.join()
+    assert len(errors) == 2
+    for error in errors:
+        assert "thread 'prefetch-0'" in str(error) and "MainThread" in str(error)
+    with timer:  # the training thread still times it, nothing of the refused blocks counted
+        pass
+    telemetry.step(0)
+    telemetry.close()
+    key = "train/phase/forward" if section == "phase" else "train/data_wait"
+    assert set(telemetry.latest[key]) == {"0"}
 
 
 @pytest.mark.parametrize(

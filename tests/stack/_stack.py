@@ -233,7 +233,7 @@ def recording_rules() -> dict[str, str]:
 
 
 RECORDED_LABELS = frozenset({"metric"})
-"""Labels the recording rules add (`torchtelemetry:loss` names each loss by `metric`)."""
+"""Labels the recording rules add (`torchtelemetry:loss_sum_5m` names each loss by `metric`)."""
 
 
 def substitute(expr: str, values: dict[str, str], *, keep_others: bool = False) -> str:

@@ -154,7 +154,7 @@ def test_the_required_alerts_exist() -> None:
     by_name = {rule["alert"]: rule["expr"] for rule in alert_rules()}
     assert "torchtelemetry_last_update_timestamp_seconds" in by_name["TrainingStalled"]
     assert "torchtelemetry_train_step" in queried_metrics(by_name["TrainingStepNotAdvancing"])
-    assert "torchtelemetry:loss" in by_name["LossNotFinite"]
+    assert "torchtelemetry:loss_sum_5m" in by_name["LossNotFinite"]
     assert "torchtelemetry_exporter_errors_total" in queried_metrics(by_name["ExportErrorsRising"])
     assert {
         "torchtelemetry_train_data_wait_share_percent",
@@ -241,7 +241,7 @@ def test_the_documented_rule_points_loss_not_finite_at_a_loss_of_another_name(tm
     }
     annotations = {
         "summary": "Run nll: torchtelemetry_train_nll is NaN or infinite",
-        "description": "torchtelemetry_train_nll of run nll (job trainer) is not finite.",
+        "description": "torchtelemetry_train_nll of run nll (job trainer) was not finite in the last 5 minutes.",
     }
     test = {
         "rule_files": [ALERTS.name, "my-losses.yml"],

@@ -42,58 +42,99 @@ class PhaseClock(Protocol):
 
 
 class PhaseTimer:
-    """`with telemetry.phase("forward"):` adds the block's time to its phase (nesting allowed)."""
+    """`with telemetry.phase("forward"):` adds the block's time to its phase. Other phases may nest
+    in it; the same phase entered again inside itself is part of the outer block (counted once).
+    Entered only on the thread that built it (the training thread)."""
 
-    __slots__ = ("_clock", "_index", "_started", "beat", "name")
+    __slots__ = ("_clock", "_depth", "_index", "_started", "_thread", "beat", "name")
 
     def __init__(self, clock: PhaseClock, index: int, name: str) -> None:
         self._clock = clock
         self._index = index
-        self._started: list[Any] = []
+        self._started: Any = None
+        self._depth = 0
+        self._thread = TrainingThread(f"Telemetry.phase({name!r})")
         self.name = name
         self.beat: Heartbeat | None = None
         """Where the training thread is, told of each entry and exit (None: no heartbeat)."""
 
     def __enter__(self) -> PhaseTimer:
+        self._thread.check()
         beat = self.beat
         if beat is not None:
             beat.phases.append(self.name)
             beat.moves += 1
-        self._started.append(self._clock.start())
+        if not self._depth:
+            self._started = self._clock.start()
+        self._depth += 1
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._clock.stop(self._index, self._started.pop())
+        self._depth -= 1
+        if not self._depth:
+            self._clock.stop(self._index, self._started)
         beat = self.beat
         if beat is not None:
             beat.phases.pop()
 
 
 class HostTimer:
-    """`with timer:` hands the block's host seconds to `record` (reusable, nestable; the data wait)."""
+    """`with timer:` hands the block's host seconds to `record` (reusable; a block entered again
+    inside itself is counted once; the data wait). Entered only on the thread that built it."""
 
-    __slots__ = ("_record", "_started", "beat", "name")
+    __slots__ = ("_depth", "_record", "_started", "_thread", "beat", "name")
 
-    def __init__(self, record: Callable[[float], None], name: str = "data") -> None:
+    def __init__(
+        self, record: Callable[[float], None], name: str = "data", op: str = "Telemetry.data_wait()"
+    ) -> None:
         self._record = record
-        self._started: list[float] = []
+        self._started = 0.0
+        self._depth = 0
+        self._thread = TrainingThread(op)
         self.name = name
         self.beat: Heartbeat | None = None
         """Where the training thread is, told of each entry and exit (None: no heartbeat)."""
 
     def __enter__(self) -> HostTimer:
+        self._thread.check()
         beat = self.beat
         if beat is not None:
             beat.phases.append(self.name)
             beat.moves += 1
-        self._started.append(time.perf_counter())
+        if not self._depth:
+            self._started = time.perf_counter()
+        self._depth += 1
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._record(time.perf_counter() - self._started.pop())
+        self._depth -= 1
+        if not self._depth:
+            self._record(time.perf_counter() - self._started)
         beat = self.beat
         if beat is not None:
             beat.phases.pop()
+
+
+class TrainingThread:
+    """The thread that built a timer: a section timed on another thread (a prefetch thread) would
+    add its time to the training thread's step (a data wait of 116 % of the step), so it is refused."""
+
+    __slots__ = ("_ident", "_name", "_op")
+
+    def __init__(self, op: str) -> None:
+        self._ident = threading.get_ident()
+        self._name = threading.current_thread().name
+        self._op = op
+
+    def check(self) -> None:
+        """Raise a `RuntimeError` naming the calling thread unless it is the training thread."""
+        if threading.get_ident() != self._ident:
+            raise RuntimeError(
+                f"{self._op}: entered from thread {threading.current_thread().name!r}, but it times "
+                f"the steps of thread {self._name!r} that built the Telemetry (the training thread); "
+                "time sections on the training thread, e.g. the wait for a batch a prefetch thread "
+                "made: `with telemetry.data_wait(): batch = queue.get()`"
+            )
 
 
 class HostClock:
