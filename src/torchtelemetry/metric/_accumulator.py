@@ -166,6 +166,13 @@ class MetricAccumulator:
         else:
             local.copy_(torch.minimum(local, value))
 
+    def add_at(self, index: int, value: torch.Tensor | float) -> None:
+        """Add `value` (a number or a 0-d tensor) to entry `index` of the local state's first dim,
+        leaving every other entry as it is (NaN and Inf included); SUM only."""
+        if self.reduce_op is not ReduceOp.SUM:
+            raise TypeError(f"add_at needs a SUM accumulator, got {self.reduce_op.name}")
+        self._writable()[index].add_(value)
+
     def add_product(self, value: torch.Tensor, weight: torch.Tensor) -> None:
         """Add `value * weight` (broadcast to this accumulator's shape) in one fused op; SUM only."""
         if self.reduce_op is not ReduceOp.SUM:

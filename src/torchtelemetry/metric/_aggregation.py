@@ -136,25 +136,35 @@ class MinMetric(_ExtremumMetric):
 
 
 class PerRankMetric(Metric):
-    """Mean of a value per rank (e.g. step time, to spot stragglers).
+    """A value per rank (e.g. step time, to spot stragglers): its mean, or with `kind="counter"` its
+    sum (tokens per rank), which exporters report as each rank's running total.
 
-    The state is a world-sized vector in which each rank fills its own slot, so
-    it rides in the SUM bucket and costs no extra collective. `compute()`: one mean per rank; NaN
-    for a rank that reported nothing.
+    The state is a world-sized vector in which each rank adds to its own slot only (a NaN or Inf of
+    one rank never reaches another's), so it rides in the SUM bucket and costs no extra collective.
+    `compute()`: one value per rank; a gauge's mean is NaN for a rank that reported nothing, a
+    counter's sum 0.
     """
 
     label_name = "rank"
-    batched = BatchedRule(lambda states, _: states["sums"] / states["counts"])
+    batched = BatchedRule(
+        lambda states, counter: torch.where(
+            counter.unsqueeze(-1), states["sums"], states["sums"] / states["counts"]
+        ),
+        constant=lambda metric: metric._counter,
+    )
 
     def __init__(
         self,
         world_size: int,
         rank: int,
         *,
+        kind: MetricKind | str = MetricKind.GAUGE,
         dtype: torch.dtype = DEFAULT_STATE_DTYPE,
         **options: Any,
     ) -> None:
-        super().__init__(**options)
+        super().__init__(kind=kind, **options)
+        if self.kind is MetricKind.HISTOGRAM:
+            raise ValueError(f"{self.display_name()}: kind must be 'gauge' or 'counter', got 'histogram'")
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(
                 f"{self.display_name()}: rank must be in [0, world_size), got rank={rank}, "
@@ -162,22 +172,24 @@ class PerRankMetric(Metric):
             )
         self.world_size = world_size
         self.rank = rank
-        self.slot = torch.nn.functional.one_hot(torch.tensor(rank), world_size).to(dtype)
+        self._counter = torch.tensor(self.kind is MetricKind.COUNTER)
         self.sums = MetricAccumulator(torch.zeros(world_size), ReduceOp.SUM, dtype=dtype)
         self.counts = MetricAccumulator(torch.zeros(world_size), ReduceOp.SUM, dtype=dtype)
 
     def update(self, value: Any) -> None:
-        """Add every entry of `value` to this rank's slot."""
+        """Add every entry of `value` to this rank's slot (a counter's must not be negative)."""
         value, mask = self._begin_update(value)
         if mask is not None:
             value = torch.where(mask, value, 0)
+        if self.kind is MetricKind.COUNTER and self._inspects_values(value) and _any_negative(value):
+            raise ValueError(f"{self.display_name()}: a counter cannot decrease, got a negative value")
         # The sums first: the only update that can fail (a float value into an integer state dtype,
         # an integer state overflowing), and it fails before any state has changed.
-        self.sums.update(self.slot * self._batch_sum(self.sums, value))
-        self.counts.update(self.slot * (value.numel() if mask is None else mask.sum()))
+        self.sums.add_at(self.rank, self._batch_sum(self.sums, value))
+        self.counts.add_at(self.rank, value.numel() if mask is None else mask.sum())
 
     def update_total(self, total: torch.Tensor | float, count: torch.Tensor | float) -> None:
         """Add `count` values already summed to `total` (Python numbers, or 0-d tensors on the
         metric's device), e.g. host timings accumulated over a window; no checks, no reduction."""
-        self.sums.update(self.slot * total)
-        self.counts.update(self.slot * count)
+        self.sums.add_at(self.rank, total)
+        self.counts.add_at(self.rank, count)

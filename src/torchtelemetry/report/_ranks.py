@@ -12,17 +12,21 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from torchtelemetry.metric import MetricKind
 from torchtelemetry.report._values import MetricDescriptor, ReportValue
 
-__all__ = ["RANK_LABEL", "RANK_STATISTICS", "RankSeriesLimit"]
+__all__ = ["RANK_LABEL", "RANK_STATISTICS", "RankSeriesLimit", "sum_over_ranks"]
 
 RANK_LABEL = "rank"
 """The label of a value per rank."""
-RANK_STATISTICS = ("min", "median", "max")
-"""What a gauge per rank becomes above the limit."""
+RANK_STATISTICS: dict[str, Callable[[list[float]], float]] = {
+    "min": min,
+    "median": statistics.median,
+    "max": max,
+}
+"""What a gauge per rank becomes above the limit: each statistic over ranks, by name."""
 
 
 class RankSeriesLimit:
@@ -62,20 +66,29 @@ class RankSeriesLimit:
         return out
 
     def derive(self, window: dict[str, ReportValue]) -> None:
-        """Derive what is exported from the values per rank of one report, in place. Non-finite
-        values (a rank that reported nothing) are left out."""
+        """Derive what is exported from the values per rank of one report, in place.
+
+        Every rank's value is kept as it is, NaN and +-Inf included (a rank that fed a NaN, or a
+        gauge's rank that reported nothing in the window, is NaN): a window never leaves a rank or a
+        statistic out. Over ranks, a counter's total is NaN if any rank's is; a gauge's min, median and
+        max order +-Inf and leave NaN ranks out, and are NaN when no rank has a value."""
+        if self.per_rank_series:
+            return
         for name, kind in self._kinds.items():
             values = window.get(name)
             if not isinstance(values, Mapping):
                 continue
-            finite = {rank: value for rank, value in values.items() if math.isfinite(value)}
-            if self.per_rank_series:
-                window[name] = finite
-                continue
             del window[name]
             if kind is MetricKind.COUNTER:
-                window[name] = math.fsum(finite.values())
-            elif finite:
-                window[f"{name}/min"] = min(finite.values())
-                window[f"{name}/median"] = statistics.median(finite.values())
-                window[f"{name}/max"] = max(finite.values())
+                window[name] = sum_over_ranks(values.values())
+                continue
+            ordered = [value for value in values.values() if not math.isnan(value)]
+            for stat, reduce in RANK_STATISTICS.items():
+                window[f"{name}/{stat}"] = reduce(ordered) if ordered else math.nan
+
+
+def sum_over_ranks(values: Iterable[float]) -> float:
+    """A counter's total over ranks: exact for finite values; NaN or +-Inf as float addition gives
+    it otherwise."""
+    values = list(values)
+    return math.fsum(values) if all(map(math.isfinite, values)) else sum(values)

@@ -7,6 +7,7 @@ import logging
 from collections.abc import Collection, Mapping
 from typing import Any
 
+from torchtelemetry.report._ranks import sum_over_ranks
 from torchtelemetry.report._values import HistogramValue, ReportValue
 
 __all__ = ["RunningTotals", "difference"]
@@ -32,7 +33,7 @@ class RunningTotals:
         """Fold one window's values in; returns the window with totals in place of cumulative names."""
         reported = dict(window)
         for name in self.cumulative & window.keys():
-            reported[name] = self._totals[name] = _sum(self._totals.get(name), window[name])
+            reported[name] = self._totals[name] = _sum(name, self._totals.get(name), window[name])
         return reported
 
     def state_dict(self) -> str:
@@ -77,7 +78,7 @@ def difference(total: ReportValue, earlier: ReportValue) -> ReportValue | None:
     return float(total) - float(earlier)
 
 
-def _sum(total: ReportValue | None, value: ReportValue) -> ReportValue:
+def _sum(name: str, total: ReportValue | None, value: ReportValue) -> ReportValue:
     if isinstance(value, HistogramValue):
         if not isinstance(total, HistogramValue):
             return value
@@ -88,10 +89,20 @@ def _sum(total: ReportValue | None, value: ReportValue) -> ReportValue:
             count=total.count + value.count,
         )
     if isinstance(value, Mapping):
+        if isinstance(total, float):
+            logger.warning(
+                "%s: the running total over ranks (%s, restored from a run with values per rank above "
+                "max_rank_series) cannot be split per rank; each rank's total starts from 0, exported "
+                "as a counter reset",
+                name,
+                total,
+            )
         totals = dict(total) if isinstance(total, Mapping) else {}
         for label, count in value.items():
             totals[label] = totals.get(label, 0.0) + count
         return totals
+    if isinstance(total, Mapping):  # restored per rank, now exported over ranks: each rank's total counts
+        total = sum_over_ranks(total.values())
     return (total if isinstance(total, float) else 0.0) + float(value)
 
 

@@ -64,6 +64,8 @@ class StepTime(Signal):
 
     def derive(self, window: dict[str, ReportValue], timing: WindowTiming) -> None:
         by_rank = finite_by_rank(window.get(STEP_TIME))
-        if by_rank:
+        if not by_rank:  # the first window of a run of one step: no step had a previous one to time from
+            window.pop(STEP_TIME, None)
+        else:
             window[f"{STEP_TIME}/min_rank"] = float(lowest_rank(by_rank))
             window[f"{STEP_TIME}/max_rank"] = float(highest_rank(by_rank))
