@@ -66,7 +66,8 @@ class Telemetry:
     Args:
         metrics: a PyTree of Metrics; paths become names (`{"train": {"loss": m}}` -> `train/loss`).
         exporters: exporters (constructed on every rank; only the group's rank 0 starts them), or a
-            comma-separated spec such as "console,prometheus" resolved through entry points.
+            comma-separated spec resolved through entry points, with options as literal keyword
+            arguments: "console, prometheus(port=9464)" (`exporters_from_spec`).
         config: how to collect and export (`TelemetryConfig`).
         **fields: `TelemetryConfig` fields overriding `config`, e.g. `Telemetry(metrics, every=10)`.
     """

@@ -129,3 +129,35 @@ def test_the_entry_points_pyproject_declares_build_every_exporter(
     assert (type(tensorboard), tensorboard.log_dir) == (torchtelemetry.TensorBoardExporter, tmp_path / "tb")
     assert (type(mlflow), mlflow.experiment_name) == (torchtelemetry.MLflowExporter, "spec")
     assert not (tmp_path / "tb").exists()  # built, nothing opened
+
+
+def test_options_ride_the_spec_string(tmp_path: Path) -> None:
+    path = tmp_path / "m.jsonl"
+    prometheus, jsonl = exporters_from_spec(
+        f"prometheus(port=0, addr='127.0.0.1'), jsonl(path={str(path)!r})"
+    )
+    assert (type(prometheus), prometheus.port, type(jsonl), Path(jsonl.path)) == (
+        PrometheusExporter,
+        0,
+        JsonlExporter,
+        path,
+    )
+    (console,) = exporters_from_spec("console()", console={})
+    assert type(console) is ConsoleExporter
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("prometheus(port=)", "cannot read"),
+        ("prometheus(9464)", r"not an exporter name or name\(key=value, \.\.\.\): 'prometheus\(9464\)'"),
+        ("jsonl(path=metrics.jsonl)", "option path=metrics.jsonl of 'jsonl' is not a literal: quote strings"),
+        ("prometheus(**{'port': 1})", r"\*\*options of 'prometheus'"),
+        ("prometheus(port=1), prometheus", "more than once"),
+    ],
+)
+def test_a_spec_string_that_cannot_be_read_says_how_to_write_it(spec: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        exporters_from_spec(spec)
+    with pytest.raises(ValueError, match=r"has \['port'\] in .* and as arguments"):
+        exporters_from_spec("prometheus(port=1)", prometheus={"port": 2})

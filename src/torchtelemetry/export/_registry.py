@@ -1,12 +1,14 @@
 """Exporters by name, through the `torchtelemetry.exporters` entry-point group.
 
 Third-party packages add exporters by declaring an entry point in that group
-(`myexporter = "mypkg:MyExporter"`); configuration then names them, as in
-`exporters_from_spec("prometheus,jsonl", prometheus={"port": 0})`.
+(`myexporter = "mypkg:MyExporter"`); configuration then names them, with their options in the
+string (`"prometheus(port=9464), jsonl(path='metrics.jsonl')"`, what a command-line flag or a
+config file can hold) or as keyword arguments (`exporters_from_spec("prometheus", prometheus={"port": 0})`).
 """
 
 from __future__ import annotations
 
+import ast
 from collections.abc import Iterable, Mapping
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any
@@ -39,19 +41,55 @@ def exporter_class(name: str) -> Any:
         raise ImportError(f"exporter {name!r} ({known[name].value}) could not be loaded: {error}") from error
 
 
-def exporters_from_spec(spec: str | Iterable[str], **options_by_name: Mapping[str, Any]) -> list[Exporter]:
-    """Build the exporters named in `spec` ("prometheus,jsonl" or a list), in order.
-
-    `options_by_name[name]` holds the keyword arguments of that exporter
-    (e.g. `prometheus={"port": 0}`); options for a known exporter not in the
-    spec are ignored, options for an unknown name are an error.
-    """
-    names = (
-        [part.strip() for part in spec.split(",")]
-        if isinstance(spec, str)
-        else [str(n).strip() for n in spec]
+def _parse_spec(spec: str) -> list[tuple[str, dict[str, Any]]]:
+    """`"prometheus(port=9464), jsonl"` as [(name, options)]: names, each optionally called with
+    keyword arguments whose values are Python literals (numbers, strings, booleans, None, lists)."""
+    if "(" not in spec:  # names only, whatever characters an entry point's name holds
+        return [(name, {}) for name in (part.strip() for part in spec.split(",")) if name]
+    usage = (
+        f"exporters_from_spec: cannot read {spec!r}; write exporter names separated by commas, each "
+        "optionally with keyword options of literal values: \"prometheus(port=9464), jsonl(path='m.jsonl')\""
     )
-    names = [name for name in names if name]
+    try:
+        tree = ast.parse(spec.strip(), mode="eval").body
+    except SyntaxError as error:
+        raise ValueError(usage) from error
+    parsed = []
+    for item in tree.elts if isinstance(tree, ast.Tuple) else [tree]:
+        if isinstance(item, ast.Name):
+            parsed.append((item.id, {}))
+            continue
+        if not isinstance(item, ast.Call) or not isinstance(item.func, ast.Name) or item.args:
+            raise ValueError(f"{usage} (not an exporter name or name(key=value, ...): {ast.unparse(item)!r})")
+        options = {}
+        for keyword in item.keywords:
+            try:
+                options[keyword.arg] = ast.literal_eval(keyword.value)
+            except ValueError as error:
+                raise ValueError(
+                    f"{usage} (option {keyword.arg}={ast.unparse(keyword.value)} of {item.func.id!r} is not "
+                    "a literal: quote strings)"
+                ) from error
+        if None in options:
+            raise ValueError(f"{usage} (**options of {item.func.id!r})")
+        parsed.append((item.func.id, options))
+    return parsed
+
+
+def exporters_from_spec(spec: str | Iterable[str], **options_by_name: Mapping[str, Any]) -> list[Exporter]:
+    """Build the exporters named in `spec`, in order: `"prometheus, jsonl"`, a list of names, or with
+    options in the string, `"prometheus(port=9464), jsonl(path='metrics.jsonl')"`.
+
+    `options_by_name[name]` holds more keyword arguments of that exporter
+    (e.g. `prometheus={"port": 0}`; an option given both ways is an error); options for a known
+    exporter not in the spec are ignored, options for an unknown name are an error.
+    """
+    parsed = (
+        _parse_spec(spec)
+        if isinstance(spec, str)
+        else [(name, {}) for name in (str(n).strip() for n in spec) if name]
+    )
+    names = [name for name, _ in parsed]
     known = available_exporters()
     unknown = sorted({*names, *options_by_name} - set(known))
     if unknown:
@@ -63,9 +101,15 @@ def exporters_from_spec(spec: str | Iterable[str], **options_by_name: Mapping[st
     if duplicates:
         raise ValueError(f"exporters_from_spec: {duplicates} named more than once in {spec!r}")
     exporters = []
-    for name in names:
+    for name, given in parsed:
         factory = exporter_class(name)
-        options = dict(options_by_name.get(name, {}))
+        extra = dict(options_by_name.get(name, {}))
+        twice = sorted(set(given) & set(extra))
+        if twice:
+            raise ValueError(
+                f"exporters_from_spec: exporter {name!r} has {twice} in {spec!r} and as arguments"
+            )
+        options = {**given, **extra}
         try:
             exporters.append(factory(**options))
         except TypeError as error:
