@@ -1,7 +1,8 @@
 """`make gpu-check`: the `cuda`-marked tests and what a GPU user needs measured, on a busy GPU, as one table.
 
 Runs on a bare, offline GPU image (python3, torch with CUDA, pytest, numpy, prometheus-client; no
-venv, no pip, no network), from the repository root, in about two minutes on one H100:
+venv, no pip, no network), from the repository root, sized to fit in five minutes on one H100
+(the tests' and the measurements' sleeps add up to under a minute; not yet run on one):
 
     PYTHONPATH=src python3 -m bench.gpu_check      # or: make gpu-check
 

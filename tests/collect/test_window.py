@@ -123,14 +123,15 @@ class DoubledSum(tt.SumMetric):
         return self.total.value * 2
 
 
-def test_custom_metrics_and_overriding_subclasses_use_their_own_compute() -> None:
+@pytest.mark.parametrize("transport", ["host", "device"])
+def test_custom_metrics_and_overriding_subclasses_use_their_own_compute(transport: str) -> None:
     metrics = {"range": RangeMetric(), "doubled": DoubledSum(), "sum": tt.SumMetric()}
     for metric in metrics.values():
         metric.update(torch.tensor([1.0, 4.5]))
     expected = {"range": {"range": 3.5, "version": 2, "seen": True}, "doubled": 11.0, "sum": 5.5}
     assert_same(tt.sync_and_compute(metrics), expected)
-    with AsyncMetricCollector(metrics) as collector:
-        collector.schedule_collection()
+    with AsyncMetricCollector(metrics, transport=transport) as collector:  # type: ignore[arg-type]
+        collector.schedule_collection()  # device: custom metrics from their states copied apart
         assert_same(collector.collect_results(), expected)
 
 
