@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from torchtelemetry.export._base import BaseExporter, ExportFailed
@@ -190,13 +190,18 @@ class PrometheusExporter(BaseExporter):
         """Mark the run finished, serve until its scrapers have read the final report, stop, unregister."""
         deadline = time.monotonic() + timeout_s
         self._collector.set_finished(wall_time())
-        url, server, self._server = self.url, self._server, None
+        url, server = self.url, self._server
         if server is None:
             self._stop(None, 0.0)
             return
+        final, now = self._collector.generation, time.monotonic()
+        due = self._scrapers_due(final, now)
+        self._closing_until = max(due.values()) + _STOP_S if due else None  # before closing_until() sees
+        self._server = None  # no server: it reads _closing_until from here on
         try:
             with lingering(self._addr, server.port, self._scrapes):  # until the port is free again
-                self._serve_final_report(url)
+                if due:
+                    self._serve_final_report(url, final, due)
                 self._stop(server, max(_STOP_S, deadline - time.monotonic()))
         finally:
             self._closing_until = None
@@ -208,15 +213,10 @@ class PrometheusExporter(BaseExporter):
         if server is not None and not server.close(timeout_s):
             logger.warning("PrometheusExporter %r: scrape connections still open after close", self.name)
 
-    def _serve_final_report(self, url: str | None) -> None:
-        """Serve until every scraper keeping its cadence has read the final report or missed its next
-        scrape (at most `linger_s`), past close's timeout; nothing to wait for without scrapers."""
-        final, now = self._collector.generation, time.monotonic()
-        due = self._scrapers_due(final, now)
-        if not due:
-            return
-        self._closing_until = max(due.values()) + _STOP_S
-        if not self._scrapes.wait(final, due, until=now + _IN_FLIGHT_S):
+    def _serve_final_report(self, url: str | None, final: int, due: Mapping[Scraper, float]) -> None:
+        """Serve until every scraper of `due` has read report `final` or missed its next scrape (at
+        most `linger_s`), past close's timeout."""
+        if not self._scrapes.wait(final, due, until=time.monotonic() + _IN_FLIGHT_S):
             return  # read already, by scrapes still sending it
         logger.info(
             "PrometheusExporter %r: waiting up to %.0f s for %s to read the final report at %s (the next "
