@@ -1,14 +1,19 @@
-"""The final report reaches a real Prometheus on both routes: the scrape endpoint lingers until it is
-scraped, at the scrape cadence it has seen (past close's timeout from a background thread), and never
-waits for nothing; the Pushgateway keeps it and marks the run finished."""
+"""The final report reaches a real Prometheus on both routes: the scrape endpoint lingers until the
+scrapers that have been scraping it read it whole, at the cadence each keeps (close() waits past its
+timeout for them, and leaves no thread behind), and never waits for nothing (a liveness probe, a
+filtered GET or a single manual read is no scraper); the Pushgateway keeps it and marks the run finished.
+
+No assertion here compares with the clock: what is asserted is what each scraper read, with clients
+that scrape on their own cadence (`Scraper`) and real Prometheus servers.
+"""
 
 from __future__ import annotations
 
 import logging
-import math
 import re
 import threading
 import time
+import urllib.request
 import uuid
 from collections.abc import Callable
 
@@ -66,56 +71,148 @@ def test_close_keeps_serving_until_the_final_report_is_scraped(prometheus: Prome
     assert _reaches(prometheus, "torchtelemetry_run_finished_timestamp_seconds", run_id, lambda at: at > 0)
 
 
-def _scraped_twice(exporter: PrometheusExporter, gap_s: float) -> float:
-    """Two scrapes `gap_s` apart: the endpoint has a scraper with that cadence. Returns an upper bound
-    of the gap the endpoint saw (a loaded machine stretches it)."""
-    start = time.monotonic()
-    http_get(exporter.url)
-    time.sleep(gap_s)
-    http_get(exporter.url)
-    deadline = time.monotonic() + 10.0  # the endpoint notes a delivery after sending it, maybe after the read
-    while len(exporter._collector.delivered_at()) < 2:
-        assert time.monotonic() < deadline, "the endpoint never noted the second scrape"
+class Scraper:
+    """A client that scrapes `url` on its own cadence, as Prometheus does, with its own User-Agent
+    (and `query`, e.g. a `name[]` filter), keeping every body it read; reads of a closed endpoint fail
+    and are skipped."""
+
+    def __init__(self, url: str, every_s: float, agent: str = "test-scraper/1.0", query: str = "") -> None:
+        self.url, self.every_s, self.agent, self.query = url, every_s, agent, query
+        self.bodies: list[str] = []
+        self._read = threading.Condition()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"scraper-{agent}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            request = urllib.request.Request(self.url + self.query, headers={"User-Agent": self.agent})
+            try:
+                with urllib.request.urlopen(request, timeout=10) as response:
+                    body = response.read().decode()
+            except OSError:
+                body = None
+            if body is not None:
+                with self._read:
+                    self.bodies.append(body)
+                    self._read.notify_all()
+            if self._stopped.wait(self.every_s):
+                return
+
+    def stop(self) -> list[str]:
+        """Stop scraping, once a read under way has ended; every body read."""
+        self._stopped.set()
+        self._thread.join(30)
+        assert not self._thread.is_alive()
+        return self.bodies
+
+
+def _known_as_scraper(exporter: PrometheusExporter, agent: str, timeout_s: float = 60.0) -> None:
+    """Wait until the endpoint has noted two whole reads by a client whose User-Agent starts with `agent`."""
+    deadline = time.monotonic() + timeout_s
+    while not any(
+        client.startswith(agent) and len(reads) >= 2
+        for (_, client), reads in exporter._scrapes.reads().items()
+    ):
+        assert time.monotonic() < deadline, f"the endpoint never saw {agent} scrape twice"
         time.sleep(0.01)
-    return time.monotonic() - start
 
 
-def test_close_says_it_waits_and_returns_once_a_scrape_read_the_final_report(caplog) -> None:
+def _non_daemon_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if not t.daemon and t is not threading.main_thread()]
+
+
+def test_close_waits_past_its_timeout_until_the_scraper_read_the_final_report(caplog) -> None:
+    """A scraper slower than close's timeout (Prometheus' default minute against close()'s default
+    30 s, here 3 s against 0.1 s): close() waits for its next scrape, through the hub, and that scrape
+    read the final report; no thread is left to keep the process alive."""
+    tokens = SumMetric(kind="counter")
     exporter = PrometheusExporter(port=0)
-    exporter.describe([MetricDescriptor("tokens", MetricKind.COUNTER)], RunInfo(run_id="waits"))
-    exporter.export(1, {"tokens": 10.0}, 1.0)
-    gap_s = _scraped_twice(exporter, 20.0)  # a scraper every ~20 s: the next is due within 1.5 gaps + 1 s
-    exporter.export(2, {"tokens": 20.0}, 2.0)  # the final report, not scraped yet
-    url = exporter.url
+    telemetry = Telemetry({"tokens": tokens}, [exporter], every=EVERY, run_id="waits", signals=False)
+    _train(telemetry, tokens, range(0, 4))
+    telemetry.flush()
+    scraper = Scraper(exporter.url, every_s=3.0)
+    _known_as_scraper(exporter, scraper.agent)
+    _train(telemetry, tokens, range(4, STEPS))
     with caplog.at_level(logging.INFO, logger="torchtelemetry"):
-        closing = threading.Thread(target=exporter.close, args=(120.0,))
-        closing.start()
-        deadline = time.monotonic() + 30
-        while "for a scrape of the final report" not in caplog.text:
-            assert time.monotonic() < deadline, "close() did not say that it waits"
-            time.sleep(0.05)
-        assert closing.is_alive(), "close() waits for the scrape"
-        body = http_get(url).decode()
-        closing.join(30)
-    assert not closing.is_alive(), "close() returned once the final report was scraped"
-    assert 'torchtelemetry_train_step{route="scrape",run="waits"} 2.0' in body
-    assert 'torchtelemetry_tokens_total{route="scrape",run="waits"} 20.0' in body
-    assert 'torchtelemetry_run_finished_timestamp_seconds{route="scrape",run="waits"}' in body
+        telemetry.close(timeout_s=0.1)
+    bodies = scraper.stop()
+    final = bodies[-1]
+    assert f'torchtelemetry_train_step{{route="scrape",run="waits"}} {float(STEPS - 1)}' in final
+    assert f'torchtelemetry_tokens_total{{route="scrape",run="waits"}} {STEPS * TOKENS_PER_STEP}' in final
+    assert 'torchtelemetry_run_finished_timestamp_seconds{route="scrape",run="waits"}' in final
     assert re.search(
-        rf"waiting up to (\d+) s for a scrape of the final report at {re.escape(url)}", caplog.text
+        r"waiting up to \d+ s for 127\.0\.0\.1 \(test-scraper/1\.0\) to read the final report", caplog.text
     )
-    # The wait follows the cadence seen, not the 60 s assumed without one.
-    waited = int(re.search(r"waiting up to (\d+) s", caplog.text).group(1))
-    assert waited <= math.ceil(1.5 * gap_s + 1) < UNKNOWN_INTERVAL_S
+    assert "abandoning" not in caplog.text
+    assert telemetry.hub.health()["prometheus"].errors == 0
+    assert _non_daemon_threads() == []
+
+
+def test_only_the_scraper_that_scraped_the_run_ends_the_wait(prometheus: PrometheusServer, caplog) -> None:
+    """A liveness probe every 0.05 s, plain and `name[]`-filtered, beside a Prometheus scraping every
+    2 s: close() (timeout 0.5 s) still waits until Prometheus has read the final report (a probe's
+    read of it used to end the wait, and Prometheus' last read was an earlier step)."""
+    prometheus.scrape_interval_s = 2.0
+    run_id = f"probed-{uuid.uuid4().hex[:8]}"
+    tokens = SumMetric(kind="counter")
+    exporter = PrometheusExporter(port=0)
+    telemetry = Telemetry({"tokens": tokens}, [exporter], every=EVERY, run_id=run_id, signals=False)
+    prometheus.scrape("trainer", [f"127.0.0.1:{exporter.port}"])
+    prometheus.start()
+    probes = [
+        Scraper(exporter.url, every_s=0.05, agent="kube-probe/1.30"),
+        Scraper(
+            exporter.url, every_s=0.05, agent="filtered-probe/1.0", query="?name[]=torchtelemetry_train_step"
+        ),
+    ]
+    _train(telemetry, tokens, range(0, 4))
+    telemetry.flush()
+    step = f'torchtelemetry_train_step{{run="{run_id}"}}'
+    prometheus.wait_for(f"count_over_time({step}[5m]) >= 2", timeout_s=60)  # Prometheus keeps a cadence
+    _known_as_scraper(exporter, "Prometheus/")
+    _known_as_scraper(exporter, "kube-probe/1.30")
+    _train(telemetry, tokens, range(4, STEPS))
+    with caplog.at_level(logging.INFO, logger="torchtelemetry"):
+        telemetry.close(timeout_s=0.5)
+    for probe in probes:
+        probe.stop()
+    assert _reaches(prometheus, "torchtelemetry_train_step", run_id, lambda value: value == STEPS - 1)
+    assert _reaches(
+        prometheus, "torchtelemetry_tokens_total", run_id, lambda total: total == STEPS * TOKENS_PER_STEP
+    )
+    assert _reaches(prometheus, "torchtelemetry_run_finished_timestamp_seconds", run_id, lambda at: at > 0)
+    scrapers = {agent for _, agent in exporter._scrapes.reads()}
+    assert "kube-probe/1.30" in scrapers and "filtered-probe/1.0" not in scrapers, (
+        "a filtered GET is no scraper"
+    )
+    assert _non_daemon_threads() == []
+
+
+def test_a_single_manual_read_is_no_scraper_and_keeps_nothing_alive(caplog) -> None:
+    """One `curl` a few steps before the end used to hold a finished process a minute past close()
+    (Prometheus' default interval assumed, on a non-daemon thread)."""
+    tokens = SumMetric(kind="counter")
+    exporter = PrometheusExporter(port=0)
+    telemetry = Telemetry({"tokens": tokens}, [exporter], every=EVERY, signals=False)
+    _train(telemetry, tokens, range(0, 4))
+    telemetry.flush()
+    assert b"torchtelemetry_tokens_total" in http_get(exporter.url)
+    _train(telemetry, tokens, range(4, STEPS))
+    with caplog.at_level(logging.INFO, logger="torchtelemetry"):
+        telemetry.close(timeout_s=5)
+    assert "final report" not in caplog.text
+    assert exporter.url is None
+    assert _non_daemon_threads() == []
 
 
 @pytest.mark.slow
 def test_the_final_report_reaches_a_prometheus_scraping_less_often_than_close_may_wait(
     prometheus: PrometheusServer,
 ) -> None:
-    """Prometheus scrapes every 8 s, close() may take 4: the endpoint serves the final report past
-    close() from a background thread until Prometheus has scraped it (it used to stop after its
-    linger_s, cut to close's timeout, and Prometheus never got the end of the run)."""
+    """Prometheus scrapes every 8 s, close() may take 4: close() waits past its timeout until
+    Prometheus has scraped the final report (it used to stop after its linger_s, cut to close's
+    timeout, and Prometheus never got the end of the run)."""
     prometheus.scrape_interval_s = 8.0
     run_id = f"slow-scrape-{uuid.uuid4().hex[:8]}"
     tokens = SumMetric(kind="counter")
@@ -130,7 +227,7 @@ def test_the_final_report_reaches_a_prometheus_scraping_less_often_than_close_ma
     (last,) = prometheus.query(f"timestamp({step})")
     prometheus.wait_for(f"timestamp({step}) > {last.value}", timeout_s=30)  # a scrape just happened
     _train(telemetry, tokens, range(4, STEPS))
-    telemetry.close(timeout_s=4.0)  # returns long before the next scrape, 8 s after the last
+    telemetry.close(timeout_s=4.0)  # shorter than the 8 s to the next scrape: close() waits for it
     assert _reaches(prometheus, "torchtelemetry_train_step", run_id, lambda value: value == STEPS - 1)
     assert _reaches(
         prometheus, "torchtelemetry_tokens_total", run_id, lambda total: total == STEPS * TOKENS_PER_STEP
@@ -138,21 +235,30 @@ def test_the_final_report_reaches_a_prometheus_scraping_less_often_than_close_ma
     assert _reaches(prometheus, "torchtelemetry_run_finished_timestamp_seconds", run_id, lambda at: at > 0)
 
 
-def test_a_new_exporter_on_the_port_ends_the_background_linger(caplog) -> None:
-    """A run that closed while its final report waited for a scrape must not keep the next run of the
-    same process off the port."""
+def test_a_new_exporter_on_the_endpoint_ends_the_linger_whatever_the_host_is_called(caplog) -> None:
+    """A run still waiting for its final scrape (its close() on another thread) must not keep the next
+    run of the same process off the port, the same endpoint named `localhost` instead of `127.0.0.1`
+    included (the registry compared the strings: Address already in use)."""
     port = free_port()
-    first = PrometheusExporter(port=port)
+    first = PrometheusExporter(port=port, addr="127.0.0.1")
     first.describe([MetricDescriptor("tokens", MetricKind.COUNTER)], RunInfo(run_id="first"))
     first.export(1, {"tokens": 1.0}, 1.0)
-    _scraped_twice(first, 10.0)  # the next scrape is due within 16 s
+    scraper = Scraper(first.url, every_s=5.0)
+    _known_as_scraper(first, scraper.agent)
+    scraper.stop()  # its next scrape, due within 8.5 s, is not coming before the next run starts
     first.export(2, {"tokens": 2.0}, 2.0)
     with caplog.at_level(logging.INFO, logger="torchtelemetry"):
-        first.close(3.0)
-        assert "keeps serving it until the next scrape" in caplog.text
-        assert b'run="first"' in http_get(f"http://127.0.0.1:{port}/metrics"), "served past close()"
-        second = PrometheusExporter(port=port)
+        closing = threading.Thread(target=first.close, args=(1.0,), name="closing-first")
+        closing.start()
+        deadline = time.monotonic() + 30
+        while "the final report at" not in caplog.text:
+            assert time.monotonic() < deadline, "close() did not say that it waits"
+            time.sleep(0.01)
+        second = PrometheusExporter(port=port, addr="localhost")
         second.describe([MetricDescriptor("tokens", MetricKind.COUNTER)], RunInfo(run_id="second"))
+        closing.join(30)
+    assert not closing.is_alive()
+    assert "still served the final report of a closed run" in caplog.text
     second.export(1, {"tokens": 5.0}, 1.0)
     body = http_get(second.url).decode()
     assert 'run="second"' in body and 'run="first"' not in body
@@ -164,9 +270,8 @@ def test_final_scrape_due_follows_the_cadence_and_gives_up_on_a_stopped_scraper(
     assert final_scrape_due([90.0, 100.0, 110.0], now=111.0) == 110.0 + 15.0 + 1.0  # every 10 s
     assert final_scrape_due([90.0, 100.0, 110.0], now=126.5) is None  # it missed its scrape: gone
     assert final_scrape_due([0.0, 60.0, 61.0, 120.0], now=121.0) == 120.0 + 1.5 * 59.0 + 1.0  # the median gap
-    assert (
-        final_scrape_due([100.0], now=101.0) == 100.0 + UNKNOWN_INTERVAL_S + 1.0
-    )  # one scrape: Prometheus' default
+    assert final_scrape_due([100.0], now=101.0) is None  # one read, no cadence: no scraper (a curl)
+    assert final_scrape_due([100.0], now=101.0, prometheus=True) == 100.0 + UNKNOWN_INTERVAL_S + 1.0
 
 
 def test_the_pushgateway_keeps_the_final_report_marked_finished(
@@ -221,8 +326,13 @@ def test_no_linger_when_nothing_scrapes_or_the_final_report_was_read(scraped: st
     _train(telemetry, tokens, range(2))
     telemetry.flush()
     if scraped == "stopped":
-        _scraped_twice(exporter, 0.2)  # a scraper every 0.2 s...
-        time.sleep(1.5)  # ...that missed its next scrapes (due within 1.3 s): gone
+        scraper = Scraper(exporter.url, every_s=0.2)  # a scraper every 0.2 s...
+        _known_as_scraper(exporter, scraper.agent)
+        scraper.stop()  # ...that misses its next scrape: once it was due, the scraper is gone
+        deadline = time.monotonic() + 60
+        while any(final_scrape_due(reads, time.monotonic()) for reads in exporter._scrapes.reads().values()):
+            assert time.monotonic() < deadline, "the scrape never came due"
+            time.sleep(0.05)
         _train(telemetry, tokens, range(2, 4))
     if scraped == "already":
         assert b"torchtelemetry_tokens_total" in http_get(exporter.url)

@@ -9,6 +9,7 @@ here, beside the exporters that use it. The values a report carries (`HistogramV
 from torchtelemetry.export._base import BaseExporter, ExportFailed
 from torchtelemetry.export._console import ConsoleExporter
 from torchtelemetry.export._exposition import ROUTE_LABEL, ROUTES, RUN_LABEL
+from torchtelemetry.export._final_scrape import UNKNOWN_INTERVAL_S, final_scrape_due
 from torchtelemetry.export._health import HEALTH_DESCRIPTORS, ExporterHealth
 from torchtelemetry.export._histograms import OUTER_BUCKET_FIELDS, DrawnHistogram, drawn_histogram
 from torchtelemetry.export._hub import ExportHub, NullHub
@@ -30,7 +31,7 @@ from torchtelemetry.export._naming import (
     tracker_name,
 )
 from torchtelemetry.export._otel import OTEL_SCHEMA_URL, OTelExporter
-from torchtelemetry.export._prometheus import UNKNOWN_INTERVAL_S, PrometheusExporter, final_scrape_due
+from torchtelemetry.export._prometheus import PrometheusExporter
 from torchtelemetry.export._protocol import RUN_ID_ENV, Exporter, ExporterStartError, ExportResult, RunInfo
 from torchtelemetry.export._pushgateway import PushgatewayExporter
 from torchtelemetry.export._registry import available_exporters, exporter_class, exporters_from_spec

@@ -8,9 +8,7 @@ label); the scrape endpoint and the Pushgateway exporter both expose it.
 
 from __future__ import annotations
 
-import collections
 import threading
-import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -38,9 +36,6 @@ __all__ = [
     "openmetrics_accept",
     "openmetrics_handler",
 ]
-
-_SCRAPES_KEPT = 9
-"""Delivered scrapes remembered, for the scrape cadence."""
 
 RUN_LABEL = "run"
 """Label carrying `RunInfo.run_id` on every series."""
@@ -105,7 +100,8 @@ class PrometheusCollector:
     builds the families of a new report and swaps them in under a lock. A series keeps its
     last reported value until a report carries it again (a report of a framework's own logs
     does not hide the collected metrics). `set_finished()` adds the run's finished marker;
-    `wait_for_scrape()` waits until a `collect()` has read the latest report. Every series
+    each report is a new `generation`, and `taken_reading()` says which one the scrape served on
+    this thread read (`_final_scrape.ScrapeLog` keeps who read what). Every series
     carries `run` (the run id) and `route` (which exporter exposes it: one of `ROUTES`).
     """
 
@@ -116,13 +112,10 @@ class PrometheusCollector:
         self._route = route
         self._namespace = namespace
         self._lock = threading.Lock()
-        self._scraped = threading.Condition(self._lock)
         self._generation = 0
-        self._scraped_generation = 0
         self._reading = threading.local()
         self.scrapes = 0
         """`collect()` calls so far (scrapes of the endpoint, pushes to a gateway)."""
-        self._delivered_at: collections.deque[float] = collections.deque(maxlen=_SCRAPES_KEPT)
         self._series: dict[str, _Series] = {}
         self._run_id: str | None = None
         self._families: list[Any] = []
@@ -177,12 +170,13 @@ class PrometheusCollector:
         family = self._gauge_family(self._fixed[RUN_FINISHED_METRIC.name], self._run_id, timestamp)
         with self._lock:
             self._families = [*self._families, family]
+            self._generation += 1
 
-    def wait_for_scrape(self, timeout_s: float) -> bool:
-        """Wait until a scrape has delivered the latest report (`delivered()`); False on timeout."""
-        with self._scraped:
-            generation = self._generation
-            return self._scraped.wait_for(lambda: self._scraped_generation >= generation, timeout_s)
+    @property
+    def generation(self) -> int:
+        """The number of the latest report (each `set_report` and `set_finished` makes a new one)."""
+        with self._lock:
+            return self._generation
 
     def describe(self) -> list[Any]:
         """No fixed names to register: they follow the metric tree (prometheus_client's `describe`).
@@ -199,22 +193,12 @@ class PrometheusCollector:
             self._reading.generation = self._generation
             return self._families
 
-    def delivered(self) -> None:
-        """The scrape served on this thread has sent its whole response: what its `collect()` read
-        counts as scraped (a scrape cut short by closing the endpoint must not)."""
+    def taken_reading(self) -> int | None:
+        """The generation the last `collect()` on this thread read (None if none since the last
+        call): once its response was sent whole, the report that scrape delivered."""
         generation = getattr(self._reading, "generation", None)
-        if generation is None:
-            return
         self._reading.generation = None
-        with self._scraped:
-            self._scraped_generation = max(self._scraped_generation, generation)
-            self._delivered_at.append(time.monotonic())
-            self._scraped.notify_all()
-
-    def delivered_at(self) -> list[float]:
-        """`time.monotonic()` of the latest scrapes sent whole (at most the last few), oldest first."""
-        with self._lock:
-            return list(self._delivered_at)
+        return generation
 
     def clear(self) -> None:
         """Forget every reported value."""

@@ -200,7 +200,9 @@ class ExportHub:
         """Export what is queued, then flush and close every exporter, all within one shared deadline.
 
         An exporter still busy at the deadline is abandoned (its daemon thread
-        is left behind and a warning logged). A second call only warns.
+        is left behind and a warning logged), except one that waits for its readers to read the
+        final report (`closing_until()`: the scrape endpoint, bounded by its scrapers' cadence),
+        waited for until then. A second call only warns.
         """
         check_same_process(self._pid, "ExportHub.close")
         with self._lock:

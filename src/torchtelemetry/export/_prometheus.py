@@ -6,49 +6,27 @@ The families come from `PrometheusCollector` (`_exposition.py`), the server from
 
 from __future__ import annotations
 
-import itertools
 import logging
-import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from torchtelemetry.export._base import BaseExporter, ExportFailed
 from torchtelemetry.export._exposition import PrometheusCollector, import_prometheus_client
+from torchtelemetry.export._final_scrape import ScrapeLog, Scraper, end_lingering, lingering
 from torchtelemetry.export._naming import NAMESPACE
 from torchtelemetry.export._protocol import ExporterStartError, RunInfo
 from torchtelemetry.export._scrape_server import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS, ScrapeServer
 from torchtelemetry.report import MetricDescriptor, ReportValues, wall_time
 
-__all__ = ["PrometheusExporter", "final_scrape_due"]
+__all__ = ["PrometheusExporter"]
 
 logger = logging.getLogger(__name__)
 
-UNKNOWN_INTERVAL_S = 60.0
-"""The scrape interval assumed after a single scrape: Prometheus' default `scrape_interval`."""
 _IN_FLIGHT_S = 2.0
 """Before saying it waits, close() lets a scrape that has read the final report finish sending it."""
 _STOP_S = 1.0
-"""What close() keeps of its timeout to stop serving."""
-_lingering: dict[tuple[str, int], tuple[threading.Event, threading.Thread]] = {}
-"""Endpoints still serving a closed run's final report in the background, by (addr, port)."""
-_lingering_lock = threading.Lock()
-
-
-def final_scrape_due(delivered_at: Sequence[float], now: float) -> float | None:
-    """The `time.monotonic()` by which a scraper keeping its cadence has read the endpoint again, or None
-    when nothing ever scraped it or its scraper has stopped.
-
-    Prometheus scrapes a target at a fixed interval: the cadence is the median gap between the
-    scrapes seen, and the next scrape is due one interval after the last, with half an interval and
-    a second of slack (after a single scrape, `UNKNOWN_INTERVAL_S` and a second). A scraper that let
-    that pass has stopped (a removed target, a Prometheus gone): nothing is coming, nothing is waited for.
-    """
-    if not delivered_at:
-        return None
-    gaps = sorted(later - earlier for earlier, later in itertools.pairwise(delivered_at))
-    due = delivered_at[-1] + (1.5 * gaps[len(gaps) // 2] if gaps else UNKNOWN_INTERVAL_S) + 1.0
-    return due if due > now else None
+"""What close() gives itself to stop serving after the final scrape."""
 
 
 class PrometheusExporter(BaseExporter):
@@ -66,16 +44,17 @@ class PrometheusExporter(BaseExporter):
     closed at accept); each has `idle_timeout_s` to send its whole request and as
     long again to read the response, else it is closed.
 
-    `close()` marks the run finished and keeps serving until a scrape has read
-    the final report, so the last values reach Prometheus whatever its scrape
-    interval: it waits as long as the scrape cadence it has seen says the next
-    scrape takes (`final_scrape_due`; at most `linger_s` if given), and it logs
-    that it waits. It does not wait when nothing ever scraped the endpoint, when
-    a scrape has read the final report already, or when the scraper has stopped
-    (missed its cadence). Past close's own timeout the endpoint goes on serving the
-    final report from a background thread until that scrape (the process exits
-    after it), and a new exporter on the same port ends it. Then every connection
-    and thread is gone.
+    `close()` marks the run finished and keeps serving until the final report has been read whole by
+    every scraper that has been scraping the endpoint (a client, by address and `User-Agent`, that
+    read it unfiltered at least twice: `_final_scrape`), so the last values reach Prometheus whatever
+    its scrape interval. It waits as long as each scraper's cadence says its next scrape takes
+    (`final_scrape_due`: 1.5 intervals and a second after its last scrape; at most `linger_s` if
+    given), past close's own `timeout_s` (about 91 s at Prometheus' default minute), and logs that
+    it waits. It does not wait when nothing scraped the endpoint (a liveness probe, a `?name[]=`
+    filtered GET or a single manual read is no scraper), when every scraper has read the final
+    report already, or for a scraper that missed its cadence (it stopped). Then every connection and
+    thread is gone: nothing keeps the process alive after `close()` returns. A new exporter on the
+    same endpoint (`localhost` and `127.0.0.1` alike) ends a wait still going on in another thread.
     """
 
     def __init__(
@@ -128,6 +107,8 @@ class PrometheusExporter(BaseExporter):
         self._collector = PrometheusCollector("scrape", namespace)
         self._registered = False
         self._server: ScrapeServer | None = None
+        self._scrapes = ScrapeLog()
+        self._closing_until: float | None = None
 
     @property
     def port(self) -> int | None:
@@ -158,13 +139,14 @@ class PrometheusExporter(BaseExporter):
                 self._registered = True
             if self._port is None or self._server is not None:
                 return
-            _end_linger(self._addr, self._port, self.name)
+            if self._port:
+                end_lingering(self._addr, self._port, self.name, _STOP_S + 1.0)
             try:
                 self._server = ScrapeServer(
                     self._port,
                     self._addr,
                     self.registry,
-                    on_delivered=self._collector.delivered,
+                    on_delivered=self._delivered,
                     **self._limits,
                     **self._tls,
                 )
@@ -188,14 +170,41 @@ class PrometheusExporter(BaseExporter):
         if problems:
             raise ExportFailed(f"values left out: {'; '.join(problems)}")
 
+    def closing_until(self) -> float | None:
+        """The `time.monotonic()` by which `close()`, running or called now, returns after waiting for
+        the final scrape (the hub waits that long for it, past its deadline); None when it would not wait."""
+        if self._closing_until is not None or self._server is None:
+            return self._closing_until
+        due = self._scrapers_due(
+            self._collector.generation + 1, time.monotonic()
+        )  # the final report is newer
+        return max(due.values()) + _STOP_S if due else None
+
+    def _delivered(self, scraper: Scraper | None, prometheus: bool) -> None:
+        """A scrape was sent whole: note what a scraper read (a filtered read is no scrape)."""
+        generation = self._collector.taken_reading()
+        if scraper is not None and generation is not None:
+            self._scrapes.delivered(scraper, generation, prometheus=prometheus)
+
     def _close(self, timeout_s: float) -> None:
-        """Mark the run finished, serve until a scrape has read the final report, stop, unregister."""
+        """Mark the run finished, serve until its scrapers have read the final report, stop, unregister."""
         deadline = time.monotonic() + timeout_s
         self._collector.set_finished(wall_time())
-        url, server, self._server = self.url, self._server, None
-        if server is not None and not self._final_report_read(server, url, deadline - _STOP_S):
-            return  # a background thread serves the final report until its scrape, then stops
-        self._stop(server, max(0.0, deadline - time.monotonic()))
+        url, server = self.url, self._server
+        if server is None:
+            self._stop(None, 0.0)
+            return
+        final, now = self._collector.generation, time.monotonic()
+        due = self._scrapers_due(final, now)
+        self._closing_until = max(due.values()) + _STOP_S if due else None  # before closing_until() sees
+        self._server = None  # no server: it reads _closing_until from here on
+        try:
+            with lingering(self._addr, server.port, self._scrapes):  # until the port is free again
+                if due:
+                    self._serve_final_report(url, final, due)
+                self._stop(server, max(_STOP_S, deadline - time.monotonic()))
+        finally:
+            self._closing_until = None
 
     def _stop(self, server: ScrapeServer | None, timeout_s: float) -> None:
         if self._registered:
@@ -204,76 +213,36 @@ class PrometheusExporter(BaseExporter):
         if server is not None and not server.close(timeout_s):
             logger.warning("PrometheusExporter %r: scrape connections still open after close", self.name)
 
-    def _final_report_read(self, server: ScrapeServer, url: str | None, stop_by: float) -> bool:
-        """Wait for a scrape of the final report until the next scrape is due (or `stop_by`).
-
-        False when close's time ran out first: the wait goes on in a background thread."""
-        now = time.monotonic()
-        due = final_scrape_due(self._collector.delivered_at(), now)
-        if due is not None and self.linger_s is not None:
-            due = min(due, now + self.linger_s)
-        if due is None or due <= now:
-            return True  # nothing scrapes this endpoint (any more): nothing to wait for
-        if self._collector.wait_for_scrape(min(_IN_FLIGHT_S, due - now)):
-            return True  # read already, or by a scrape still sending it
+    def _serve_final_report(self, url: str | None, final: int, due: Mapping[Scraper, float]) -> None:
+        """Serve until every scraper of `due` has read report `final` or missed its next scrape (at
+        most `linger_s`), past close's timeout."""
+        if not self._scrapes.wait(final, due, until=time.monotonic() + _IN_FLIGHT_S):
+            return  # read already, by scrapes still sending it
         logger.info(
-            "PrometheusExporter %r: waiting up to %.0f s for a scrape of the final report at %s (the next "
-            "scrape is due then, at the cadence seen)",
+            "PrometheusExporter %r: waiting up to %.0f s for %s to read the final report at %s (the next "
+            "scrape is due then, at the cadence seen; close() waits past its timeout for it)",
             self.name,
-            due - time.monotonic(),
+            max(due.values()) - time.monotonic(),
+            _names(due),
             url,
         )
-        if self._collector.wait_for_scrape(max(0.0, min(due, stop_by) - time.monotonic())):
-            return True
-        if due <= stop_by:
+        unread = self._scrapes.wait(final, due)
+        if unread:
             logger.warning(
-                "PrometheusExporter %r: no scrape read the final report by the time the next one was due; "
-                "closing without it",
+                "PrometheusExporter %r: %s did not read the final report by the time its next scrape was due "
+                "(or a new exporter took the port); closing without it",
                 self.name,
+                _names(unread),
             )
-            return True
-        self._linger_in_background(server, due)
-        return False
 
-    def _linger_in_background(self, server: ScrapeServer, due: float) -> None:
-        stop = threading.Event()
-        key = (self._addr, server.port)
-
-        def serve() -> None:
-            while not stop.is_set() and time.monotonic() < due:
-                if self._collector.wait_for_scrape(min(0.2, max(0.0, due - time.monotonic()))):
-                    break
-            self._stop(server, _STOP_S)
-            with _lingering_lock:
-                if _lingering.get(key, (None,))[0] is stop:
-                    del _lingering[key]
-
-        # Not a daemon: the process does not exit before the final report is scraped.
-        thread = threading.Thread(
-            target=serve, name=f"torchtelemetry-final-scrape-{server.port}", daemon=False
-        )
-        with _lingering_lock:
-            _lingering[key] = (stop, thread)
-        thread.start()
-        logger.warning(
-            "PrometheusExporter %r: close() ran out of time before the final report was scraped; the "
-            "endpoint keeps serving it until the next scrape (due in %.0f s), and the process exits after it",
-            self.name,
-            due - time.monotonic(),
-        )
+    def _scrapers_due(self, generation: int, now: float) -> dict[Scraper, float]:
+        """The scrapers to wait for to read report `generation`, with their due times (capped by linger_s)."""
+        due = self._scrapes.due(generation, now)
+        if self.linger_s is None:
+            return due
+        return {scraper: min(at, now + self.linger_s) for scraper, at in due.items() if self.linger_s > 0}
 
 
-def _end_linger(addr: str, port: int, name: str) -> None:
-    """Stop serving a closed run's final report on `addr:port`, for a new exporter to bind it."""
-    with _lingering_lock:
-        lingering = _lingering.pop((addr, port), None) if port else None
-    if lingering is None:
-        return
-    stop, thread = lingering
-    logger.warning(
-        "PrometheusExporter %r: port %d still served the final report of a closed run; it is not scraped now",
-        name,
-        port,
-    )
-    stop.set()
-    thread.join(_STOP_S + 1.0)
+def _names(scrapers: Iterable[Scraper]) -> str:
+    """`127.0.0.1 (Prometheus/2.45.0)`, ... for the log."""
+    return ", ".join(f"{address} ({agent or 'no User-Agent'})" for address, agent in scrapers)

@@ -142,24 +142,30 @@ class ExporterQueue:
         """Queue a flush (and a close, if `close`) after what is queued; returns its `wait`.
 
         The returned function waits at most `timeout_s` from now and returns True when the
-        exporter flushed in time. A close still running at its deadline abandons the thread
-        (a warning says so). Queue every exporter's finish before waiting for any of them.
+        exporter flushed in time; a close waits longer while the exporter says it is waiting for
+        its readers (`closing_until()`: the scrape endpoint waiting for the final scrape). A close
+        still running at its deadline abandons the thread (a warning says so). Queue every
+        exporter's finish before waiting for any of them.
         """
         barrier = _Barrier(time.monotonic() + timeout_s, close)
         self._put(barrier)
 
         def wait() -> bool:
-            if not barrier.done.wait(max(0.0, barrier.deadline - time.monotonic())):
-                logger.warning(
-                    "exporter %r: %s did not finish within %.1f s%s",
-                    self.name,
-                    "close" if close else "force_flush",
-                    timeout_s,
-                    "; abandoning its thread" if close else "",
-                )
-                return False
+            deadline = barrier.deadline
+            while not barrier.done.wait(max(0.0, deadline - time.monotonic())):
+                extended = _closing_until(self.exporter) if close else None
+                if extended is None or extended <= deadline:
+                    logger.warning(
+                        "exporter %r: %s did not finish within %.1f s%s",
+                        self.name,
+                        "close" if close else "force_flush",
+                        timeout_s,
+                        "; abandoning its thread" if close else "",
+                    )
+                    return False
+                deadline = extended
             if close:
-                self._thread.join(max(0.0, barrier.deadline - time.monotonic()))
+                self._thread.join(max(0.0, deadline - time.monotonic()))
             return barrier.ok
 
         return wait
@@ -256,6 +262,17 @@ class ExporterQueue:
     def _count_error(self) -> None:
         with self._cond:
             self._errors += 1
+
+
+def _closing_until(exporter: Exporter) -> float | None:
+    """The exporter's optional `closing_until()`: while its close waits for its readers, the
+    `time.monotonic()` by which it returns."""
+    closing_until = getattr(exporter, "closing_until", None)
+    try:
+        return closing_until() if callable(closing_until) else None
+    except Exception:
+        logger.exception("exporter %r: closing_until raised", exporter.name)
+        return None
 
 
 def close_exporter(exporter: Exporter, deadline: float) -> bool:

@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import parse_qs
 
 from torchtelemetry.export._base import LogThrottle
 from torchtelemetry.export._exposition import import_prometheus_client, openmetrics_handler
@@ -38,7 +39,10 @@ _REFUSAL_LOG_INTERVAL_S = 60.0
 class ScrapeServer:
     """Serves `registry` on `addr:port` until `close()`; raises `OSError` if the port cannot be bound.
 
-    `on_delivered` is called on the handler thread after a response was sent whole.
+    `on_delivered(scraper, prometheus)` is called on the handler thread after a response was sent
+    whole: `scraper` is the client, `(address, User-Agent)`, when it read the whole exposition (a
+    GET without a `name[]` filter), else None (a filtered or partial read); `prometheus` says that
+    it sent Prometheus' `X-Prometheus-Scrape-Timeout-Seconds` header.
     """
 
     def __init__(
@@ -49,7 +53,7 @@ class ScrapeServer:
         *,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
         idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
-        on_delivered: Callable[[], None] | None = None,
+        on_delivered: Callable[[tuple[str, str] | None, bool], None] | None = None,
         **tls: Any,
     ) -> None:
         self._slots = threading.BoundedSemaphore(max_connections)
@@ -151,6 +155,8 @@ class ScrapeServer:
             self._open[request] = threading.current_thread()
         self._request.failed = False
         self._request.connection = request
+        self._request.scraper = None
+        self._request.prometheus = False
         try:
             self._process_request_thread(request, client_address)  # the response is sent and the socket shut
         finally:
@@ -159,10 +165,16 @@ class ScrapeServer:
                 self._deadlines.pop(request, None)
             self._slots.release()
         if not self._request.failed and self._on_delivered is not None:
-            self._on_delivered()
+            self._on_delivered(self._request.scraper, self._request.prometheus)
 
     def _answer(self, app: Callable[..., Any], environ: Any, start_response: Any) -> Any:
         """The request was read whole: the response gets `idle_timeout_s` of its own."""
+        whole = environ.get("REQUEST_METHOD") == "GET" and "name[]" not in parse_qs(
+            environ.get("QUERY_STRING", "")
+        )
+        if whole:
+            self._request.scraper = (environ.get("REMOTE_ADDR", ""), environ.get("HTTP_USER_AGENT", ""))
+            self._request.prometheus = "HTTP_X_PROMETHEUS_SCRAPE_TIMEOUT_SECONDS" in environ
         with self._lock:
             if self._request.connection in self._deadlines:
                 self._deadlines[self._request.connection] = time.monotonic() + self._idle_timeout_s
