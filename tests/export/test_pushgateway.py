@@ -18,7 +18,7 @@ from tests.export.scraped_run import (
 )
 from tests.servers import PrometheusServer, PushgatewayServer, http_get
 from torchtelemetry import PushgatewayExporter
-from torchtelemetry.export import ExportHub, ExportResult
+from torchtelemetry.export import ExportHub, ExportResult, RunInfo
 from torchtelemetry.report import NameCollisionError
 
 
@@ -107,3 +107,18 @@ def test_bad_options_and_collisions() -> None:
     exporter.close()
     with pytest.warns(RuntimeWarning, match="already closed"):
         exporter.close()
+
+
+def test_a_launch_adopting_its_checkpoint_s_run_moves_its_group(pushgateway: PushgatewayServer) -> None:
+    """Described again under the run it resumes (Telemetry.load_state_dict after a push), the exporter
+    deletes the group it pushed under its own launch's id: no group is left behind to go stale."""
+    launched, resumed = f"launch-{uuid.uuid4().hex[:8]}", f"run-{uuid.uuid4().hex[:8]}"
+    exporter = PushgatewayExporter(pushgateway.url, job="trainer")
+    exporter.describe(DESCRIPTORS, RunInfo(run_id=launched))
+    assert exporter.export(1, sample_report(1), 1700000000.0) is ExportResult.SUCCESS
+    assert groups_of(pushgateway, launched) == [{"job": "trainer", "run": launched}]
+    exporter.describe(DESCRIPTORS, RunInfo(run_id=resumed))
+    assert groups_of(pushgateway, launched) == []
+    assert exporter.export(2, sample_report(2), 1700000001.0) is ExportResult.SUCCESS
+    exporter.close()
+    assert groups_of(pushgateway, resumed) == [{"job": "trainer", "run": resumed}]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import time
 from pathlib import Path
@@ -65,6 +66,14 @@ def latest_checkpoint(directory: Path) -> Path | None:
     """The newest checkpoint whose metadata was written (dcp writes it last)."""
     complete = [path for path in directory.glob("step_*") if (path / ".metadata").exists()]
     return max(complete, key=lambda path: int(path.name.removeprefix("step_")), default=None)
+
+
+def wait_for_progress(path: Path, step: int | None, timeout_s: float = 60.0) -> None:
+    """Wait until the progress file (written on a thread of its own) holds `step`."""
+    deadline = time.monotonic() + timeout_s
+    while not (path.exists() and json.loads(path.read_text() or "{}").get("step") == step):
+        assert time.monotonic() < deadline, f"{path} never held step {step}"
+        time.sleep(0.05)
 
 
 def main() -> None:
@@ -117,6 +126,8 @@ def main() -> None:
         if step == args.stall_after:
             if args.progress_file:  # the windows in flight are exported, and the progress file says so
                 telemetry.state_dict()
+                if telemetry.is_exporting:
+                    wait_for_progress(Path(args.progress_file), telemetry.latest_step)
             telemetry.hub.force_flush(10.0)
             Path(f"{args.out}.stalled.{rank}").touch()
             while True:

@@ -102,11 +102,12 @@ class Goodput(Signal):
 
     def host_values(self) -> dict[str, float]:
         restarts, recomputed = (1, self._resumed[1]) if self._resumed is not None else (0, 0)
+        counted = self._counted  # counters: only what was not counted yet, never less
         values = {
-            "restarts": float(restarts - self._counted[0]),
-            "recomputed": float(recomputed - self._counted[1]),
+            "restarts": float(max(restarts - counted[0], 0)),
+            "recomputed": float(max(recomputed - counted[1], 0)),
         }
-        self._counted = (restarts, recomputed)
+        self._counted = (max(restarts, counted[0]), max(recomputed, counted[1]))
         if self._known:
             values["productive_s"] = self._productive_s
             values["wall_s"] = max(wall_time() - self.first_start, 0.0)
