@@ -50,6 +50,21 @@ LOSS = MetricDescriptor("train/loss")
 RUN = RunInfo(run_id="faults")
 
 
+CLOSE_LIMIT_S = 60.0
+"""How long a close() whose own timeout is seconds may take before the test calls it a hang: its
+backend stays broken for the whole test, so a close() that returned at all was ended by its own
+timeout, not by the backend (no race with the clock on a loaded machine)."""
+
+
+def returns_while_broken(close: Callable[[], object], what: str) -> None:
+    """Call `close` on a thread; fail unless it returns while the backend is still broken."""
+    done = threading.Event()
+    thread = threading.Thread(target=lambda: (close(), done.set()), name="test-close", daemon=True)
+    thread.start()
+    assert done.wait(CLOSE_LIMIT_S), f"{what} did not return while its backend stayed broken"
+    thread.join()
+
+
 def wait_until(predicate: Callable[[], bool], timeout_s: float = 60.0, what: str = "condition") -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
@@ -282,13 +297,11 @@ def test_close_returns_within_its_timeout(backend: Backend, fault: str) -> None:
     hub = ExportHub([backend.exporter], run=RUN, queue_size=QUEUE)
     hub.describe([LOSS])
     if fault == "slow":
-        backend.proxy.slow(30)
+        backend.proxy.slow(10 * CLOSE_LIMIT_S)  # no answer arrives while the test runs
     else:
         getattr(backend.proxy, fault)()
     burst(hub, range(1, 11))
-    started = time.monotonic()
-    hub.close(1.0)
-    assert time.monotonic() - started < 1.0 + 5  # generous: close is bounded by its own timeout
+    returns_while_broken(lambda: hub.close(1.0), f"close(1.0) with the backend {fault}")
     # An exporter thread abandoned mid-export finishes within the exporter's timeout; every report is
     # then counted, and no exporter thread is left behind.
     settle(hub, backend.name, 10)
@@ -357,9 +370,7 @@ def test_hung_and_slow_scrapers_never_block_exports() -> None:
         assert found["torchtelemetry_train_step"].samples[0].value == 30  # a working scraper sees the newest
         assert {s.value for s in found["torchtelemetry_train_step_time"].samples} == {30.0}
 
-        started = time.monotonic()
-        hub.close(2.0)  # with every stuck scraper still connected
-        assert time.monotonic() - started < 2.0 + 5
+        returns_while_broken(lambda: hub.close(2.0), "close(2.0) with every stuck scraper still connected")
         with pytest.raises(OSError):
             http_get(f"http://127.0.0.1:{exporter.port}/metrics", timeout_s=2)
     finally:
@@ -404,16 +415,13 @@ def _wandb_service_killed(rank: int, world_size: int, wandb_dir: str) -> dict[st
         hub.submit(step, {"train/loss": float(step)})
     bound_holds = accounted(hub, "wandb") >= 33 - QUEUE - 1
     hub.force_flush(10)
-    started = time.monotonic()
-    hub.close(5.0)
-    close_s = time.monotonic() - started
+    returns_while_broken(lambda: hub.close(5.0), "close(5.0) with the W&B service killed")
     health = hub.health()["wandb"]
     return {
         "flushed": flushed,
         "exported_before": exported_before,
         "bound_holds": bound_holds,
         "health": (health.exported_reports, health.errors, health.dropped_reports),
-        "close_s": close_s,
         "messages": messages,
     }
 
@@ -426,7 +434,6 @@ def test_wandb_service_killed_mid_run(tmp_path: Path) -> None:
     assert result["bound_holds"]
     exported, errors, dropped = result["health"]
     assert exported == 3 and errors >= 1 and exported + errors + dropped == 33
-    assert result["close_s"] < 5.0 + 5
     failures = [m for m in result["messages"] if "run.log failed" in m]
     assert len(failures) == 1, failures  # one log line for the whole burst of failures, not one per report
 
@@ -475,6 +482,4 @@ def test_training_loop_never_waits_for_dead_backends(pushgateway: PushgatewaySer
         }
         assert errors["prometheus"] == 0 and errors["otlp-http"] >= 1 and errors["pushgateway"] >= 1
         assert dropped["pushgateway"] >= 1
-        started = time.monotonic()
-        telemetry.close(timeout_s=2.0)
-        assert time.monotonic() - started < 2.0 + 5
+        returns_while_broken(lambda: telemetry.close(timeout_s=2.0), "Telemetry.close(2.0), backends dead")
