@@ -24,12 +24,15 @@ METRIC_CLASSES: list[type[Metric]] = [
 ]
 """Every metric class the package exports."""
 
-EXAMPLES = [
-    pytest.param(cls, example, id=f"{cls.__name__}: {example.form}")
-    for cls in METRIC_CLASSES
-    for example in cls.examples()
+EXAMPLE_CASES: list[tuple[type[Metric], MetricExample]] = [
+    (cls, example) for cls in METRIC_CLASSES for example in cls.examples()
 ]
 """(class, example) for every example of every exported metric class."""
+
+EXAMPLES = [
+    pytest.param(cls, example, id=f"{cls.__name__}: {example.form}") for cls, example in EXAMPLE_CASES
+]
+"""`EXAMPLE_CASES` as pytest parameters `(cls, example)`, each named after its class and form."""
 
 
 def build(cls: type[Metric], example: MetricExample, **options: Any) -> Metric:
