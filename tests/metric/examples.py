@@ -4,7 +4,8 @@ exports (`metric.__all__`) and the examples each declares (`Metric.examples()`).
 A metric added to `metric.__all__` with its examples joins every suite that uses `EXAMPLES`: no
 host sync (tests/metric/test_no_host_sync.py), bad input (tests/reliability/test_bad_input.py),
 batched compute = `compute()` (tests/collect/test_window.py), checkpoint round trip and one
-prologue (tests/metric/test_metrics.py), torchmetrics parity (tests/metric/test_against_torchmetrics.py).
+prologue (tests/metric/test_metrics.py), torchmetrics parity (tests/metric/test_against_torchmetrics.py),
+the thread rule (tests/reliability/test_threads_and_forks.py).
 """
 
 from __future__ import annotations
