@@ -14,6 +14,7 @@ from torch.utils import _pytree as pytree
 import torchtelemetry as tt
 from tests.collect.test_collector import assert_same, expected_window, feed_window, make_metrics
 from tests.distributed import run_ranks
+from tests.metric.examples import EXAMPLE_CASES, build, feed
 from tests.ops import OpCounter
 from tests.sync.collectives import CollectiveCounter
 from torchtelemetry.collect import AsyncMetricCollector, WindowPlan
@@ -23,46 +24,13 @@ from torchtelemetry.sync import WindowExchange
 
 
 def every_builtin(copies: int) -> dict[str, tt.Metric]:
-    """`copies` instances of each built-in, some with their own shapes, dtypes and kinds."""
-    metrics: dict[str, tt.Metric] = {}
-    for i in range(copies):
-        metrics |= {
-            f"sum{i}": tt.SumMetric(kind="counter"),
-            f"events{i}": tt.SumMetric(dtype=torch.int64),
-            f"mean{i}": tt.WeightedMeanMetric(),
-            f"mean32_{i}": tt.WeightedMeanMetric(dtype=torch.float32),
-            f"max{i}": tt.MaxMetric(),
-            f"min{i}": tt.MinMetric(),
-            f"acc{i}": tt.AccuracyMetric(top_k=2),
-            f"rank{i}": tt.PerRankMetric(3, i % 3),
-            f"cm{i}": tt.ConfusionMatrixMetric(3 + i % 2),
-            f"auroc{i}": tt.BinaryAUROCMetric(num_bins=8 + i % 2),
-            f"hist{i}": tt.HistogramMetric(bins=[0.5, 1.0 + i % 2]),
-        }
-    return metrics
-
-
-def feed(metrics: dict[str, tt.Metric], seed: int) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    for name, metric in metrics.items():
-        if name.startswith("mean") and name.endswith("1"):
-            continue  # a mean that saw nothing: NaN
-        if isinstance(
-            metric, (tt.SumMetric, tt.MaxMetric, tt.MinMetric, tt.PerRankMetric, tt.HistogramMetric)
-        ):
-            values = torch.randint(-8, 16, (5,), generator=gen) / 4
-            if name.startswith(("sum", "events")):  # counters: non-negative
-                values = values.abs()
-            metric.update(values.long() if name.startswith("events") else values)
-        elif isinstance(metric, tt.WeightedMeanMetric):
-            metric.update(torch.rand(4, generator=gen), torch.randint(0, 4, (4,), generator=gen).float())
-        elif isinstance(metric, tt.AccuracyMetric):
-            metric.update(torch.randn(6, 4, generator=gen), torch.randint(0, 4, (6,), generator=gen))
-        elif isinstance(metric, tt.ConfusionMatrixMetric):
-            c = metric.num_classes
-            metric.update(torch.randint(0, c, (9,), generator=gen), torch.randint(0, c, (9,), generator=gen))
-        else:
-            metric.update(torch.rand(12, generator=gen), torch.randint(0, 2, (12,), generator=gen))
+    """`copies` instances of every example of every exported metric (tests/metric/examples.py), the
+    i-th fed its example's inputs i % 3 times (none: the empty state)."""
+    return {
+        f"{cls.__name__}_{index}_{i}": feed(build(cls, example), example, times=i % 3)
+        for index, (cls, example) in enumerate(EXAMPLE_CASES)
+        for i in range(copies)
+    }
 
 
 def blocking_results(metrics: Any) -> Any:
@@ -72,9 +40,7 @@ def blocking_results(metrics: Any) -> Any:
 
 def test_batched_results_equal_each_metrics_own_compute() -> None:
     metrics = every_builtin(3)
-    feed(metrics, 0)
     expected = blocking_results(metrics)
-    assert math.isnan(expected["mean1"])
     assert_same(tt.sync_and_compute(metrics), expected)
     with AsyncMetricCollector(metrics) as collector:
         collector.schedule_collection()
@@ -85,7 +51,6 @@ def test_ops_per_window_do_not_grow_with_the_number_of_builtin_metrics() -> None
     counts = {}
     for copies in (2, 24):
         metrics = every_builtin(copies)
-        feed(metrics, 1)
         expected = blocking_results(metrics)
         tt.sync_and_compute(metrics)  # builds and caches the plan
         with OpCounter() as counter:
@@ -93,7 +58,7 @@ def test_ops_per_window_do_not_grow_with_the_number_of_builtin_metrics() -> None
         assert_same(results, expected)
         counts[copies] = counter.ops
     assert counts[2] == counts[24]
-    assert sum(counts[24].values()) < 200  # for 264 metrics of 11 kinds
+    assert sum(counts[24].values()) < 200  # for 24 copies of every example: 792 metrics of 9 classes
 
 
 class RangeMetric(tt.Metric):

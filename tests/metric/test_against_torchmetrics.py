@@ -1,8 +1,14 @@
-"""The classification built-ins against torchmetrics 1.9 (the `bench` extra) on the same data: tied
-logits, classes absent from a window, one process and sharded over 2 gloo ranks, through each
-metric's own `compute()` and through the batched window compute (`sync_and_compute`)."""
+"""The built-ins against torchmetrics 1.9 (the `bench` extra) on the same data: every example of every
+exported metric that has a torchmetrics peer (`PEERS`, which names each exported class), and for
+the classification metrics tied logits, classes absent from a window, one process and sharded over
+2 gloo ranks, through each metric's own `compute()` and through the batched window compute
+(`sync_and_compute`)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pytest
@@ -10,9 +16,113 @@ import torch
 
 import torchtelemetry as tt
 from tests.distributed import run_ranks
+from tests.metric.examples import EXAMPLES, METRIC_CLASSES, build, feed
 from tests.metric.test_metrics import computed
 
+torchmetrics = pytest.importorskip("torchmetrics")
 classification = pytest.importorskip("torchmetrics.classification")
+aggregation = pytest.importorskip("torchmetrics.aggregation")
+
+
+@dataclass(frozen=True)
+class Peer:
+    """How to build the torchmetrics metric that computes what one of ours does, and feed it."""
+
+    make: Callable[[Any, Any], Any]
+    """(our metric, its example) -> the torchmetrics metric, or None for a configuration it lacks."""
+    inputs: Callable[[Any, tuple], tuple] = lambda metric, args: args
+    """(our metric, the arguments of one of our updates) -> the peer's update arguments."""
+
+
+def _nan_strategy(metric: tt.Metric) -> str:
+    """The examples hold NaN only under nan_policy="ignore" ("disable", the closest to "propagate",
+    drops MeanMetric's weights in torchmetrics 1.9)."""
+    return "ignore" if metric.nan_policy == "ignore" else "error"
+
+
+def _flat_classes(metric: tt.Metric, args: tuple) -> tuple:
+    """Logits `[..., C]` as `[N, C]` and labels as `[N]`: torchmetrics puts the class dim second."""
+    preds, target = args
+    if preds.is_floating_point():
+        return preds.reshape(-1, preds.shape[-1]), target.reshape(-1)
+    return preds.reshape(-1), target.reshape(-1)
+
+
+def _num_classes(metric: tt.Metric, example: tt.metric.MetricExample) -> int:
+    preds = example.updates[0][0]
+    return metric.num_classes or preds.shape[-1]  # type: ignore[attr-defined]
+
+
+def _scores(metric: tt.Metric, example: tt.metric.MetricExample) -> Any:
+    """Precision, recall and F1, per class and macro-averaged: what ConfusionMatrixMetric gives."""
+    options = {"num_classes": metric.num_classes, "ignore_index": metric.ignore_index}  # type: ignore[attr-defined]
+    kinds = {
+        "precision": classification.MulticlassPrecision,
+        "recall": classification.MulticlassRecall,
+        "f1": classification.MulticlassF1Score,
+    }
+    per_class = {name: kind(average="none", **options) for name, kind in kinds.items()}
+    macro = {f"macro_{name}": kind(average="macro", **options) for name, kind in kinds.items()}
+    return torchmetrics.MetricCollection({**per_class, **macro})
+
+
+PEERS: dict[type[tt.Metric], Peer | None] = {
+    tt.SumMetric: Peer(lambda metric, _: aggregation.SumMetric(nan_strategy=_nan_strategy(metric))),
+    tt.WeightedMeanMetric: Peer(lambda metric, _: aggregation.MeanMetric(nan_strategy=_nan_strategy(metric))),
+    tt.MaxMetric: Peer(lambda metric, _: aggregation.MaxMetric(nan_strategy=_nan_strategy(metric))),
+    tt.MinMetric: Peer(lambda metric, _: aggregation.MinMetric(nan_strategy=_nan_strategy(metric))),
+    tt.AccuracyMetric: Peer(
+        lambda metric, example: (
+            None
+            if metric.nan_policy == "ignore"  # torchmetrics counts a NaN logit's sample
+            else classification.MulticlassAccuracy(
+                _num_classes(metric, example),
+                top_k=metric.top_k,
+                average="micro",
+                ignore_index=metric.ignore_index,
+            )
+        ),
+        _flat_classes,
+    ),
+    tt.ConfusionMatrixMetric: Peer(_scores, _flat_classes),
+    tt.BinaryAUROCMetric: Peer(
+        lambda metric, _: classification.BinaryAUROC(),  # exact: the examples' scores fall in distinct bins
+        lambda metric, args: (args[0].sigmoid() if metric.from_logits else args[0], args[1].long()),
+    ),
+    tt.PerRankMetric: None,  # no peer: a value per rank
+    tt.HistogramMetric: None,  # no peer: torchmetrics has no fixed-bucket histogram
+}
+"""Every exported metric class: its torchmetrics peer, or None where torchmetrics has none."""
+
+
+def test_every_exported_metric_names_its_torchmetrics_peer_or_none() -> None:
+    missing = [cls.__name__ for cls in METRIC_CLASSES if cls not in PEERS]
+    assert missing == [], f"add {missing} to PEERS: a Peer building the torchmetrics metric, or None"
+
+
+def _tensors(args: tuple) -> tuple:
+    return tuple(torch.as_tensor(arg) for arg in args)
+
+
+@pytest.mark.parametrize(("cls", "example"), [case for case in EXAMPLES if PEERS.get(case.values[0])])
+def test_every_example_equals_its_torchmetrics_peer(
+    cls: type[tt.Metric], example: tt.metric.MetricExample
+) -> None:
+    peer = PEERS[cls]
+    assert peer is not None
+    metric = feed(build(cls, example), example)
+    reference = peer.make(metric, example)
+    if reference is None:
+        pytest.skip(f"{cls.__name__} ({example.form}): torchmetrics has no such configuration")
+    for args in example.updates:
+        tensors = _tensors(args)
+        if all(tensor.numel() for tensor in tensors):  # torchmetrics refuses an empty batch; ours skips it
+            reference.update(*peer.inputs(metric, tensors))
+    expected = reference.compute()
+    torch.testing.assert_close(
+        computed(metric), expected, check_dtype=False, rtol=1e-6, atol=1e-9, equal_nan=True
+    )
+
 
 NUM_CLASSES = 5
 

@@ -10,6 +10,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 import torchtelemetry as tt
+from tests.metric.examples import EXAMPLES, build, feed
 
 
 def computed(metric: tt.Metric):
@@ -560,53 +561,23 @@ def test_empty_batches_change_nothing(make, args) -> None:
 # -- state dicts ----------------------------------------------------------------------------------------
 
 
-def _fresh_metrics() -> dict[str, tt.Metric]:
-    return {
-        "sum": tt.SumMetric(kind="counter"),
-        "mean": tt.WeightedMeanMetric(),
-        "max": tt.MaxMetric(),
-        "min": tt.MinMetric(),
-        "acc": tt.AccuracyMetric(),
-        "cm": tt.ConfusionMatrixMetric(3),
-        "hist": tt.HistogramMetric([0.5, 1.0]),
-        "auroc": tt.BinaryAUROCMetric(num_bins=8),
-        "ranks": tt.PerRankMetric(2, 1),
-    }
-
-
-def _filled_metrics() -> dict[str, tt.Metric]:
-    metrics = _fresh_metrics()
-    rng = np.random.default_rng(6)
-    for _ in range(3):
-        x = torch.from_numpy(rng.uniform(size=6))
-        labels = torch.from_numpy(rng.integers(0, 3, size=6))
-        metrics["sum"].update(x)
-        metrics["mean"].update(x, x)
-        metrics["max"].update(x)
-        metrics["min"].update(x)
-        metrics["acc"].update(torch.from_numpy(rng.normal(size=(6, 3))), labels)
-        metrics["cm"].update(labels, labels.flip(0))
-        metrics["hist"].update(x * 2)
-        metrics["auroc"].update(x, labels % 2)
-        metrics["ranks"].update(x)
-    return metrics
-
-
-def test_state_dict_round_trip_is_exact() -> None:
-    source = _filled_metrics()
-    target = _fresh_metrics()
-    for name, metric in source.items():
-        saved = metric.state_dict()
-        pointers = {attr: acc.local.data_ptr() for attr, acc in target[name].accumulators.items()}
-        target[name].load_state_dict(saved)
-        assert_same_state(saved, target[name])
-        assert {attr: acc.local.data_ptr() for attr, acc in target[name].accumulators.items()} == pointers
-        a, b = computed(metric), computed(target[name])
-        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+@pytest.mark.parametrize(("cls", "example"), EXAMPLES)
+def test_state_dict_round_trip_is_exact(cls: type[tt.Metric], example: tt.metric.MetricExample) -> None:
+    """Every exported metric, fed each example it declares: `state_dict()` loaded into a fresh
+    instance gives the same state, in place, and the same results."""
+    source = feed(build(cls, example), example, times=2)
+    target = build(cls, example)
+    saved = source.state_dict()
+    pointers = {attr: acc.local.data_ptr() for attr, acc in target.accumulators.items()}
+    target.load_state_dict(saved)
+    assert_same_state(saved, target)
+    assert {attr: acc.local.data_ptr() for attr, acc in target.accumulators.items()} == pointers
+    torch.testing.assert_close(computed(source), computed(target), rtol=0, atol=0, equal_nan=True)
 
 
 def test_load_state_dict_rejects_missing_extra_and_misshaped_keys_without_change() -> None:
-    metric = _filled_metrics()["hist"]
+    metric = tt.HistogramMetric([0.5, 1.0])
+    metric.update(torch.tensor([0.2, 0.7, 1.5]))
     before = states(metric)
     good = metric.state_dict()
     with pytest.raises(
@@ -636,7 +607,10 @@ def test_per_rank_update_total_adds_a_presummed_total_to_this_ranks_slot() -> No
 # -- one prologue -------------------------------------------------------------------------------------
 
 
-def test_every_builtin_update_runs_the_one_prologue_once(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("cls", "example"), EXAMPLES)
+def test_every_builtin_update_runs_the_one_prologue_once(
+    cls: type[tt.Metric], example: tt.metric.MetricExample, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The thread check, the input conversion and nan_policy live in `_begin_update` only: each
     built-in `update()` calls it exactly once (a second input goes through `_input`)."""
     from torchtelemetry.metric._inputs import UpdateInputs
@@ -649,24 +623,25 @@ def test_every_builtin_update_runs_the_one_prologue_once(monkeypatch: pytest.Mon
         return prologue(self, *args, **kwargs)
 
     monkeypatch.setattr(UpdateInputs, "_begin_update", counted)
-    metrics = _fresh_metrics()
-    for metric in metrics.values():
-        metric.update(*_good_input(metric))
-    assert calls == [type(metric).__name__ for metric in metrics.values()]
+    feed(build(cls, example), example)
+    assert calls == [cls.__name__] * len(example.updates)
 
 
-def test_every_builtin_compute_is_its_batched_rule_with_one_instance() -> None:
+@pytest.mark.parametrize(("cls", "example"), EXAMPLES)
+def test_every_builtin_compute_is_its_batched_rule_with_one_instance(
+    cls: type[tt.Metric], example: tt.metric.MetricExample
+) -> None:
     """Each built-in's formula exists once: `compute()` runs the rule a window batches K instances
     with, and gives new tensors (a later update does not change a result already computed)."""
     from torchtelemetry.metric import batched_rule
 
-    for name, metric in _filled_metrics().items():
-        assert type(metric).compute is tt.Metric.compute, name
-        assert batched_rule(metric) is type(metric).batched is not None, name
-        before = computed(metric)
-        kept = pytree.tree_map(torch.clone, before)
-        metric.update(*_good_input(metric))
-        torch.testing.assert_close(before, kept, rtol=0, atol=0, equal_nan=True, msg=name)
+    metric = feed(build(cls, example), example)
+    assert cls.compute is tt.Metric.compute
+    assert batched_rule(metric) is cls.batched is not None
+    before = computed(metric)
+    kept = pytree.tree_map(torch.clone, before)
+    feed(metric, example)
+    torch.testing.assert_close(before, kept, rtol=0, atol=0, equal_nan=True)
 
 
 def test_a_metric_that_names_no_label_uses_the_exporters_default() -> None:

@@ -1,9 +1,10 @@
-"""`update()` of every built-in metric, in every documented input form, never syncs a device: checked
-without a GPU by `tests.hostsync.NoHostSync` on the "meta" device (the metrics' device path).
+"""`update()` of every exported metric, in every input form it declares (`Metric.examples()`), never
+syncs a device: checked without a GPU by `tests.hostsync.NoHostSync` on the "meta" device (the
+metrics' device path).
 
-nan_policy="error" is left out by design: it reads every value to raise on NaN ("a host sync on
-accelerators", its docstring says). The CPU-only input checks (labels in range, non-negative
-counters and weights, integer overflow) do not run on a device, so they are not seen here.
+nan_policy="error" is left out by design (no example declares it): it reads every value to raise on
+NaN ("a host sync on accelerators", its docstring says). The CPU-only input checks (labels in range,
+non-negative counters and weights, integer overflow) do not run on a device, so they are not seen here.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 
 import torchtelemetry as tt
 from tests.hostsync import HostSyncError, NoHostSync
+from tests.metric.examples import EXAMPLES, build, on_device
 
 DEVICE = torch.device("meta")
 
@@ -25,80 +27,30 @@ def _on(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return torch.zeros(shape, dtype=dtype, device=DEVICE)
 
 
-def _labels(*shape: int) -> torch.Tensor:
-    return _on(*shape, dtype=torch.int64)
-
-
-# (metric factory, the inputs of one update() call) for every documented input form.
-CASES: dict[str, tuple[Callable[[], tt.Metric], Callable[[], tuple[Any, ...]]]] = {
-    "sum, vector": (tt.SumMetric, lambda: (_on(16),)),
-    "sum, 0-d": (tt.SumMetric, lambda: (_on(),)),
-    "sum, float16 batch": (tt.SumMetric, lambda: (_on(1024, dtype=torch.float16),)),
-    "sum, Python int": (tt.SumMetric, lambda: (512,)),
-    "sum, Python float": (tt.SumMetric, lambda: (0.5,)),
-    "sum, 0-d CPU tensor": (tt.SumMetric, lambda: (torch.tensor(3.0),)),
-    "sum, numpy scalar": (tt.SumMetric, lambda: (np.float32(2.5),)),
-    "sum, numpy array": (tt.SumMetric, lambda: (np.arange(4.0),)),
-    "sum, ignore NaN": (lambda: tt.SumMetric(nan_policy="ignore"), lambda: (_on(8),)),
-    "counter, 0-d int": (lambda: tt.SumMetric(kind="counter"), lambda: (_labels(),)),
-    "counter, int64 state": (lambda: tt.SumMetric(kind="counter", dtype=torch.int64), lambda: (_labels(8),)),
-    "weighted mean, 0-d and tokens": (tt.WeightedMeanMetric, lambda: (_on(), 4096)),
-    "weighted mean, 0-d and 0-d tensor": (tt.WeightedMeanMetric, lambda: (_on(), _labels())),
-    "weighted mean, default weight": (tt.WeightedMeanMetric, lambda: (_on(),)),
-    "weighted mean, vector and weights": (tt.WeightedMeanMetric, lambda: (_on(16), _on(16))),
-    "weighted mean, vector and scalar": (tt.WeightedMeanMetric, lambda: (_on(16), 2.0)),
-    "weighted mean, ignore NaN": (
-        lambda: tt.WeightedMeanMetric(nan_policy="ignore"),
-        lambda: (_on(16), _on(16)),
-    ),
-    "weighted mean, float32 state": (lambda: tt.WeightedMeanMetric(dtype=torch.float32), lambda: (_on(), 3)),
-    "max, vector": (tt.MaxMetric, lambda: (_on(16),)),
-    "max, empty": (tt.MaxMetric, lambda: (_on(0),)),
-    "max, Python float": (tt.MaxMetric, lambda: (1.5,)),
-    "min, vector, ignore NaN": (lambda: tt.MinMetric(nan_policy="ignore"), lambda: (_on(16),)),
-    "per rank, 0-d": (lambda: tt.PerRankMetric(4, 1), lambda: (_on(),)),
-    "per rank, vector, ignore NaN": (lambda: tt.PerRankMetric(4, 1, nan_policy="ignore"), lambda: (_on(8),)),
-    "accuracy, logits": (tt.AccuracyMetric, lambda: (_on(32, 10), _labels(32))),
-    "accuracy, top-3 logits": (lambda: tt.AccuracyMetric(top_k=3), lambda: (_on(32, 10), _labels(32))),
-    "accuracy, sequence logits": (tt.AccuracyMetric, lambda: (_on(4, 8, 10), _labels(4, 8))),
-    "accuracy, labels": (lambda: tt.AccuracyMetric(num_classes=10), lambda: (_labels(32), _labels(32))),
-    "accuracy, ignore_index": (
-        lambda: tt.AccuracyMetric(ignore_index=-100),
-        lambda: (_on(32, 10), _labels(32)),
-    ),
-    "accuracy, ignore NaN logits": (
-        lambda: tt.AccuracyMetric(nan_policy="ignore"),
-        lambda: (_on(32, 10), _labels(32)),
-    ),
-    "confusion, logits": (lambda: tt.ConfusionMatrixMetric(10), lambda: (_on(32, 10), _labels(32))),
-    "confusion, labels": (lambda: tt.ConfusionMatrixMetric(10), lambda: (_labels(32), _labels(32))),
-    "confusion, ignore_index": (
-        lambda: tt.ConfusionMatrixMetric(10, ignore_index=-100),
-        lambda: (_labels(32), _labels(32)),
-    ),
-    "auroc, probabilities": (tt.BinaryAUROCMetric, lambda: (_on(32), _labels(32))),
-    "auroc, logits and bool target": (
-        lambda: tt.BinaryAUROCMetric(from_logits=True),
-        lambda: (_on(32), _on(32, dtype=torch.bool)),
-    ),
-    "histogram, 0-d": (lambda: tt.HistogramMetric(bins=[0.1, 1, 10]), lambda: (_on(),)),
-    "histogram, float16 batch": (
-        lambda: tt.HistogramMetric(bins=[0.1, 1, 10]),
-        lambda: (_on(64, dtype=torch.float16),),
-    ),
-    "histogram, integers": (lambda: tt.HistogramMetric(bins=[1, 10]), lambda: (_labels(64),)),
-    "histogram, ignore NaN": (lambda: tt.HistogramMetric(bins=[1.0], nan_policy="ignore"), lambda: (_on(8),)),
-}
-
-
-@pytest.mark.parametrize("case", list(CASES))
-def test_update_never_syncs_the_device(case: str) -> None:
-    factory, inputs = CASES[case]
-    metric = factory().to(DEVICE)
-    arguments = inputs()
+@pytest.mark.parametrize(("cls", "example"), EXAMPLES)
+def test_update_never_syncs_the_device(cls: type[tt.Metric], example: tt.metric.MetricExample) -> None:
+    """Each update twice: every tensor on the device, then 0-d tensors left on the CPU (accepted on
+    any device, e.g. a host-side count)."""
+    metric = build(cls, example).to(DEVICE)
+    calls = [on_device(args, DEVICE, keep_0d=keep) for args in example.updates for keep in (False, True)]
     with NoHostSync():
-        metric.update(*arguments)
-        metric.update(*arguments)
+        for args in calls:
+            metric.update(*args)
+
+
+@pytest.mark.parametrize(
+    ("make", "args"),
+    [
+        (tt.SumMetric, (np.float32(2.5),)),
+        (tt.SumMetric, (np.arange(4.0),)),
+        (tt.WeightedMeanMetric, (np.arange(4.0), np.ones(4))),
+    ],
+    ids=["numpy scalar", "numpy array", "numpy value and weights"],
+)
+def test_numpy_inputs_never_sync_the_device(make: Callable[[], tt.Metric], args: tuple[Any, ...]) -> None:
+    metric = make().to(DEVICE)
+    with NoHostSync():
+        metric.update(*args)
 
 
 @pytest.mark.parametrize("op", ["sum", "max", "min"])

@@ -15,6 +15,7 @@ import torch
 import torchtelemetry as tt
 from tests.distributed import run_ranks
 from tests.hostsync import NoHostSync
+from tests.metric.examples import build, feed
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
 PREDS = [[1.0, 2.0, 3.0], [0.5, -1.0, 4.0, 2.0]]
@@ -68,6 +69,13 @@ def test_one_process_result_checkpoint_and_empty_state() -> None:
     restored = metric_class()
     restored.load_state_dict(metric.state_dict())
     assert restored.compute().item() == metric.compute().item()
+
+
+def test_the_page_declares_examples_that_run() -> None:
+    metric_class = _example()
+    for example in metric_class.examples():
+        metric = feed(build(metric_class, example), example)
+        assert torch.isfinite(metric.compute()), example.form
 
 
 def test_bad_input_names_the_metric_and_keeps_the_state() -> None:

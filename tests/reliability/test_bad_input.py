@@ -22,6 +22,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 import torchtelemetry as tt
+from tests.metric.examples import EXAMPLES, build, feed
 from tests.metric.test_metrics import _good_input, assert_same_state, computed, states
 from torchtelemetry.export import PrometheusExporter
 
@@ -403,6 +404,35 @@ def test_bad_input_raises_or_is_handled_and_keeps_what_was_accumulated(row: Row)
     metric.update(*row.args)
     assert row.check is not None
     row.check(computed(metric), metric)
+
+
+# -- every exported metric, each argument of each example it declares --------------------------------
+
+
+def _bad_arguments(example: tt.metric.MetricExample) -> list[tuple[tuple, type[Exception], str]]:
+    """Each argument of each update of `example` in turn made bad: a string (no tensor, no number),
+    and a tensor on another device (`meta`) than the metric's."""
+    cases: list[tuple[tuple, type[Exception], str]] = []
+    for args in example.updates:
+        for position, arg in enumerate(args):
+            before, after = args[:position], args[position + 1 :]
+            cases.append(((*before, "many", *after), TypeError, "must be a tensor or a number"))
+            if isinstance(arg, torch.Tensor):
+                moved = (*before, arg.to("meta"), *after)
+                cases.append((moved, ValueError, "is on meta, but the metric lives on cpu"))
+    return cases
+
+
+@pytest.mark.parametrize(("cls", "example"), EXAMPLES)
+def test_every_metric_refuses_bad_arguments_naming_itself_and_keeps_its_state(
+    cls: type[tt.Metric], example: tt.metric.MetricExample
+) -> None:
+    metric = feed(build(cls, example, name="val/bad"), example)
+    before = states(metric)
+    for args, error, message in _bad_arguments(example):
+        with pytest.raises(error, match=rf"^{cls.__name__} 'val/bad': \w+ {message}"):
+            metric.update(*args)
+        assert_same_state(before, metric)
 
 
 # -- non-tensor inputs give what the same tensors give -----------------------------------------------

@@ -17,21 +17,10 @@ import torch.distributed as dist
 
 import torchtelemetry as tt
 from tests.distributed import run_ranks
-from tests.metric.test_metrics import _good_input, assert_same_state, states
+from tests.metric.examples import METRIC_CLASSES, build, feed
+from tests.metric.test_metrics import assert_same_state, states
 from torchtelemetry.collect import AsyncMetricCollector
 from torchtelemetry.export import ExportHub, ExportResult, RunInfo
-
-METRICS = {
-    "sum": lambda: tt.SumMetric(kind="counter"),
-    "weighted mean": tt.WeightedMeanMetric,
-    "max": tt.MaxMetric,
-    "min": tt.MinMetric,
-    "per-rank": lambda: tt.PerRankMetric(2, 0),
-    "histogram": lambda: tt.HistogramMetric([1.0, 2.0]),
-    "accuracy": tt.AccuracyMetric,
-    "confusion matrix": lambda: tt.ConfusionMatrixMetric(3),
-    "binary AUROC": tt.BinaryAUROCMetric,
-}
 
 
 def _on_thread(fn: Any) -> BaseException | None:
@@ -50,12 +39,12 @@ def _on_thread(fn: Any) -> BaseException | None:
     return raised[0] if raised else None
 
 
-@pytest.mark.parametrize("make", METRICS.values(), ids=METRICS.keys())
-def test_an_update_from_another_thread_raises_and_changes_nothing(make: Any) -> None:
-    metric = make()
-    metric.update(*_good_input(metric))
+@pytest.mark.parametrize("cls", METRIC_CLASSES, ids=lambda cls: cls.__name__)
+def test_an_update_from_another_thread_raises_and_changes_nothing(cls: type[tt.Metric]) -> None:
+    example = cls.examples()[0]
+    metric = feed(build(cls, example), example)
     before = states(metric)
-    error = _on_thread(lambda: metric.update(*_good_input(metric)))
+    error = _on_thread(lambda: feed(metric, example))
     assert isinstance(error, RuntimeError)
     assert "called from thread 'updater'" in str(error)
     assert "MainThread" in str(error) and "updated on one thread" in str(error)

@@ -14,7 +14,7 @@ from torchtelemetry.metric._aggregation import (
     SumMetric,
     WeightedMeanMetric,
 )
-from torchtelemetry.metric._base import DEFAULT_LABEL_NAME, Metric, MetricKind, NanPolicy
+from torchtelemetry.metric._base import DEFAULT_LABEL_NAME, Metric, MetricExample, MetricKind, NanPolicy
 from torchtelemetry.metric._batched import BatchedRule, batched_rule
 from torchtelemetry.metric._binding import MetricBinding
 from torchtelemetry.metric._classification import AccuracyMetric, BinaryAUROCMetric, ConfusionMatrixMetric
@@ -35,6 +35,7 @@ __all__ = [
     "Metric",
     "MetricAccumulator",
     "MetricBinding",
+    "MetricExample",
     "MetricKind",
     "MinMetric",
     "NanPolicy",

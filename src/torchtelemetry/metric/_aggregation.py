@@ -7,16 +7,41 @@ from typing import Any
 import torch
 
 from torchtelemetry.metric._accumulator import DEFAULT_STATE_DTYPE, MetricAccumulator, ReduceOp
-from torchtelemetry.metric._base import Metric, MetricKind
+from torchtelemetry.metric._base import Metric, MetricExample, MetricKind
 from torchtelemetry.metric._batched import BatchedRule
 
 __all__ = ["MaxMetric", "MinMetric", "PerRankMetric", "SumMetric", "WeightedMeanMetric"]
 
 
 class SumMetric(Metric):
-    """Sum of every value seen; `kind="counter"` exports a running total (tokens, samples)."""
+    """Sum of every value seen; `kind="counter"` exports a running total (tokens, samples).
+
+    Example:
+        >>> metric = SumMetric()
+        >>> metric.update(torch.tensor([1.0, 2.5]))
+        >>> metric.update(4)
+        >>> metric.compute().item()
+        7.5
+    """
 
     batched = BatchedRule(lambda states, _: states["total"])
+
+    @classmethod
+    def examples(cls) -> tuple[MetricExample, ...]:
+        return (
+            MetricExample("vector", (torch.tensor([1.0, 2.5, 4.0]),), (torch.tensor([0.5]),)),
+            MetricExample(
+                "0-d, float16 and Python numbers",
+                (torch.tensor(3.0),),
+                (torch.tensor([0.5, 1.5], dtype=torch.float16),),
+                (512,),
+                (0.25,),
+            ),
+            MetricExample("ignore NaN", (torch.tensor([1.0, float("nan"), 3.0]),), nan_policy="ignore"),
+            MetricExample(
+                "counter, int64 state", (torch.tensor([3, 4]),), (7,), kind="counter", dtype=torch.int64
+            ),
+        )
 
     def __init__(
         self,
@@ -46,9 +71,38 @@ class WeightedMeanMetric(Metric):
     The state is the weighted sum and the total weight, never the mean, so it
     reduces exactly across ranks and windows. `compute()`: the weighted mean; NaN when no weight
     was seen.
+
+    Example:
+        >>> metric = WeightedMeanMetric()
+        >>> metric.update(torch.tensor(2.0), 3)  # a loss and its token count
+        >>> metric.update(torch.tensor([1.0, 4.0]), torch.tensor([1.0, 0.0]))
+        >>> metric.compute().item()
+        1.75
     """
 
     batched = BatchedRule(lambda states, _: states["weighted_sum"] / states["total_weight"])
+
+    @classmethod
+    def examples(cls) -> tuple[MetricExample, ...]:
+        return (
+            MetricExample(
+                "loss and token count", (torch.tensor(2.5), 100), (torch.tensor(1.25), torch.tensor(300))
+            ),
+            MetricExample("default weight", (torch.tensor(2.0),), (0.5,)),
+            MetricExample(
+                "vector and weights",
+                (torch.tensor([1.0, 2.0]), torch.tensor([1.0, 3.0])),
+                (torch.tensor([4.0, 0.5]), 2.0),
+            ),
+            MetricExample(
+                "ignore NaN",
+                (torch.tensor([1.0, float("nan"), 3.0]), torch.tensor([1.0, 2.0, 1.0])),
+                nan_policy="ignore",
+            ),
+            MetricExample(
+                "float32 state", (torch.tensor(2.0), 3), (torch.tensor(4.0), 1), dtype=torch.float32
+            ),
+        )
 
     def __init__(self, *, dtype: torch.dtype = DEFAULT_STATE_DTYPE, **options: Any) -> None:
         super().__init__(**options)
@@ -108,6 +162,14 @@ class _ExtremumMetric(Metric):
     _op: ReduceOp
     batched = BatchedRule(lambda states, _: states["extremum"])
 
+    @classmethod
+    def examples(cls) -> tuple[MetricExample, ...]:
+        return (
+            MetricExample("vector and 0-d", (torch.tensor([1.0, -2.0, 3.5]),), (torch.tensor(0.5),)),
+            MetricExample("empty batch and Python float", (torch.tensor([]),), (1.5,)),
+            MetricExample("ignore NaN", (torch.tensor([2.0, float("nan"), -1.0]),), nan_policy="ignore"),
+        )
+
     def __init__(self, *, dtype: torch.dtype = DEFAULT_STATE_DTYPE, **options: Any) -> None:
         super().__init__(**options)
         start = float("-inf") if self._op is ReduceOp.MAX else float("inf")
@@ -124,13 +186,27 @@ class _ExtremumMetric(Metric):
 
 
 class MaxMetric(_ExtremumMetric):
-    """Largest value seen."""
+    """Largest value seen.
+
+    Example:
+        >>> metric = MaxMetric()
+        >>> metric.update(torch.tensor([1.0, 3.5, -2.0]))
+        >>> metric.compute().item()
+        3.5
+    """
 
     _op = ReduceOp.MAX
 
 
 class MinMetric(_ExtremumMetric):
-    """Smallest value seen."""
+    """Smallest value seen.
+
+    Example:
+        >>> metric = MinMetric()
+        >>> metric.update(torch.tensor([1.0, 3.5, -2.0]))
+        >>> metric.compute().item()
+        -2.0
+    """
 
     _op = ReduceOp.MIN
 
@@ -143,6 +219,12 @@ class PerRankMetric(Metric):
     one rank never reaches another's), so it rides in the SUM bucket and costs no extra collective.
     `compute()`: one value per rank; a gauge's mean is NaN for a rank that reported nothing, a
     counter's sum 0.
+
+    Example:
+        >>> metric = PerRankMetric(world_size=2, rank=1)
+        >>> metric.update(torch.tensor([0.25, 0.75]))  # step times of rank 1
+        >>> metric.compute().tolist()
+        [nan, 0.5]
     """
 
     label_name = "rank"
@@ -152,6 +234,26 @@ class PerRankMetric(Metric):
         ),
         constant=lambda metric: metric._counter,
     )
+
+    @classmethod
+    def examples(cls) -> tuple[MetricExample, ...]:
+        return (
+            MetricExample(
+                "gauge, vector and 0-d",
+                (torch.tensor([1.0, 2.0]),),
+                (torch.tensor(6.0),),
+                world_size=4,
+                rank=1,
+            ),
+            MetricExample("counter", (torch.tensor([3.0, 4.0]),), (5,), world_size=2, rank=0, kind="counter"),
+            MetricExample(
+                "ignore NaN",
+                (torch.tensor([1.0, float("nan"), 3.0]),),
+                world_size=2,
+                rank=1,
+                nan_policy="ignore",
+            ),
+        )
 
     def __init__(
         self,

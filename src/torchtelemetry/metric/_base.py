@@ -14,7 +14,7 @@ from torchtelemetry.metric._batched import BatchedRule
 from torchtelemetry.metric._inputs import NAN_POLICIES, NanPolicy, UpdateInputs
 from torchtelemetry.sync import GroupLike
 
-__all__ = ["DEFAULT_LABEL_NAME", "Metric", "MetricKind", "NanPolicy"]
+__all__ = ["DEFAULT_LABEL_NAME", "Metric", "MetricExample", "MetricKind", "NanPolicy"]
 
 DEFAULT_LABEL_NAME = "label"
 """The label of the entries of a 1-D result whose metric names none, for every exporter."""
@@ -29,6 +29,25 @@ class MetricKind(enum.Enum):
     """A monotonic count: exporters publish the running total across windows."""
     HISTOGRAM = "histogram"
     """Bucket counts with fixed boundaries, plus sum and count."""
+
+
+class MetricExample:
+    """One input form a metric documents: the metric built with `options`, then `update(*args)` for
+    each `args` of `updates`. The test suites run every example of every exported metric."""
+
+    __slots__ = ("form", "options", "updates")
+
+    def __init__(self, form: str, *updates: tuple[Any, ...], **options: Any) -> None:
+        self.form = form
+        """What the example shows ("logits, top-2"): the test id."""
+        self.updates = updates
+        """The arguments of each `update()` call: CPU tensors, Python numbers or lists (a test moves
+        the tensors to the device it runs on)."""
+        self.options = options
+        """The constructor's keyword arguments."""
+
+    def __repr__(self) -> str:
+        return f"MetricExample({self.form!r}, {len(self.updates)} updates, {self.options})"
 
 
 class Metric(UpdateInputs):
@@ -107,6 +126,14 @@ class Metric(UpdateInputs):
         self.__dict__["_thread_name"] = threading.current_thread().name
 
     # -- what subclasses implement ------------------------------------------------
+
+    @classmethod
+    def examples(cls) -> tuple[MetricExample, ...]:
+        """The input forms the class documents, small and exact. The test suites run each through
+        every promise a metric keeps (no host sync, bad input, batched compute = `compute()`,
+        checkpoint round trip, torchmetrics parity); a metric that `torchtelemetry.metric` exports
+        must declare some (docs/metrics.md)."""
+        return ()
 
     def update(self, *args: Any, **kwargs: Any) -> None:
         """Fold one batch into the local state."""

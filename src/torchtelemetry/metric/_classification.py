@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from torchtelemetry.metric._accumulator import DEFAULT_STATE_DTYPE, MetricAccumulator, ReduceOp
-from torchtelemetry.metric._base import Metric
+from torchtelemetry.metric._base import Metric, MetricExample
 from torchtelemetry.metric._batched import BatchedRule, States
 
 __all__ = ["AccuracyMetric", "BinaryAUROCMetric", "ConfusionMatrixMetric", "confusion_scores"]
@@ -79,9 +79,31 @@ class AccuracyMetric(_LabelledMetric):
     scikit-learn: among tied logits the lowest class index wins. With `top_k` > 1, ties at the
     k-th place go to the lower class indices the same way. NaN ranks above every number.
     `compute()`: the fraction correct; NaN when nothing was counted.
+
+    Example:
+        >>> metric = AccuracyMetric()
+        >>> metric.update(torch.tensor([[0.1, 0.9], [0.8, 0.2]]), torch.tensor([1, 1]))
+        >>> metric.compute().item()
+        0.5
     """
 
     batched = BatchedRule(lambda states, _: states["correct"] / states["total"])
+
+    @classmethod
+    def examples(cls) -> tuple[MetricExample, ...]:
+        logits = torch.tensor([[0.1, 2.0, 0.3], [1.5, 0.2, 0.4], [0.3, 0.1, 0.9], [0.2, 0.8, 0.5]])
+        return (
+            MetricExample("logits", (logits, torch.tensor([1, 0, 1, 2])), (logits[:1], torch.tensor([1]))),
+            MetricExample("top-2 logits", (logits, torch.tensor([2, 1, 0, 2])), top_k=2),
+            MetricExample("sequence logits", (logits.reshape(2, 2, 3), torch.tensor([[1, 0], [2, 0]]))),
+            MetricExample("labels", (torch.tensor([0, 1, 2, 2]), torch.tensor([0, 2, 2, 1])), num_classes=3),
+            MetricExample("ignore_index", (logits, torch.tensor([1, -100, 2, 1])), ignore_index=-100),
+            MetricExample(
+                "ignore NaN logits",
+                (torch.tensor([[0.1, float("nan"), 0.3], [1.5, 0.2, 0.4]]), torch.tensor([1, 0])),
+                nan_policy="ignore",
+            ),
+        )
 
     def __init__(
         self,
@@ -141,10 +163,34 @@ class ConfusionMatrixMetric(_LabelledMetric):
     of as 0. Predictions from logits are their `argmax` (the lowest class index among ties).
     `compute()`: per-class precision, recall and F1 (0 where undefined) and their macro averages
     over the classes that occur (0 when none does).
+
+    Example:
+        >>> metric = ConfusionMatrixMetric(num_classes=2)
+        >>> metric.update(torch.tensor([0, 1, 1, 1]), torch.tensor([0, 0, 1, 1]))  # labels
+        >>> metric.matrix.value.tolist()
+        [[1.0, 1.0], [0.0, 2.0]]
+        >>> scores = metric.compute()
+        >>> scores["recall"].tolist(), scores["macro_precision"].item()
+        ([0.5, 1.0], 0.8333333333333333)
     """
 
     label_name = "class"
     batched = BatchedRule(lambda states, _: confusion_scores(states["matrix"]))
+
+    @classmethod
+    def examples(cls) -> tuple[MetricExample, ...]:
+        logits = torch.tensor([[0.1, 2.0, 0.3], [1.5, 0.2, 0.4], [0.3, 0.1, 0.9], [0.2, 0.8, 0.5]])
+        labels = (torch.tensor([0, 2, 1, 1]), torch.tensor([0, 1, 1, 2]))
+        return (
+            MetricExample("logits", (logits, torch.tensor([1, 0, 1, 2])), num_classes=3),
+            MetricExample("labels", labels, labels, num_classes=3),
+            MetricExample(
+                "ignore_index",
+                (torch.tensor([0, 1, 2]), torch.tensor([0, -100, 2])),
+                num_classes=3,
+                ignore_index=-100,
+            ),
+        )
 
     def __init__(
         self,
@@ -243,9 +289,23 @@ class BinaryAUROCMetric(Metric):
     bucketed into `num_bins` equal bins per class; ties inside a bin count half,
     as in the exact AUROC. `compute()`: the AUROC by the trapezoid rule over thresholds from high to
     low; NaN with one class only.
+
+    Example:
+        >>> metric = BinaryAUROCMetric()
+        >>> metric.update(torch.tensor([0.1, 0.4, 0.35, 0.8]), torch.tensor([0, 0, 1, 1]))
+        >>> metric.compute().item()
+        0.75
     """
 
     batched = BatchedRule(_auroc)
+
+    @classmethod
+    def examples(cls) -> tuple[MetricExample, ...]:
+        scores, labels = torch.tensor([0.1, 0.4, 0.35, 0.8, 0.6]), torch.tensor([0, 0, 1, 1, 0])
+        return (
+            MetricExample("probabilities", (scores, labels), (torch.tensor([0.9]), torch.tensor([1]))),
+            MetricExample("logits and bool target", (torch.logit(scores), labels.bool()), from_logits=True),
+        )
 
     def __init__(
         self,

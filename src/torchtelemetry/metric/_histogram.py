@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from torchtelemetry.metric._accumulator import DEFAULT_STATE_DTYPE, MetricAccumulator, ReduceOp
-from torchtelemetry.metric._base import Metric, MetricKind
+from torchtelemetry.metric._base import Metric, MetricExample, MetricKind
 from torchtelemetry.metric._batched import BatchedRule, States
 
 __all__ = ["HistogramMetric"]
@@ -30,10 +30,34 @@ class HistogramMetric(Metric):
     in their own precision; integer values compare exactly against the bounds, at any size.
     `compute()`: `bounds` (upper bounds), non-cumulative `counts` (one more than bounds), `sum`,
     `count`.
+
+    Example:
+        >>> metric = HistogramMetric(bins=[0.1, 1.0])
+        >>> metric.update(torch.tensor([0.05, 0.1, 0.5, 2.0]))
+        >>> metric.compute()["counts"].tolist()
+        [2.0, 1.0, 1.0]
     """
 
     kind = MetricKind.HISTOGRAM
     batched = BatchedRule(_results, lambda metric: metric.bounds)  # type: ignore[attr-defined]
+
+    @classmethod
+    def examples(cls) -> tuple[MetricExample, ...]:
+        return (
+            MetricExample(
+                "float batch and 0-d",
+                (torch.tensor([0.05, 0.1, 0.5, 20.0]),),
+                (torch.tensor(1.0),),
+                bins=[0.1, 1.0, 10.0],
+            ),
+            MetricExample(
+                "float16 batch", (torch.tensor([0.1, 0.5, 2.0], dtype=torch.float16),), bins=[0.1, 1.0]
+            ),
+            MetricExample("integers", (torch.tensor([0, 1, 5, 64]),), bins=[1, 10]),
+            MetricExample(
+                "ignore NaN", (torch.tensor([0.5, float("nan"), 3.0]),), bins=[1.0], nan_policy="ignore"
+            ),
+        )
 
     def __init__(
         self,
