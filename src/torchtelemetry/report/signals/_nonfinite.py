@@ -69,11 +69,8 @@ class NonFiniteCounts(Metric):
         if isinstance(value, torch.Tensor):
             if not (value.is_floating_point() or value.is_complex()):
                 return  # integers and booleans are never non-finite
-            bad = nonfinite_count(value)
-            slot = self._slot(index)
-            if bad.device != slot.device:  # a 0-d CPU tensor, which metrics take on any device
-                bad = bad.to(slot.device, non_blocking=True)
-            slot.add_(bad)
+            # A 0-d CPU tensor (which metrics take on any device) adds as a scalar: no copy.
+            self._slot(index).add_(nonfinite_count(value))
         elif isinstance(value, float):  # Python floats and numpy float64
             if not math.isfinite(value):
                 self._host[index] += 1
@@ -135,11 +132,12 @@ def nonfinite_count(value: torch.Tensor) -> torch.Tensor:
     its device (no sync), with one temporary the size of the input: `x - x` is NaN exactly where `x`
     is not finite, and `ne_` marks those in place. (`isfinite` decomposes into four kernels and
     four temporaries, one of them of the input's dtype.)"""
-    value = value.detach()
-    if value.is_complex():
-        value = value.abs()  # Inf where a part is infinite, else NaN where a part is NaN
-    elif value.dtype.itemsize == 1:
+    if value.requires_grad:
+        value = value.detach()
+    if value.dtype.itemsize == 1:
         value = value.float()  # float8 has no arithmetic kernels; float32 holds it exactly
+    elif value.is_complex():
+        value = value.abs()  # Inf where a part is infinite, else NaN where a part is NaN
     bad = value - value
     bad.ne_(bad)
     return bad if bad.dim() == 0 else bad.sum(dtype=DEFAULT_STATE_DTYPE)
