@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import torchtelemetry as tt
 from tests.distributed import run_ranks
@@ -131,3 +134,112 @@ def _timing():
     from torchtelemetry.report.signals import WindowTiming
 
     return WindowTiming(step=0, timestamp=0.0, duration_s=1.0)
+
+
+NAN, INF = float("nan"), float("inf")
+# Every form of input a metric takes, with its count of NaN and +-Inf entries.
+INPUTS = {
+    "Python float": (lambda: INF, 1),
+    "numpy float32 scalar": (lambda: np.float32("nan"), 1),
+    "numpy float64 scalar": (lambda: np.float64("-inf"), 1),
+    "numpy array": (lambda: np.array([NAN, 1.0, INF]), 2),
+    "numpy float16 array": (lambda: np.array([[NAN, 1.0], [INF, 2.0]], dtype=np.float16), 2),
+    "list": (lambda: [NAN, 1.0, INF], 2),
+    "nested list": (lambda: [[NAN, 1.0], [2.0, -INF]], 2),
+    "0-d tensor": (lambda: torch.tensor(NAN), 1),
+    "0-d CPU tensor": (lambda: torch.tensor(INF, dtype=torch.float16), 1),
+    "float64 tensor": (lambda: torch.tensor([NAN, 1.0, INF], dtype=torch.float64), 2),
+    "float16 tensor": (lambda: torch.tensor([NAN, 1.0, INF], dtype=torch.float16), 2),
+    "bfloat16 tensor": (lambda: torch.tensor([NAN, 1.0, -INF], dtype=torch.bfloat16), 2),
+    "float8_e5m2 tensor": (lambda: torch.tensor([NAN, 1.0, INF]).to(torch.float8_e5m2), 2),
+    "float8_e4m3fn tensor": (lambda: torch.tensor([NAN, 1.0]).to(torch.float8_e4m3fn), 1),
+    "tensor that requires grad": (lambda: torch.tensor([NAN, 1.0], requires_grad=True), 1),
+    "int64 tensor": (lambda: torch.tensor([1, 2]), 0),
+    "numpy int array": (lambda: np.array([1, 2]), 0),
+}
+
+
+@pytest.mark.parametrize(("make", "expected"), INPUTS.values(), ids=INPUTS.keys())
+def test_the_sentinel_counts_every_form_of_input_a_metric_takes(make, expected: int) -> None:
+    metric = tt.SumMetric()
+    signals, sentinel = _sentinel({"train": {"loss": metric}})
+    metric.update(make())
+    metric.update(make())
+    assert collect_window(signals)["train/nonfinite/count"] == {"train/loss": 2.0 * expected}
+    sentinel.close()
+
+
+def test_a_value_refused_under_nan_policy_error_is_counted_before_the_refusal() -> None:
+    loss = tt.WeightedMeanMetric(nan_policy="error")
+    signals, sentinel = _sentinel({"train": {"loss": loss}})
+    loss.update(torch.tensor(2.0), 3)
+    with pytest.raises(ValueError, match="contains NaN or Inf and nan_policy='error'"):
+        loss.update(torch.tensor([1.0, NAN, INF]))
+    with pytest.raises(ValueError, match="contains NaN or Inf and nan_policy='error'"):
+        loss.update(np.float32("nan"))
+    assert loss.compute().item() == 2.0  # the metric refused both, as its policy says
+    assert collect_window(signals)["train/nonfinite/count"] == {"train/loss": 3.0}
+    sentinel.close()
+
+
+class PairLoss(tt.Metric):
+    """A custom `*loss` metric whose update takes keywords (watched by default)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.total = tt.MetricAccumulator(0, "sum", dtype=torch.float64)
+
+    def update(self, preds: torch.Tensor, target: torch.Tensor) -> None:
+        """Add the squared error of `preds` against `target`."""
+        self.total.update(((preds - target) ** 2).sum())
+
+    def compute(self) -> torch.Tensor:
+        return self.total.value.clone()
+
+
+def test_watching_keeps_the_metrics_call_signature() -> None:
+    metric = PairLoss()
+    signature = inspect.signature(metric.update)
+    telemetry = tt.Telemetry({"train": {"pair_loss": metric}}, every=100, run_id="signature")
+    try:
+        assert inspect.signature(metric.update) == signature
+        assert metric.update.__doc__ == PairLoss.update.__doc__
+        metric.update(preds=torch.tensor([NAN, 1.0]), target=torch.zeros(2))  # by keyword
+        metric.update(torch.tensor([INF]), target=torch.zeros(1))
+        metric.update(target=torch.zeros(1), preds=torch.tensor([3.0]))
+        with pytest.raises(TypeError, match="unexpected keyword argument 'value'"):
+            metric.update(value=torch.tensor([1.0]), target=torch.zeros(1))
+        telemetry.step(0)
+        telemetry.flush()
+        assert telemetry.latest["train/nonfinite/count"] == {"train/pair_loss": 2.0}
+    finally:
+        telemetry.close()
+
+
+class _Allocations(TorchDispatchMode):
+    """The new tensors of `numel` entries that ops return (not a view or an in-place result: those
+    share an input's storage)."""
+
+    def __init__(self, numel: int) -> None:
+        super().__init__()
+        self.numel = numel
+        self.made: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor) and out.numel() == self.numel:
+            storage = out.untyped_storage().data_ptr()
+            inputs = [arg for arg in args if isinstance(arg, torch.Tensor)]
+            if all(arg.untyped_storage().data_ptr() != storage for arg in inputs):
+                self.made.append(str(func))
+        return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_counting_a_tensor_allocates_one_temporary_the_size_of_the_input(dtype: torch.dtype) -> None:
+    _, sentinel = _sentinel({"train": {"loss": tt.MaxMetric()}})
+    value = torch.zeros(1 << 16, dtype=dtype)
+    with _Allocations(value.numel()) as allocations:
+        sentinel.counts.count(0, value)
+    assert len(allocations.made) == 1, allocations.made
+    sentinel.close()

@@ -58,7 +58,7 @@ def _feed_nan_on_rank_1(rank: int, world_size: int, max_rank_series: int) -> lis
 
 
 def _same(value: float, expected: float) -> bool:
-    return math.isnan(expected) and math.isnan(value) or value == expected
+    return (math.isnan(expected) and math.isnan(value)) or value == expected
 
 
 @pytest.mark.timeout(180)
@@ -88,7 +88,9 @@ def test_above_the_rank_series_limit_every_window_exports_min_median_max() -> No
         assert all(_same(value, want) for value, want in zip(got, (low, middle, high), strict=True)), got
         scraped = {name: value for (name, labels), value in window["scraped"].items() if not labels}
         # the scrape carries this window's statistics, never the previous window's
-        assert sorted(scraped) == [f"torchtelemetry_train_grad_norm_{stat}" for stat in ("max", "median", "min")]
+        assert sorted(scraped) == [
+            f"torchtelemetry_train_grad_norm_{stat}" for stat in ("max", "median", "min")
+        ]
         assert _same(scraped["torchtelemetry_train_grad_norm_max"], high)
 
 
@@ -155,5 +157,7 @@ def test_a_per_rank_counter_counts_each_ranks_total_across_windows_and_restarts(
     assert not [message for message in result["warned_up"] if "tokens" in message]
     # Back below, a total over ranks cannot be split per rank: each rank restarts, loudly.
     assert result["below"] == per_window
-    assert any("tokens" in message and "cannot be split per rank" in message for message in result["warned_down"])
+    assert any(
+        "tokens" in message and "cannot be split per rank" in message for message in result["warned_down"]
+    )
     assert "PerRankMetric: a counter cannot decrease" in result["refused"]

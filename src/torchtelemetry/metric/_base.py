@@ -74,6 +74,10 @@ class Metric(UpdateInputs):
     """A built-in's compute of K instances at once, which its `compute()` runs with K = 1."""
     label_name: str = DEFAULT_LABEL_NAME
     """Label exporters give the entries of 1-D results (e.g. "class", "rank")."""
+    keyed_states: ClassVar[Mapping[str, str]] = {}
+    """Accumulators whose first dim is indexed by names (a signal's phases or watched metric paths),
+    by attribute: the `configuration()` key listing those names. A checkpoint restores such an
+    accumulator's entries by name (`restore_local_states`), not by position."""
 
     def __init__(
         self,

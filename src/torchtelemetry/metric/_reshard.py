@@ -72,8 +72,15 @@ def restore_local_states(
     missing = sorted(name for name, _ in metrics if name not in saved["states"] and name not in droppable)
     if missing:
         raise ValueError(f"restore_local_states: no saved state for metrics {missing}")
+    configs = saved.get("configs", {})
     for name, metric in metrics:
-        _check_configuration(name, metric, saved.get("configs", {}).get(name))
+        if metric.keyed_states and name in saved["states"]:
+            aligned = _by_name(name, metric, saved["states"][name], configs.get(name))
+            if aligned is None:
+                del saved["states"][name]
+                continue
+            saved["states"][name], configs[name] = aligned
+        _check_configuration(name, metric, configs.get(name))
     removed = sorted(set(saved["states"]) - {name for name, _ in metrics})
     restored: list[tuple[Metric, dict[str, torch.Tensor]]] = []
     dropped: list[str] = []
@@ -125,6 +132,52 @@ def restore_local_states(
             old_world,
             dropped,
         )
+
+
+def _by_name(
+    name: str, metric: Metric, states: dict[str, torch.Tensor], saved: Mapping[str, Any] | None
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
+    """The saved ranks' `states` of `metric` with the entries of its `keyed_states` moved from the
+    saved names' positions to this metric's (a name saved but not declared now is left out, one
+    declared now but not saved starts empty, each with a logged warning), and the saved
+    configuration with this metric's names. None (with a warning) if the checkpoint has no names."""
+    current = metric.configuration()
+    keys = set(metric.keyed_states.values())
+    if saved is None or not keys <= saved.keys():
+        logger.warning(
+            "restore_local_states: %r was saved without the names of its entries (%s); its partial "
+            "window is left out",
+            name,
+            sorted(keys),
+        )
+        return None
+    aligned = dict(states)
+    accumulators = metric.accumulators
+    for attr, key in metric.keyed_states.items():
+        saved_names, names = list(saved[key]), list(current[key])
+        if saved_names == names or attr not in states:
+            continue
+        stacked, initial = states[attr], accumulators[attr].initial
+        fill = initial.reshape(-1)[0].item() if initial.numel() else 0  # uniform: zeros, or +-inf
+        moved = torch.full((stacked.shape[0], len(names), *stacked.shape[2:]), fill, dtype=stacked.dtype)
+        for index, entry in enumerate(names):
+            if entry in saved_names:
+                moved[:, index] = stacked[:, saved_names.index(entry)]
+        aligned[attr] = moved
+    for key in sorted(keys):
+        dropped = sorted(set(saved[key]) - set(current[key]))
+        started = sorted(set(current[key]) - set(saved[key]))
+        if dropped or started:
+            logger.warning(
+                "restore_local_states: %r was saved with %s %s, restored by name: the partial window "
+                "of %s is left out (not declared now), %s start empty (not in the checkpoint)",
+                name,
+                key,
+                list(saved[key]),
+                dropped,
+                started,
+            )
+    return aligned, {**saved, **{key: current[key] for key in keys}}
 
 
 def _check_configuration(name: str, metric: Metric, saved: Mapping[str, Any] | None) -> None:

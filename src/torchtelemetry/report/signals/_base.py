@@ -14,7 +14,7 @@ import math
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -135,6 +135,7 @@ class RankValues(Metric):
     """
 
     label_name = "rank"
+    keyed_states: ClassVar[Mapping[str, str]] = {"values": "quantities"}
 
     def __init__(
         self, world_size: int, rank: int, quantities: Sequence[str], *, op: ReduceOp = ReduceOp.MAX
@@ -155,6 +156,10 @@ class RankValues(Metric):
             slot.clamp_(min=value)
         else:
             slot.clamp_(max=value)
+
+    def configuration(self) -> dict[str, Any]:
+        """The quantities: ranks must hold the same ones, in the same order."""
+        return {**super().configuration(), "quantities": list(self.quantities)}
 
     def compute(self) -> dict[str, torch.Tensor]:
         return {quantity: self.values.value[index] for index, quantity in enumerate(self.quantities)}

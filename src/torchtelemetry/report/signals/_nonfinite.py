@@ -1,9 +1,13 @@
 """The health sentinel: exact counts of non-finite values fed to the metrics it watches.
 
-`watch()` wraps a metric's `update` so that, after the metric took the value, the non-finite
-entries (NaN, +-Inf) of its first argument are counted on the device, into a per-window counter
-that rides the window's collective: no host sync, no extra collective. The value itself is left to
-the metric's `nan_policy`; nothing is filtered or replaced. Per window, labelled by the metric's path:
+The sentinel wraps a watched metric's `update` (keeping its signature) so that the non-finite
+entries (NaN, +-Inf) of its first argument, in any form a metric takes (tensors of any dtype,
+Python numbers, numpy scalars and arrays, lists), are counted before the metric takes or refuses
+the value: on the device for tensors, into a per-window counter that rides the window's collective
+(no host sync, no extra collective), on the host for host data. The value itself is left to the
+metric's `nan_policy`; nothing is filtered or replaced. The counts are kept by metric path (sorted,
+the same on every rank whatever order the paths were given in). Per window, labelled by the
+metric's path:
 
 - `train/nonfinite/count`: a counter, the run's total over ranks (exported from the first window,
   zero until something is seen, so that `increase()` sees the first one);
@@ -13,10 +17,13 @@ the metric's `nan_policy`; nothing is filtered or replaced. Per window, labelled
 
 from __future__ import annotations
 
+import functools
+import inspect
+import logging
 import math
 import threading
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -24,20 +31,27 @@ from torchtelemetry.metric import DEFAULT_STATE_DTYPE, Metric, MetricAccumulator
 from torchtelemetry.report._values import MetricDescriptor, ReportValue
 from torchtelemetry.report.signals._base import Signal, SignalContext, WindowTiming
 
-__all__ = ["CountingUpdate", "NonFiniteCounts", "NonFiniteSentinel"]
+__all__ = ["CountingUpdate", "NonFiniteCounts", "NonFiniteSentinel", "host_nonfinite", "nonfinite_count"]
 
 STATE = "train/nonfinite/window"
 COUNT = "train/nonfinite/count"
 FIRST_RANK = "train/nonfinite/first_rank"
 FIRST_STEP = "train/nonfinite/first_step"
 
+logger = logging.getLogger(__name__)
+
 
 class NonFiniteCounts(Metric):
     """Non-finite values seen per watched metric (SUM) and the lowest rank that saw one (MIN)."""
 
-    def __init__(self, world_size: int, rank: int, watched: int) -> None:
+    keyed_states: ClassVar[Mapping[str, str]] = {"counts": "paths", "first_rank": "paths"}
+
+    def __init__(self, world_size: int, rank: int, paths: Sequence[str]) -> None:
         super().__init__()
         self.rank = rank
+        self.paths = tuple(paths)
+        """The watched metric paths, one entry of each state per path, in this order."""
+        watched = len(self.paths)
         self.counts = MetricAccumulator(torch.zeros(watched), ReduceOp.SUM, dtype=DEFAULT_STATE_DTYPE)
         self.first_rank = MetricAccumulator(
             torch.full((watched,), math.inf), ReduceOp.MIN, dtype=DEFAULT_STATE_DTYPE
@@ -49,17 +63,19 @@ class NonFiniteCounts(Metric):
         self._slots_of: torch.Tensor | None = None
 
     def count(self, index: int, value: Any) -> None:
-        """Count the non-finite entries of `value`: on the device for tensors (no sync), on the host
-        for Python numbers."""
+        """Count the non-finite entries of `value`, in whatever form a metric takes it: on the
+        device for tensors (no sync, one temporary the size of the input), on the host for host data
+        (Python numbers, numpy scalars and arrays, lists)."""
         if isinstance(value, torch.Tensor):
-            if not value.is_floating_point():
-                return
-            value = value.detach()
-            difference = value - value  # NaN exactly where value is NaN or +-Inf
-            bad = difference.ne(difference)
-            self._slot(index).add_(bad if bad.dim() == 0 else bad.sum())
-        elif isinstance(value, float) and not math.isfinite(value):
-            self._host[index] += 1
+            if not (value.is_floating_point() or value.is_complex()):
+                return  # integers and booleans are never non-finite
+            # A 0-d CPU tensor (which metrics take on any device) adds as a scalar: no copy.
+            self._slot(index).add_(nonfinite_count(value))
+        elif isinstance(value, float):  # Python floats and numpy float64
+            if not math.isfinite(value):
+                self._host[index] += 1
+        elif not isinstance(value, int):
+            self._host[index] += host_nonfinite(value)
 
     def _slot(self, index: int) -> torch.Tensor:
         """The view of watched metric `index`'s count (kept while the state keeps its storage)."""
@@ -77,24 +93,66 @@ class NonFiniteCounts(Metric):
         self._host = [0] * len(self._host)
         torch.where(self.counts.local > 0, self._seen_by, self._unseen, out=self.first_rank.local)
 
+    def configuration(self) -> dict[str, Any]:
+        """The paths: ranks must watch the same ones (any order: the sentinel sorts them)."""
+        return {**super().configuration(), "paths": list(self.paths)}
+
     def compute(self) -> dict[str, torch.Tensor]:
         return {"count": self.counts.value.clone(), "first_rank": self.first_rank.value.clone()}
 
 
 class CountingUpdate:
-    """A metric's `update` that also counts the non-finite entries of its first argument."""
-
-    __slots__ = ("counts", "index", "update")
+    """A metric's `update` that first counts the non-finite entries of its first argument (so a
+    value the metric then refuses, under nan_policy="error", is counted too). Its signature is the
+    update's own: the first argument is counted whether given by position or by name."""
 
     def __init__(self, update: Any, counts: NonFiniteCounts, index: int) -> None:
+        functools.update_wrapper(self, update)
         self.update = update
         self.counts = counts
         self.index = index
+        parameters = list(inspect.signature(update).parameters.values())
+        first = parameters[0] if parameters else None
+        self._first: str | None = first.name if first is not None and first.kind in _NAMED else None
+        """The name of the counted argument when passed by keyword (None: by position only)."""
 
-    def __call__(self, value: Any, *args: Any, **kwargs: Any) -> Any:
-        result = self.update(value, *args, **kwargs)
-        self.counts.count(self.index, value)
-        return result
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if args:
+            self.counts.count(self.index, args[0])
+        elif self._first in kwargs:
+            self.counts.count(self.index, kwargs[self._first])
+        return self.update(*args, **kwargs)
+
+
+_NAMED = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+
+
+def nonfinite_count(value: torch.Tensor) -> torch.Tensor:
+    """The number of NaN and +-Inf entries of a floating point or complex tensor, as a 0-d tensor on
+    its device (no sync), with one temporary the size of the input: `x - x` is NaN exactly where `x`
+    is not finite, and `ne_` marks those in place. (`isfinite` decomposes into four kernels and
+    four temporaries, one of them of the input's dtype.)"""
+    if value.requires_grad:
+        value = value.detach()
+    if value.dtype.itemsize == 1:
+        value = value.float()  # float8 has no arithmetic kernels; float32 holds it exactly
+    elif value.is_complex():
+        value = value.abs()  # Inf where a part is infinite, else NaN where a part is NaN
+    bad = value - value
+    bad.ne_(bad)
+    return bad if bad.dim() == 0 else bad.sum(dtype=DEFAULT_STATE_DTYPE)
+
+
+def host_nonfinite(value: Any) -> int:
+    """The non-finite entries of host data (numpy scalars and arrays, nested lists); 0 for what no
+    metric takes (it refuses it itself). Reads host memory only, never a device's."""
+    try:
+        tensor = torch.as_tensor(value)
+    except (TypeError, ValueError, RuntimeError):
+        return 0
+    if not (tensor.is_floating_point() or tensor.is_complex()):
+        return 0
+    return int(nonfinite_count(tensor))
 
 
 class NonFiniteSentinel(Signal):
@@ -104,9 +162,10 @@ class NonFiniteSentinel(Signal):
 
     def __init__(self, context: SignalContext, watched: Mapping[str, Metric]) -> None:
         super().__init__(context)
-        self.paths = tuple(watched)
-        self.counts = NonFiniteCounts(context.world_size, context.rank, len(self.paths)).to(context.device)
-        self._watched = dict(watched)
+        self.paths = tuple(sorted(watched))
+        """The watched paths, sorted: positions in the window's state mean the same path on every rank."""
+        self.counts = NonFiniteCounts(context.world_size, context.rank, self.paths).to(context.device)
+        self._watched = {path: watched[path] for path in self.paths}
         for index, metric in enumerate(self._watched.values()):
             metric.update = CountingUpdate(metric.update, self.counts, index)  # type: ignore[method-assign]
         self._first: dict[str, tuple[float, float]] = {}
@@ -156,9 +215,17 @@ class NonFiniteSentinel(Signal):
             return {"first": {path: list(first) for path, first in self._first.items()}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        saved = state.get("first", {})
+        unwatched = sorted(set(saved) - set(self.paths))
+        if unwatched:
+            logger.warning(
+                "the checkpoint holds the first non-finite value of %s, which this run does not watch "
+                "(TelemetryConfig.nonfinite); left out",
+                unwatched,
+            )
         with self._lock:
             self._first = {
-                path: (float(rank), float(step)) for path, (rank, step) in state.get("first", {}).items()
+                path: (float(rank), float(step)) for path, (rank, step) in saved.items() if path in self.paths
             }
 
     def close(self) -> None:

@@ -17,7 +17,7 @@ A phase that no rank entered in a window is left out of that window's report.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -49,27 +49,40 @@ PHASES = "train/phases"
 
 class PhaseTimes(Metric):
     """Seconds spent in each phase and the steps they cover, per rank: `(phases, world_size)` and
-    `(world_size,)` sums in which each rank fills its own column (no extra collective)."""
+    `(world_size,)` sums in which each rank fills its own column (no extra collective).
+
+    Rows follow the sorted phase names, whatever order they were declared in, so that ranks (and
+    checkpoints) that declare the same phases in another order agree on every row; the names ride
+    the layout check (`configuration()`)."""
 
     label_name = "rank"
+    keyed_states: ClassVar[Mapping[str, str]] = {"seconds": "phases"}
 
     def __init__(self, world_size: int, rank: int, phases: Sequence[str]) -> None:
         super().__init__(unit="seconds", description="Seconds per step spent in the phase, per rank")
         self.rank = rank
-        self.phases = tuple(phases)
+        self.phases = tuple(sorted(phases))
+        """The phase of each row of `seconds`."""
+        self._rows = tuple(self.phases.index(name) for name in phases)
+        """The row of each phase in declared order (the order `add()` takes seconds in)."""
         self.seconds = MetricAccumulator(
             torch.zeros(len(self.phases), world_size), ReduceOp.SUM, dtype=DEFAULT_STATE_DTYPE
         )
         self.steps = MetricAccumulator(torch.zeros(world_size), ReduceOp.SUM, dtype=DEFAULT_STATE_DTYPE)
 
     def add(self, seconds: Sequence[float], steps: int) -> None:
-        """Add host seconds per phase covering `steps` steps to this rank's column (no copy, no sync)."""
+        """Add host seconds per phase (in declared order) covering `steps` steps to this rank's column
+        (no copy, no sync)."""
         column = self.seconds.local[:, self.rank]
-        for index, value in enumerate(seconds):
+        for row, value in zip(self._rows, seconds, strict=True):
             if value:
-                column[index].add_(value)
+                column[row].add_(value)
         if steps:
             self.steps.local[self.rank].add_(steps)
+
+    def configuration(self) -> dict[str, Any]:
+        """The phase names: ranks must declare the same ones (in any order)."""
+        return {**super().configuration(), "phases": list(self.phases)}
 
     def compute(self) -> dict[str, torch.Tensor]:
         per_step = self.seconds.value / self.steps.value
