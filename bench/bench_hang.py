@@ -16,7 +16,10 @@ evaluation every second) scrapes rank 0's endpoint. After `--healthy-s` seconds 
   thread and of rank 0's `torchtelemetry-hang-monitor`, over the healthy part (/proc/<tid>/schedstat);
 - **store traffic**: bytes of one heartbeat (key and JSON value, as read back from the store) and
   TCPStore's request framing; per rank per second one `set`; the exporting rank's reads per second
-  are one `multi_get` of every rank's heartbeat (docs/scale.md, Hangs, for 1,024 and 16,384 ranks).
+  are one `multi_get` of every rank's heartbeat (docs/scale.md, Hangs, for 1,024 and 16,384 ranks);
+- **at scale** (`--store-only` for this part alone): on one local TCPStore holding 1,024 to 16,384
+  heartbeats, the monitor's check per interval (one `multi_get`, decoding, the rank furthest behind)
+  and the server time of one interval's `set`s from every rank.
 """
 
 from __future__ import annotations
@@ -29,11 +32,13 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from tests.distributed import free_port, started_ranks
 from tests.servers import PrometheusServer, query
 from torch.nn.parallel import DistributedDataParallel
 
 import torchtelemetry as tt
+from torchtelemetry._hang_monitor import HangMonitor, encode_heartbeat, heartbeat_key
 
 STOPPING_RANK = 2
 TCPSTORE_SET_FRAMING = 1 + 8 + 8
@@ -103,6 +108,37 @@ def _train(
         threading.Event().wait()
 
 
+def _store_scale(world_sizes: list[int]) -> None:
+    """Per interval at `world_size` ranks, on one local TCPStore: the exporting rank's monitor (one
+    `multi_get` of every heartbeat, decoding, finding the rank furthest behind) and the store taking
+    every rank's `set` (from one client here: the server's cost per request, not the network's)."""
+    payload = encode_heartbeat(1234, 120000, "backward", 0.5, "")
+    print("| ranks | monitor check per interval (ms) | sets per interval, server time (ms) |")
+    print("|---|---|---|")
+    for world_size in world_sizes:
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        keys = [heartbeat_key(rank) for rank in range(world_size)]
+        started = time.perf_counter()
+        for key in keys:
+            store.set(key, payload)
+        setting = time.perf_counter() - started
+        monitor = HangMonitor(
+            store,
+            world_size,
+            phases=("forward", "backward", "optimizer"),
+            hang_after_s=300,
+            interval_s=1,
+            submit=lambda step, values: None,
+            latest_step=lambda: None,
+        )
+        checks = []
+        for _ in range(5):
+            started = time.perf_counter()
+            monitor.check()
+            checks.append(time.perf_counter() - started)
+        print(f"| {world_size:,} | {min(checks) * 1e3:.1f} | {setting * 1e3:.1f} |")
+
+
 def _wait(found, deadline_s: float = 300.0):
     deadline = time.monotonic() + deadline_s
     while time.monotonic() < deadline:
@@ -117,7 +153,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hang-after-s", type=float, default=5.0)
     parser.add_argument("--healthy-s", type=float, default=20.0)
+    parser.add_argument("--store-ranks", default="1024,4096,16384", help="world sizes for the store's cost")
+    parser.add_argument("--store-only", action="store_true", help="only the store's cost at --store-ranks")
     args = parser.parse_args()
+    if args.store_only:
+        _store_scale([int(size) for size in args.store_ranks.split(",")])
+        return
     port = free_port()
     with tempfile.TemporaryDirectory() as directory, tempfile.TemporaryDirectory() as workdir:
         prometheus = PrometheusServer(workdir)
@@ -153,6 +194,7 @@ def main() -> None:
         f"one heartbeat: {max(sizes)} bytes of key and value (+{TCPSTORE_SET_FRAMING} framing per set); "
         f"per rank per second: {max(sizes) + TCPSTORE_SET_FRAMING} bytes written"
     )
+    _store_scale([int(size) for size in args.store_ranks.split(",")])
 
 
 def _http_text(url: str) -> str:

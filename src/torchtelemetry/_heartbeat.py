@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import datetime
 import faulthandler
-import json
 import logging
 import os
 import re
@@ -27,7 +26,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from torchtelemetry._hang_monitor import HangMonitor, heartbeat_key
+from torchtelemetry._hang_monitor import HangMonitor, encode_heartbeat, heartbeat_key
 from torchtelemetry._run_parts import RunParts
 from torchtelemetry._startup import EveryRank
 from torchtelemetry.config import TelemetryConfig
@@ -134,7 +133,7 @@ class HeartbeatPublisher:
                 self.dump = f"(not written: {error})"
                 logger.error("Telemetry: rank %d could not write its stacks: %s", self._rank, error)
         self._published += 1
-        payload = json.dumps([self._published, step, phase, round(stalled_s, 3), self.dump])
+        payload = encode_heartbeat(self._published, step, phase, stalled_s, self.dump)
         try:
             self._store.set(self._key, payload)
             self.published = where
