@@ -159,11 +159,11 @@ class HangWatch:
     store: Any
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Stop the monitor, then the publisher (each bounded)."""
-        if self.monitor is not None:
-            self.monitor.close(timeout_s)
-        if self.publisher is not None:
-            self.publisher.close(timeout_s)
+        """Stop the monitor and the publisher, both within `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        for thread in (self.monitor, self.publisher):
+            if thread is not None:
+                thread.close(max(0.0, deadline - time.monotonic()))
 
 
 def watch_hangs(config: TelemetryConfig, parts: RunParts, every_rank: EveryRank) -> HangWatch | None:
