@@ -330,3 +330,5 @@ class Telemetry:
             state, self._leaves, self._user_leaves, self._publisher.totals, self._signals, self.config.group
         )
         self._windows.load(state)
+        if self._beat is not None and self._windows.last_step is not None:
+            self._beat.step = self._windows.last_step + 1
