@@ -92,7 +92,6 @@ class HeartbeatPublisher:
         self._where = beat.where()
         self._since = time.monotonic()
         self._published = 0
-        self._failed = False
         self.dump = ""
         """The stack file of the current hang (empty while the rank makes progress)."""
         self.published: tuple[int, str, int] | None = None
@@ -137,10 +136,14 @@ class HeartbeatPublisher:
         try:
             self._store.set(self._key, payload)
             self.published = where
-        except Exception as error:  # the exporting rank is gone: nobody reads, say so once
-            if not self._failed:
-                self._failed = True
-                logger.warning("Telemetry: rank %d could not publish its heartbeat: %s", self._rank, error)
+        except Exception as error:  # the store's host is gone (closed, or died): nobody reads any more
+            self._stop.set()
+            logger.warning(
+                "Telemetry: rank %d could not publish its heartbeat (%s); it stops publishing: the "
+                "exporting rank closed its telemetry or died, so no hang can be reported from here on",
+                self._rank,
+                error,
+            )
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop publishing (bounded)."""
