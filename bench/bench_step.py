@@ -8,11 +8,21 @@ max / min cycling, one updated per step) and the built-in signals. Per N: the tr
 time inside `step()` per window (wall and thread CPU, summed over the window's 10 calls; median
 over windows after 5 warm-up windows), and its ratio to the smallest N. Figures go to
 bench/README.md; the ratio is what the target is about (10,000 metrics within 2x of 100).
+
+    PYTHONPATH=src .venv/bin/python -m bench.bench_step --heartbeat [--windows 40] [--rounds 5]
+
+The heartbeat's cost instead (issue 33): the same loop with 100 metrics, each step's work inside
+`data_wait()` and three phases, with the hang heartbeat on (`hang_after_s=300`, its publisher thread
+running) and off (`hang_after_s=None`), rounds interleaved. Per window: the training thread's CPU
+time (thread CPU: preemption on a busy machine is not the code's cost) inside `step()` and inside
+`phase()` / `data_wait()` (entering and leaving, the work excluded), median over rounds of each
+round's median window, and the ratio on/off.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 
@@ -50,12 +60,71 @@ def _per_window(num_metrics: int, windows: int) -> tuple[float, float]:
     return statistics.median(walls) * 1e6, statistics.median(cpus) * 1e6
 
 
+def _heartbeat_window(hang_after_s: float | None, windows: int) -> tuple[float, float]:
+    """Median thread-CPU µs per window inside `step()`, and inside `phase()` and `data_wait()`
+    (entering and leaving), heartbeat on or off."""
+    metrics = {f"metric{i}": _KINDS[i % len(_KINDS)]() for i in range(100)}
+    telemetry = tt.Telemetry(metrics, every=EVERY, hang_after_s=hang_after_s)
+    phases = [functools.partial(telemetry.phase, name) for name in ("forward", "backward", "optimizer")]
+    sections = [telemetry.data_wait, *phases]
+    work = torch.randn(256, 256)
+    value = torch.tensor(1.0)
+    steps, in_sections = [], []
+    clock = time.thread_time
+    try:
+        for window in range(windows + 5):
+            in_step = in_phase = 0.0
+            for step in range(window * EVERY, (window + 1) * EVERY):
+                for section in sections:
+                    entering = clock()
+                    with section():
+                        inside = clock()
+                        for _ in range(2):
+                            work = torch.tanh(work @ work)  # the section's own work (GIL released)
+                        leaving = clock()
+                    in_phase += inside - entering + clock() - leaving
+                metrics[f"metric{step % 100}"].update(value)
+                started = clock()
+                telemetry.step(step, tokens=512)
+                in_step += clock() - started
+            if window >= 5:
+                steps.append(in_step)
+                in_sections.append(in_phase)
+    finally:
+        telemetry.close()
+    return statistics.median(steps) * 1e6, statistics.median(in_sections) * 1e6
+
+
+def _heartbeat_cost(windows: int, rounds: int) -> None:
+    figures: dict[str, list[tuple[float, float]]] = {"off": [], "on": []}
+    for _ in range(rounds):
+        figures["off"].append(_heartbeat_window(None, windows))
+        figures["on"].append(_heartbeat_window(300.0, windows))
+    medians = {
+        key: tuple(statistics.median(figure[index] for figure in found) for index in (0, 1))
+        for key, found in figures.items()
+    }
+    print(
+        "| heartbeat | step() per window (thread CPU µs) | phase() + data_wait() per window (thread CPU µs) |"
+    )
+    print("|---|---|---|")
+    for key, (in_step, in_phase) in medians.items():
+        print(f"| {key} | {in_step:.1f} | {in_phase:.1f} |")
+    (off_step, off_phase), (on_step, on_phase) = medians["off"], medians["on"]
+    print(f"| on / off | {on_step / off_step:.3f}x | {on_phase / off_phase:.3f}x |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--metrics", default="100,1000,10000", help="comma-separated numbers of metrics")
     parser.add_argument("--windows", type=int, default=40)
+    parser.add_argument("--heartbeat", action="store_true", help="the hang heartbeat's cost instead")
+    parser.add_argument("--rounds", type=int, default=5, help="with --heartbeat: rounds on and off")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.heartbeat:
+        _heartbeat_cost(args.windows, args.rounds)
+        return
     sizes = [int(size) for size in args.metrics.split(",")]
     figures = {size: _per_window(size, args.windows) for size in sizes}
     base_wall, base_cpu = figures[sizes[0]]

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import datetime
 import faulthandler
-import json
 import logging
 import os
 import re
@@ -27,7 +26,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from torchtelemetry._hang_monitor import HangMonitor, heartbeat_key
+from torchtelemetry._hang_monitor import HangMonitor, encode_heartbeat, heartbeat_key
 from torchtelemetry._run_parts import RunParts
 from torchtelemetry._startup import EveryRank
 from torchtelemetry.config import TelemetryConfig
@@ -93,7 +92,6 @@ class HeartbeatPublisher:
         self._where = beat.where()
         self._since = time.monotonic()
         self._published = 0
-        self._failed = False
         self.dump = ""
         """The stack file of the current hang (empty while the rank makes progress)."""
         self.published: tuple[int, str, int] | None = None
@@ -134,14 +132,18 @@ class HeartbeatPublisher:
                 self.dump = f"(not written: {error})"
                 logger.error("Telemetry: rank %d could not write its stacks: %s", self._rank, error)
         self._published += 1
-        payload = json.dumps([self._published, step, phase, round(stalled_s, 3), self.dump])
+        payload = encode_heartbeat(self._published, step, phase, stalled_s, self.dump)
         try:
             self._store.set(self._key, payload)
             self.published = where
-        except Exception as error:  # the exporting rank is gone: nobody reads, say so once
-            if not self._failed:
-                self._failed = True
-                logger.warning("Telemetry: rank %d could not publish its heartbeat: %s", self._rank, error)
+        except Exception as error:  # the store's host is gone (closed, or died): nobody reads any more
+            self._stop.set()
+            logger.warning(
+                "Telemetry: rank %d could not publish its heartbeat (%s); it stops publishing: the "
+                "exporting rank closed its telemetry or died, so no hang can be reported from here on",
+                self._rank,
+                error,
+            )
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop publishing (bounded)."""
@@ -160,11 +162,11 @@ class HangWatch:
     store: Any
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Stop the monitor, then the publisher (each bounded)."""
-        if self.monitor is not None:
-            self.monitor.close(timeout_s)
-        if self.publisher is not None:
-            self.publisher.close(timeout_s)
+        """Stop the monitor and the publisher, both within `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        for thread in (self.monitor, self.publisher):
+            if thread is not None:
+                thread.close(max(0.0, deadline - time.monotonic()))
 
 
 def watch_hangs(config: TelemetryConfig, parts: RunParts, every_rank: EveryRank) -> HangWatch | None:

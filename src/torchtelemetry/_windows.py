@@ -103,23 +103,27 @@ class StepWindows:
         # the step()): their reports may be submitted now.
         self._publisher.release()
         beat = self.beat if block and self._collector.pending else None
-        if beat is not None:
-            beat.phases.append(COLLECT_PHASE)
-            beat.moves += 1
+        if beat is None:
+            self._collect(block=block, limit=limit)
+            return
+        beat.phases.append(COLLECT_PHASE)
+        beat.moves += 1
         try:
-            collected = 0
-            while self._collector.pending and (block or self._collector.ready()):
-                if limit is not None and collected >= limit:
-                    return
-                try:
-                    self._collector.collect_results()
-                except CollectionError as error:
-                    self.failure = error
-                    raise
-                collected += 1
+            self._collect(block=block, limit=limit)
         finally:
-            if beat is not None:
-                beat.phases.pop()
+            beat.phases.pop()
+
+    def _collect(self, *, block: bool, limit: int | None) -> None:
+        collected = 0
+        while self._collector.pending and (block or self._collector.ready()):
+            if limit is not None and collected >= limit:
+                return
+            try:
+                self._collector.collect_results()
+            except CollectionError as error:
+                self.failure = error
+                raise
+            collected += 1
 
     def state(self) -> dict[str, int]:
         """The bookkeeping a checkpoint keeps: the last step, the steps of the current window and since

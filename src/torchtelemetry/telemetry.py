@@ -90,10 +90,12 @@ class Telemetry:
             failure = error
         timeout_s = self.config.timeout_s if failure is None else startup_timeout_s(config, fields)
         every_rank = EveryRank(None, timeout_s)
+        hang_watch = None
         try:
             every_rank = agree_on_start(
                 failure, timeout_s=timeout_s, proposal=None if failure is not None else parts.identity
             )
+            hang_watch = watch_hangs(self.config, parts, every_rank)
             # Keyed by metric path, so errors (a layout mismatch across ranks) name metrics as the user does.
             collector = AsyncMetricCollector(
                 dict(parts.leaves),
@@ -102,13 +104,15 @@ class Telemetry:
                 max_pending=self.config.max_pending,
             )
             self._collector = collector.bind()
-            self._hang_watch = watch_hangs(self.config, parts, every_rank)
         except BaseException:
+            if hang_watch is not None:
+                hang_watch.close()
             if failure is None:  # started exporters (open ports, threads) must not outlive a failed set-up,
                 parts.close()  # nor the signals' threads and their counting in update()
             every_rank.release()
             raise
         self._every_rank = every_rank
+        self._hang_watch = hang_watch
         self.metrics = metrics
         self.every = self.config.every
         self.max_pending = self.config.max_pending
@@ -368,3 +372,5 @@ class Telemetry:
             state, self._leaves, self._user_leaves, self._publisher.totals, self._signals, self.config.group
         )
         self._windows.load(state)
+        if self._beat is not None and self._windows.last_step is not None:
+            self._beat.step = self._windows.last_step + 1

@@ -3,7 +3,9 @@
 Step time, data wait, tokens and samples with their rates, model FLOPs, learning rate, peak memory;
 and for health: phases and straggler scores, the non-finite sentinel and spike scores, memory
 health, goodput and GPU health (NVML). Adding a signal is one module and its test, and a line in
-`builtin_signals`. docs/signals.md lists every name, unit and cost.
+`builtin_signals`. docs/signals.md lists every name, unit and cost. Hangs are not a window's
+signal (a hang stops the windows): `_hang` holds where the training thread is (`Heartbeat`) and
+the names and logic of the hang report the exporting rank's monitor exports.
 """
 
 from __future__ import annotations
