@@ -63,19 +63,14 @@ class WeightedMeanMetric(Metric):
         device = local_sum.device
         value, mask = self._begin_update(value, "value", device)
         weight, weight_mask = self._input(weight, "weight", device)
-        scalar_weight = weight.dim() == 0
-        if not scalar_weight and weight.shape != value.shape:
+        if weight.dim() > 0 and weight.shape != value.shape:
             raise ValueError(
                 f"{self.display_name()}: weight has shape {tuple(weight.shape)}, expected the shape of "
                 f"value {tuple(value.shape)} or a scalar"
             )
         compiling = torch.compiler.is_compiling()
         # `is_cpu`, not `device.type == "cpu"`: 0.3 µs against 1.5 µs, on every update
-        if (
-            not compiling
-            and (self.nan_policy == "error" or local_sum.is_cpu)
-            and (weight.item() < 0 if scalar_weight else bool((weight < 0).any()))
-        ):
+        if not compiling and (self.nan_policy == "error" or local_sum.is_cpu) and _any_negative(weight):
             raise ValueError(f"{self.display_name()}: weight must be non-negative, got a negative weight")
         if mask is None and weight_mask is None and value.dim() == 0 and self._float_state:
             # The common case (a loss and its token count): two fused ops in the state dtype
