@@ -203,7 +203,7 @@ ROWS: dict[str, Row] = {
         lambda: tt.SumMetric(dtype=torch.int64),
         (0.5,),
         TypeError,
-        r"SumMetric: value has dtype torch.float32, but the metric's state is torch.int64",
+        r"SumMetric: value has dtype torch.float64, but the metric's state is torch.int64",
         good=(torch.tensor([4]),),
     ),
     "float into an integer state: histogram": Row(
@@ -224,7 +224,7 @@ ROWS: dict[str, Row] = {
         lambda: tt.WeightedMeanMetric(dtype=torch.int64),
         (0.5, 2),
         TypeError,
-        r"WeightedMeanMetric: value has dtype torch.float32, but the metric's state is torch.int64",
+        r"WeightedMeanMetric: value has dtype torch.float64, but the metric's state is torch.int64",
         good=(torch.tensor([4]), torch.tensor([1])),
     ),
     # -- limits: batches reduce in the state dtype, integer states never wrap --------------------------
