@@ -40,7 +40,8 @@ class TelemetryConfig:
     signals: bool = True
     """Add the built-in signals (step time and data wait per rank, tokens, samples, throughput,
     model FLOPs, learning rate, peak memory and the CUDA allocator's detail) and the health signals
-    (phases and stragglers, non-finite counts, spikes, memory health, goodput, GPU health)."""
+    (phases and stragglers, non-finite counts, spikes, memory health, goodput, GPU health). Hang
+    detection is not one of them: `hang_after_s` turns it on and off."""
     phases: Sequence[str] = DEFAULT_PHASES
     """Sections `Telemetry.phase(name)` times, per rank (the data wait is always the phase "data");
     every rank declares the same, as their times ride the window's collective."""

@@ -627,6 +627,32 @@ def test_every_builtin_update_runs_the_one_prologue_once(
     assert calls == [cls.__name__] * len(example.updates)
 
 
+def test_a_ready_tensor_costs_the_prologue_no_conversion(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 0-d loss and token count already on the metric's device, of real dtypes, outside autograd,
+    go into the weighted mean's two kernels as they are: the prologue enters no conversion and asks
+    `is_compiling()` once (bench/bench_update.py measures what this saves; a count, not a time)."""
+    import sys
+
+    metric = tt.WeightedMeanMetric()
+    loss, tokens = torch.tensor(2.5), torch.tensor(512)
+    metric.update(loss, tokens)
+    entered: list[str] = []
+
+    def profile(frame, event: str, arg) -> None:
+        if event == "call":
+            entered.append(frame.f_code.co_name)
+
+    sys.setprofile(profile)
+    try:
+        metric.update(loss, tokens)
+    finally:
+        sys.setprofile(None)
+    assert "_as_tensor" not in entered and "_converted" not in entered
+    assert entered.count("is_compiling") <= 1
+    assert entered.count("_input") == 2  # one per input, each checked
+    assert metric.weighted_sum.local.item() == 2 * 2.5 * 512
+
+
 @pytest.mark.parametrize(("cls", "example"), EXAMPLES)
 def test_every_builtin_compute_is_its_batched_rule_with_one_instance(
     cls: type[tt.Metric], example: tt.metric.MetricExample

@@ -204,7 +204,7 @@ ROWS: dict[str, Row] = {
         lambda: tt.SumMetric(dtype=torch.int64),
         (0.5,),
         TypeError,
-        r"SumMetric: value has dtype torch.float32, but the metric's state is torch.int64",
+        r"SumMetric: value has dtype torch.float64, but the metric's state is torch.int64",
         good=(torch.tensor([4]),),
     ),
     "float into an integer state: histogram": Row(
@@ -225,7 +225,7 @@ ROWS: dict[str, Row] = {
         lambda: tt.WeightedMeanMetric(dtype=torch.int64),
         (0.5, 2),
         TypeError,
-        r"WeightedMeanMetric: value has dtype torch.float32, but the metric's state is torch.int64",
+        r"WeightedMeanMetric: value has dtype torch.float64, but the metric's state is torch.int64",
         good=(torch.tensor([4]), torch.tensor([1])),
     ),
     # -- limits: batches reduce in the state dtype, integer states never wrap --------------------------
@@ -510,7 +510,7 @@ def test_illegal_metric_names_fail_when_telemetry_is_built(metrics: dict, messag
 
 def test_the_longest_legal_name_is_accepted() -> None:
     name = "a" * 200
-    with tt.Telemetry({name: tt.SumMetric()}, [], signals=False) as telemetry:
+    with tt.Telemetry({name: tt.SumMetric()}, [], signals=False, hang_after_s=None) as telemetry:
         assert [d.name for d in telemetry.descriptors] == [name]
 
 

@@ -73,7 +73,7 @@ class UpdateInputs:
         self, value: Any, what: str = "value", device: torch.device | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The prologue of a built-in `update()`: the thread check, then `_input(value)`."""
-        if not torch.compiler.is_compiling() and threading.get_ident() != self._thread:
+        if not torch.compiler.is_dynamo_compiling() and threading.get_ident() != self._thread:
             self._check_thread()
         return self._input(value, what, device)
 
@@ -81,16 +81,25 @@ class UpdateInputs:
         self, value: Any, what: str, device: torch.device | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`value` as a tensor on the metric's device (`_as_tensor`), and `nan_policy` applied to it:
-        "error" raises on NaN or Inf; "ignore" gives the mask of finite entries (else None)."""
-        tensor = self._as_tensor(value, what, device)
+        "error" raises on NaN or Inf; "ignore" gives the mask of finite entries (else None).
+
+        A tensor of a real dtype on the metric's device, outside autograd, is taken as it is (the
+        common case: three attribute reads and no call)."""
+        if not (
+            isinstance(value, torch.Tensor)
+            and value.dtype in _READY
+            and not value.requires_grad
+            and value.device == (device or self.device)
+        ):
+            value = self._as_tensor(value, what, device)
         if self.nan_policy == "propagate":
-            return tensor, None
-        self._check_finite(tensor, what)
-        return tensor, self._finite_mask(tensor)
+            return value, None
+        self._check_finite(value, what)
+        return value, self._finite_mask(value)
 
     def _check_thread(self) -> None:
         """Raise unless called on the thread that built the metric (eager only: the caller checks
-        `torch.compiler.is_compiling()` first, so compiled code never traces the thread id)."""
+        `torch.compiler.is_dynamo_compiling()` first, so compiled code never traces the thread id)."""
         if threading.get_ident() != self._thread:
             raise RuntimeError(
                 f"{self.display_name()}: update() called from thread "
@@ -154,16 +163,12 @@ class UpdateInputs:
     def _as_tensor(self, value: Any, what: str, device: torch.device | None = None) -> torch.Tensor:
         """Accept tensors, Python numbers and numpy scalars/arrays; put them on the metric's device.
 
-        A tensor of a real dtype on the metric's device, outside autograd, is used as it is (the
-        common case: four attribute reads). Python numbers become tensors by a fill on the device,
-        never by a host-to-device copy, in float64 (a Python float is one: exact) or int64; numpy
-        data and 0-d CPU tensors by a non-blocking copy. `device` (the metric's) saves looking it
-        up again.
+        Python numbers become tensors by a fill on the device, never by a host-to-device copy, in
+        float64 (a Python float is one: exact) or int64; numpy data and 0-d CPU tensors by a
+        non-blocking copy. `device` (the metric's) saves looking it up again.
         """
         device = device or self.device
         if isinstance(value, torch.Tensor):
-            if value.dtype in _READY and not value.requires_grad and value.device == device:
-                return value
             return self._converted(value, what, device)
         number = type(value)
         if number is float:
@@ -186,8 +191,8 @@ class UpdateInputs:
         return tensor.to(device, non_blocking=True)
 
     def _converted(self, value: torch.Tensor, what: str, device: torch.device) -> torch.Tensor:
-        """A tensor that is not ready as it is: a 0-d CPU tensor moved to `device` (any other device
-        raises), detached from autograd, widened (`_widened`); complex raises."""
+        """A tensor on `device` (a 0-d CPU tensor is moved there, any other device raises), detached
+        from autograd, widened (`_widened`); complex raises."""
         if value.device != device:
             if not (value.is_cpu and value.dim() == 0):
                 raise ValueError(
