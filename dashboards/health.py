@@ -62,7 +62,7 @@ def health_panels() -> list[dict[str, Any]]:
             "gradient all-reduce less the wait there), the largest ratio of a rank's time to its own "
             "best window, and the run's threshold from its window-to-window spread (at least 1.2). "
             "In synchronous training the step time cannot show a straggler; its phase does. "
-            "RankStraggler fires above the threshold in a phase over 5 % of the straggler's step.",
+            "RankStraggler fires above the threshold at a cost over 5 % of the step.",
             "none",
             targets(
                 (by(phase, "train/straggler/score"), "{{run}} {{phase}} vs median"),
@@ -70,6 +70,15 @@ def health_panels() -> list[dict[str, Any]]:
                 (by(phase, "train/straggler/threshold"), "{{run}} {{phase}} threshold"),
             ),
             threshold_line=1.2,
+        ),
+        timeseries(
+            "Straggler cost per phase",
+            "Percent of the step the other ranks wait for the slowest rank in each phase: the median "
+            "rank's share of the step there (its work only) times score - 1. RankStraggler and the "
+            "stragglers' list count a rank from 5 %.",
+            "percent",
+            targets((by(phase, "train/straggler/cost"), "{{run}} {{phase}}")),
+            threshold_line=5,
         ),
         timeseries(
             "Slowest rank per phase",
@@ -84,7 +93,7 @@ def health_panels() -> list[dict[str, Any]]:
         stat(
             "Slowest ranks",
             "The stragglers (up to straggler_top_k): ranks above their phase's threshold two "
-            "windows running, in a phase over 1 % of their step, place 1 the slowest: rank ids and "
+            "windows running, at a cost over 5 % of the step, place 1 the slowest: rank ids and "
             "their scores.",
             "none",
             targets(

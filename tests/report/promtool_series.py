@@ -17,7 +17,7 @@ from torchtelemetry.export import prometheus_name
 from torchtelemetry.report import signal_descriptors
 
 ALERTS = Path(__file__).resolve().parents[2] / "exporters" / "prometheus" / "alerts.yml"
-READ = ("train/straggler/score", "train/straggler/threshold", "train/straggler/rank", "train/phases/share")
+READ = ("train/straggler/score", "train/straggler/threshold", "train/straggler/rank", "train/straggler/cost")
 _FIRED = re.compile(
     r'alertname="RankStraggler".*?phase="([^"]+)".*?\n\s*Annotations:\{description="Rank (\d+) '
 )

@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 import torchtelemetry as tt
 from tests.distributed import run_ranks
 from tests.report.promtool_series import rank_straggler_alerts
-from torchtelemetry.report.signals import MIN_NOISE_WINDOWS, MIN_SHARE
+from torchtelemetry.report.signals import MIN_COST, MIN_NOISE_WINDOWS
 
 DELAY_S = 0.06
 STEPS = 36
@@ -97,13 +97,13 @@ def test_ddp_ranks_name_only_the_slow_rank(
 
 
 def _straggling(values: dict[str, Any]) -> dict[str, int]:
-    """Phase -> rank of each phase whose straggler score passes its threshold, in a phase that
-    takes that rank at least `MIN_SHARE` percent of the step."""
-    thresholds, shares = values.get("train/straggler/threshold", {}), values["train/phases/share"]
+    """Phase -> rank of each phase whose straggler score passes its threshold at a cost of at
+    least `MIN_COST` percent of the step."""
+    thresholds, costs = values.get("train/straggler/threshold", {}), values["train/straggler/cost"]
     return {
         phase: int(values["train/straggler/rank"][phase])
         for phase, score in values["train/straggler/score"].items()
-        if shares.get(phase, 0.0) * score >= MIN_SHARE and score > thresholds.get(phase, float("inf"))
+        if costs[phase] >= MIN_COST and score > thresholds.get(phase, float("inf"))
     }
 
 
@@ -130,3 +130,41 @@ def test_a_healthy_run_beside_a_cpu_hog_raises_no_straggler_alert(tmp_path: Path
     assert rank_straggler_alerts(reports, tmp_path) == set()
     for values in reports[MIN_NOISE_WINDOWS:]:
         assert "train/straggler/top_rank" not in values, values
+
+
+def test_watch_gradient_sync_wants_a_declared_phase_and_a_ddp_model() -> None:
+    telemetry = tt.Telemetry({"train": {"loss": tt.WeightedMeanMetric()}}, [], every=2, nvml=False)
+    module = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=r"'fwd' is not a declared phase"):
+        telemetry.watch_gradient_sync(module, phase="fwd")
+    with pytest.raises(
+        TypeError, match=r"Linear has no register_comm_hook; pass the DistributedDataParallel"
+    ):
+        telemetry.watch_gradient_sync(module)
+    telemetry.step(0)
+    telemetry.close()
+    assert "train/sync_wait" not in telemetry.latest  # nothing watched: nothing exported
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA events need a GPU")
+def test_cuda_sync_wait_times_the_nccl_all_reduce_with_events() -> None:
+    from tests.distributed import nccl_world_of_one
+
+    with nccl_world_of_one():
+        device = torch.device("cuda", torch.cuda.current_device())
+        model = DistributedDataParallel(torch.nn.Linear(1024, 1024).to(device), device_ids=[device.index])
+        loss_metric = tt.WeightedMeanMetric().to(device)
+        telemetry = tt.Telemetry({"train": {"loss": loss_metric}}, [], every=4, nvml=False)
+        telemetry.watch_gradient_sync(model)
+        batch = torch.randn(64, 1024, device=device)
+        for step in range(8):
+            with telemetry.phase("forward"):
+                loss = model(batch).pow(2).mean()
+            with telemetry.phase("backward"):
+                loss.backward()
+            loss_metric.update(loss.detach(), 64)
+            telemetry.step(step)
+        telemetry.close()
+    latest = telemetry.latest
+    assert 0 < latest["train/sync_wait"]["0"] < latest["train/phases/median"]["backward"] + 1e-3

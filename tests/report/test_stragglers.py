@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from torchtelemetry.report.signals import MIN_EXCESS, MIN_NOISE_WINDOWS, MIN_SHARE, StragglerScores
+from torchtelemetry.report.signals import MIN_COST, MIN_EXCESS, MIN_NOISE_WINDOWS, StragglerScores
 
 
 def test_the_slowest_rank_per_phase_is_a_value_scored_against_the_median() -> None:
@@ -111,12 +111,23 @@ def test_a_rank_slower_than_its_own_best_is_named_even_when_all_slow_down_togeth
     assert report["train/straggler/own_best_rank"] == {"forward": 0.0}  # lowest rank on ties
 
 
-def test_a_phase_too_short_for_the_straggler_is_scored_but_names_nobody() -> None:
+def test_a_straggler_that_costs_the_others_little_is_scored_but_not_named() -> None:
     scores = StragglerScores(top_k=2)
     for _ in range(MIN_NOISE_WINDOWS + 2):
-        report = scores.score({"tiny": {0: 1e-5, 1: 5e-5, 2: 1e-5}}, {"tiny": MIN_SHARE / 10})
+        report = scores.score({"tiny": {0: 1e-5, 1: 5e-5, 2: 1e-5}}, {"tiny": MIN_COST / 10})
     assert report["train/straggler/rank"]["tiny"] == 1.0 and report["train/straggler/score"]["tiny"] == 5.0
-    assert "train/straggler/top_rank" not in report  # 5 x 0.1 % of the step: too short
+    # (5 - 1) x 0.5 % of the step: the others wait 2 % of the step for rank 1.
+    assert report["train/straggler/cost"]["tiny"] == pytest.approx(0.4 * MIN_COST)
+    assert "train/straggler/top_rank" not in report
+
+
+def test_the_cost_of_the_phase_that_holds_the_all_reduce_counts_its_work_only() -> None:
+    scores = StragglerScores(top_k=1)
+    scores.sync_phase = "backward"
+    times = {"backward": {0: 0.30, 1: 0.30, 2: 0.10}}  # ranks 0 and 1 wait 0.2 s for rank 2
+    report = scores.score(times, {"backward": 60.0}, {0: 0.2, 1: 0.2, 2: 0.0})
+    assert report["train/straggler/score"]["backward"] == pytest.approx(1.0)
+    assert report["train/straggler/cost"]["backward"] == pytest.approx(0.0)
 
 
 def test_phases_no_rank_spent_time_in_are_not_scored() -> None:

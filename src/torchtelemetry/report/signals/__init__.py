@@ -44,9 +44,9 @@ from torchtelemetry.report.signals._set import SignalSet
 from torchtelemetry.report.signals._spikes import MIN_HISTORY, Spikes
 from torchtelemetry.report.signals._step_time import StepTime
 from torchtelemetry.report.signals._stragglers import (
+    MIN_COST,
     MIN_EXCESS,
     MIN_NOISE_WINDOWS,
-    MIN_SHARE,
     NOISE_SPREADS,
     NOISE_WINDOWS,
     StragglerScores,
@@ -67,10 +67,10 @@ __all__ = [
     "signal_descriptors",
     "DATA_PHASE",
     "DEFAULT_PHASES",
+    "MIN_COST",
     "MIN_EXCESS",
     "MIN_HISTORY",
     "MIN_NOISE_WINDOWS",
-    "MIN_SHARE",
     "NOISE_SPREADS",
     "NOISE_WINDOWS",
     "SYNC_WAIT",

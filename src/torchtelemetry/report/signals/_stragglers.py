@@ -20,11 +20,12 @@ the median, to the power `NOISE_SPREADS`, and at least 1 + `MIN_EXCESS`. A noisy
 rank's score from window to window and raises the threshold; a straggler's score stays put,
 however far above 1 it is. Known from `MIN_NOISE_WINDOWS` windows on.
 
-Reported per phase: the worst rank, its score and the threshold, as values. Over phases, the
-stragglers: up to `top_k` ranks whose score passed its phase's threshold in this window and the one
-before (a noisy host's one-window spike names nobody), in a phase that takes the rank itself at
-least `MIN_SHARE` percent of the step (shorter ones are too short to rank a whole rank on), place 1
-the slowest.
+Reported per phase: the worst rank, its score, the threshold and the cost (the percent of the
+step the other ranks wait for it there: the median rank's share of the step in the phase, its
+work only, times score - 1), as values. Over phases, the stragglers: up to `top_k` ranks whose
+score passed its phase's threshold in this window and the one before (a noisy host's one-window
+spike names nobody) at a cost of at least `MIN_COST` percent of the step (a rank 3 times slower
+in a phase of 0.5 % of the step costs nobody anything), place 1 the slowest.
 """
 
 from __future__ import annotations
@@ -45,14 +46,14 @@ __all__ = [
     "BULK",
     "MIN_EXCESS",
     "MIN_NOISE_WINDOWS",
-    "MIN_SHARE",
+    "MIN_COST",
     "NOISE_SPREADS",
     "NOISE_WINDOWS",
     "StragglerScores",
 ]
 
-MIN_SHARE = 1.0
-"""Percent of the step a phase must take a rank for its score to rank it in the top k."""
+MIN_COST = 5.0
+"""Percent of the step the other ranks must wait for a rank in a phase for it to be named."""
 MIN_EXCESS = 0.2
 """The lowest threshold is 1 + this: a rank 20 % slower than the median rank in a phase."""
 NOISE_SPREADS = 3.0
@@ -71,6 +72,7 @@ RANK = "train/straggler/rank"
 OWN_BEST_SCORE = "train/straggler/own_best_score"
 OWN_BEST_RANK = "train/straggler/own_best_rank"
 THRESHOLD = "train/straggler/threshold"
+COST = "train/straggler/cost"
 TOP_RANK = "train/straggler/top_rank"
 TOP_SCORE = "train/straggler/top_score"
 
@@ -102,6 +104,13 @@ class StragglerScores:
             by_phase(OWN_BEST_SCORE, "Highest phase time of a rank over its own best window, per phase"),
             by_phase(OWN_BEST_RANK, "Rank with the highest own-best score, per phase"),
             by_phase(THRESHOLD, "Score above which a rank straggles, from the run's window-to-window spread"),
+            MetricDescriptor(
+                COST,
+                MetricKind.GAUGE,
+                "percent",
+                "Percent of the step the other ranks wait for the slowest rank in the phase",
+                "phase",
+            ),
             by_place(TOP_RANK, "The ranks that straggle over phases (place 1 is the slowest), as rank ids"),
             by_place(TOP_SCORE, "Straggler score of each of the slowest ranks (place 1 is the slowest)"),
         ]
@@ -114,16 +123,20 @@ class StragglerScores:
     ) -> dict[str, ReportValue]:
         """The scores of one window: `times[phase][rank]` seconds per step, `shares[phase]` percent,
         `sync_wait[rank]` seconds per step in the gradient all-reduce (inside `sync_phase`)."""
-        names = (SCORE, RANK, OWN_BEST_SCORE, OWN_BEST_RANK, THRESHOLD)
+        names = (SCORE, RANK, OWN_BEST_SCORE, OWN_BEST_RANK, THRESHOLD, COST)
         out: dict[str, dict[str, float]] = {name: {} for name in names}
         overall: dict[int, float] = {}
         with self._lock:
-            for phase, by_rank in times.items():
+            for phase, raw in times.items():
+                by_rank = raw
                 if phase == self.sync_phase and sync_wait:
-                    by_rank = {rank: seconds - sync_wait.get(rank, 0.0) for rank, seconds in by_rank.items()}
+                    by_rank = {rank: seconds - sync_wait.get(rank, 0.0) for rank, seconds in raw.items()}
                 timed = {rank: seconds for rank, seconds in by_rank.items() if seconds > 0}
                 if not timed:
                     continue
+                share = shares.get(phase, 0.0)  # the median rank's share of the step in the phase
+                if by_rank is not raw:  # of its work only
+                    share *= median(timed) / median({rank: s for rank, s in raw.items() if s > 0})
                 best = self._best.setdefault(phase, {})
                 for rank, seconds in timed.items():
                     best[rank] = min(best.get(rank, seconds), seconds)
@@ -134,15 +147,15 @@ class StragglerScores:
                 scores = {rank: seconds / middle for rank, seconds in timed.items()}
                 worst = highest_rank(scores)
                 out[SCORE][phase], out[RANK][phase] = scores[worst], float(worst)
+                out[COST][phase] = share * (scores[worst] - 1)
                 threshold = self._threshold(phase, scores)
                 if threshold is None:
                     continue
                 out[THRESHOLD][phase] = threshold
-                share = shares.get(phase, 0.0)  # the median rank's: a rank's own is share x score
                 passing = {
                     rank: score
                     for rank, score in scores.items()
-                    if score > threshold and share * score >= MIN_SHARE
+                    if score > threshold and share * (score - 1) >= MIN_COST
                 }
                 for rank in passing.keys() & self._passing.get(phase, set()):
                     overall[rank] = max(overall.get(rank, 0.0), passing[rank])
