@@ -134,16 +134,16 @@ class StragglerScores:
                 timed = {rank: seconds for rank, seconds in by_rank.items() if seconds > 0}
                 if not timed:
                     continue
+                middle = median(timed)
                 share = shares.get(phase, 0.0)  # the median rank's share of the step in the phase
                 if by_rank is not raw:  # of its work only
-                    share *= median(timed) / median({rank: s for rank, s in raw.items() if s > 0})
+                    share *= middle / median({rank: s for rank, s in raw.items() if s > 0})
                 best = self._best.setdefault(phase, {})
                 for rank, seconds in timed.items():
                     best[rank] = min(best.get(rank, seconds), seconds)
                 own = {rank: seconds / best[rank] for rank, seconds in timed.items()}
                 worst_own = highest_rank(own)
                 out[OWN_BEST_SCORE][phase], out[OWN_BEST_RANK][phase] = own[worst_own], float(worst_own)
-                middle = median(timed)
                 scores = {rank: seconds / middle for rank, seconds in timed.items()}
                 worst = highest_rank(scores)
                 out[SCORE][phase], out[RANK][phase] = scores[worst], float(worst)
