@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from panels import _thresholds, metric, selected, stat, targets, timeseries
+from panels import _thresholds, metric, selected, spread, stat, targets, timeseries
 
 
 def row(title: str) -> dict[str, Any]:
@@ -50,16 +50,35 @@ def health_panels() -> list[dict[str, Any]]:
             ),
         ),
         timeseries(
+            "Gradient all-reduce wait over ranks: min / median / max",
+            "Seconds per step each rank spent in DDP's gradient all-reduce (watch_gradient_sync): "
+            "the ranks that wait for a straggler there the longest; the straggler waits least.",
+            "s",
+            spread("torchtelemetry_train_sync_wait", "seconds"),
+        ),
+        timeseries(
             "Straggler score per phase",
-            "Slowest rank's time in the phase over the median rank's, and the largest ratio of a "
-            "rank's time to its own best window. In synchronous training the step time cannot show "
-            "a straggler; its phase does. RankStraggler fires above 1.2 in a phase over 5 % of the step.",
+            "Slowest rank's time in the phase over the median rank's (the phase that holds the "
+            "gradient all-reduce less the wait there), the largest ratio of a rank's time to its own "
+            "best window, and the run's threshold from its window-to-window spread (at least 1.2). "
+            "In synchronous training the step time cannot show a straggler; its phase does. "
+            "RankStraggler fires above the threshold at a cost over 5 % of the step.",
             "none",
             targets(
                 (by(phase, "train/straggler/score"), "{{run}} {{phase}} vs median"),
                 (by(phase, "train/straggler/own_best_score"), "{{run}} {{phase}} vs own best"),
+                (by(phase, "train/straggler/threshold"), "{{run}} {{phase}} threshold"),
             ),
             threshold_line=1.2,
+        ),
+        timeseries(
+            "Straggler cost per phase",
+            "Percent of the step the other ranks wait for the slowest rank in each phase: the median "
+            "rank's share of the step there (its work only) times score - 1. RankStraggler and the "
+            "stragglers' list count a rank from 5 %.",
+            "percent",
+            targets((by(phase, "train/straggler/cost"), "{{run}} {{phase}}")),
+            threshold_line=5,
         ),
         timeseries(
             "Slowest rank per phase",
@@ -73,8 +92,9 @@ def health_panels() -> list[dict[str, Any]]:
         ),
         stat(
             "Slowest ranks",
-            "The straggler_top_k slowest ranks over the phases over 1 % of the step, place 1 the "
-            "slowest: rank ids and their scores.",
+            "The stragglers (up to straggler_top_k): ranks above their phase's threshold two "
+            "windows running, at a cost over 5 % of the step, place 1 the slowest: rank ids and "
+            "their scores.",
             "none",
             targets(
                 (by(", place", "train/straggler/top_rank"), "#{{place}} rank"),

@@ -46,7 +46,8 @@ class TelemetryConfig:
     """Sections `Telemetry.phase(name)` times, per rank (the data wait is always the phase "data");
     every rank declares the same, as their times ride the window's collective."""
     straggler_top_k: int = DEFAULT_TOP_K
-    """How many of the slowest ranks `train/straggler/top_rank` names, every window."""
+    """How many stragglers `train/straggler/top_rank` names at most (ranks above their phase's
+    threshold two windows running, docs/signals.md)."""
     nonfinite: Sequence[str] | None = None
     """Paths of the metrics whose inputs the health sentinel counts non-finite values of (and
     spike-scores); None: every metric whose name ends in `loss`."""

@@ -75,7 +75,7 @@ def test_seconds_per_step_over_ranks_and_shares_exported_only_for_phases_entered
     # percent of the window's 0.1 s wall time: 2 steps x 15 ms, 2 x 25 ms
     assert window["train/phases/share"] == {"forward": pytest.approx(30.0), "backward": pytest.approx(50.0)}
     assert window["train/straggler/score"] == {"forward": 1.0, "backward": 1.0}
-    assert window["train/straggler/top_rank"] == {"1": 0.0}
+    assert "train/straggler/top_rank" not in window  # one window: the run's noise is not known yet
 
 
 def test_event_clock_reads_events_off_the_training_thread_and_a_window_carries_what_completed() -> None:
@@ -220,7 +220,6 @@ def test_two_ranks_name_the_slow_rank_in_its_phase_as_values(max_rank_series: in
     assert window["train/phases/max_rank"]["forward"] == 1.0
     assert window["train/phases/min_rank"]["forward"] == 0.0
     assert window["train/straggler/rank"]["forward"] == 1.0
-    assert window["train/straggler/top_rank"]["1"] == 1.0
     assert window["train/phases/max"]["forward"] >= 0.06 > window["train/phases/min"]["forward"] >= 0.01
     if max_rank_series:
         assert set(window["train/phase/forward"]) == {"0", "1"}

@@ -135,8 +135,10 @@ def cuda_only_names() -> frozenset[str]:
 
 
 def event_only_names() -> frozenset[str]:
-    """Sample names exported only once something happened: the first non-finite value."""
-    described = [d for d in signal_descriptors() if d.name.startswith("train/nonfinite/first_")]
+    """Sample names exported only once something happened: the first non-finite value, a rank that
+    straggles (docs/signals.md), a DDP model whose gradient all-reduce is watched."""
+    happened = ("train/nonfinite/first_", "train/straggler/top_", "train/sync_wait")
+    described = [d for d in signal_descriptors() if d.name.startswith(happened)]
     return frozenset(name for descriptor in described for name in sample_names(descriptor))
 
 

@@ -241,7 +241,9 @@ def test_the_documented_rule_points_loss_not_finite_at_a_loss_of_another_name(tm
     }
     annotations = {
         "summary": "Run nll: torchtelemetry_train_nll is NaN or infinite",
-        "description": "torchtelemetry_train_nll of run nll (job trainer) was not finite in the last 5 minutes.",
+        "description": (
+            "torchtelemetry_train_nll of run nll (job trainer) was not finite in the last 5 minutes."
+        ),
     }
     test = {
         "rule_files": [ALERTS.name, "my-losses.yml"],

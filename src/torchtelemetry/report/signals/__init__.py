@@ -1,7 +1,7 @@
 """Built-in training signals, one small object each (`Signal`), routed by a `SignalSet`.
 
 Step time, data wait, tokens and samples with their rates, model FLOPs, learning rate, peak memory;
-and for health: phases and straggler scores, the non-finite sentinel and spike scores, memory
+and for health: phases, the sync wait and straggler scores, the non-finite sentinel and spike scores, memory
 health, goodput and GPU health (NVML). Adding a signal is one module and its test, and a line in
 `builtin_signals`. docs/signals.md lists every name, unit and cost. Hangs are not a window's
 signal (a hang stops the windows): `_hang` holds where the training thread is (`Heartbeat`) and
@@ -56,7 +56,15 @@ from torchtelemetry.report.signals._progress import ProgressFile, ProgressRecord
 from torchtelemetry.report.signals._set import SignalSet
 from torchtelemetry.report.signals._spikes import MIN_HISTORY, Spikes
 from torchtelemetry.report.signals._step_time import StepTime
-from torchtelemetry.report.signals._stragglers import MIN_SHARE, StragglerScores
+from torchtelemetry.report.signals._stragglers import (
+    MIN_COST,
+    MIN_EXCESS,
+    MIN_NOISE_WINDOWS,
+    NOISE_SPREADS,
+    NOISE_WINDOWS,
+    StragglerScores,
+)
+from torchtelemetry.report.signals._sync_wait import SYNC_WAIT, SyncWait
 from torchtelemetry.report.signals._throughput import Count, ModelFlopsSignal, check_count
 
 __all__ = [
@@ -80,8 +88,13 @@ __all__ = [
     "signal_descriptors",
     "DATA_PHASE",
     "DEFAULT_PHASES",
+    "MIN_COST",
+    "MIN_EXCESS",
     "MIN_HISTORY",
-    "MIN_SHARE",
+    "MIN_NOISE_WINDOWS",
+    "NOISE_SPREADS",
+    "NOISE_WINDOWS",
+    "SYNC_WAIT",
     "THROTTLE_REASONS",
     "CountingUpdate",
     "EventClock",
@@ -103,6 +116,7 @@ __all__ = [
     "SignalSet",
     "Spikes",
     "StragglerScores",
+    "SyncWait",
     "WindowTiming",
     "builtin_descriptors",
     "builtin_signals",

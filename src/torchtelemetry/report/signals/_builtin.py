@@ -23,6 +23,7 @@ from torchtelemetry.report.signals._peak_memory import PeakMemory
 from torchtelemetry.report.signals._phases import DEFAULT_PHASES, Phases
 from torchtelemetry.report.signals._spikes import Spikes
 from torchtelemetry.report.signals._step_time import StepTime
+from torchtelemetry.report.signals._sync_wait import SyncWait
 from torchtelemetry.report.signals._throughput import Count, ModelFlopsSignal
 
 __all__ = [
@@ -59,7 +60,7 @@ def builtin_signals(
     """Every built-in signal of one `Telemetry` (its `TelemetryConfig` fields of the same names;
     `leaves` are the user's metrics, `flops` from `ModelFlops.resolve`), in the order they derive:
     a signal that reads another's window values comes after it (model FLOPs after the counts, the
-    phases after the data wait)."""
+    phases after the data wait and the sync wait)."""
     watched = watched_metrics(leaves, nonfinite)
     signals: list[Signal] = [
         StepTime(context),
@@ -68,6 +69,7 @@ def builtin_signals(
         Count(context, "samples", "samples", "Samples trained on", "Sample throughput"),
         LearningRate(context),
         PeakMemory(context),
+        SyncWait(context),
         Phases(context, phases, top_k=straggler_top_k),
         NonFiniteSentinel(context, watched),
         Spikes(context, tuple(watched), sigma=spike_sigma, windows=spike_windows),

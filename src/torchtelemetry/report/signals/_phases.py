@@ -9,7 +9,7 @@ on every device, exported per rank under its own name `train/data_wait`. Per win
 - over ranks, labelled `phase`, at any world size: `train/phases/{min,median,max}` (seconds),
   `train/phases/{min,max}_rank` (rank ids, as values) and `train/phases/share` (percent of the
   window's wall time the median rank spent in the phase; nested phases overlap);
-- the straggler scores of `_stragglers`.
+- the straggler scores of `_stragglers` (with the sync wait of `_sync_wait`).
 
 A phase that no rank entered in a window is left out of that window's report.
 """
@@ -35,6 +35,7 @@ from torchtelemetry.report.signals._base import (
 )
 from torchtelemetry.report.signals._clock import EventClock, HostClock, PhaseClock, PhaseTimer
 from torchtelemetry.report.signals._stragglers import StragglerScores
+from torchtelemetry.report.signals._sync_wait import SYNC_WAIT
 
 __all__ = ["DATA_PHASE", "DEFAULT_PHASES", "PhaseTimes", "Phases", "check_phase_names"]
 
@@ -190,7 +191,7 @@ class Phases(Signal):
             if timing.duration_s > 0 and timing.steps > 0:
                 stats["share"][name] = 100 * stats["median"][name] * timing.steps / timing.duration_s
         window.update({f"{PHASES}/{stat}": values for stat, values in stats.items() if values})
-        window.update(self.stragglers.score(times, stats["share"]))
+        window.update(self.stragglers.score(times, stats["share"], finite_by_rank(window.get(SYNC_WAIT))))
 
     def state_dict(self) -> dict[str, Any]:
         return {"own_best": self.stragglers.state_dict()}

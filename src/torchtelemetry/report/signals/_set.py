@@ -15,6 +15,7 @@ from torchtelemetry.report.signals._goodput import Goodput
 from torchtelemetry.report.signals._hang import Heartbeat
 from torchtelemetry.report.signals._phases import DATA_PHASE, Phases
 from torchtelemetry.report.signals._progress import ProgressFile
+from torchtelemetry.report.signals._sync_wait import CommHook, SyncWait
 
 __all__ = ["SignalSet"]
 
@@ -38,6 +39,7 @@ class SignalSet:
         self._by_keyword = {keyword: signal for signal in self.signals for keyword in signal.keywords}
         self._phases = next((signal for signal in self.signals if isinstance(signal, Phases)), None)
         self._goodput = next((signal for signal in self.signals if isinstance(signal, Goodput)), None)
+        self._sync_wait = next((signal for signal in self.signals if isinstance(signal, SyncWait)), None)
         data_wait = next((signal for signal in self.signals if isinstance(signal, DataWait)), None)
         self._data_wait = HostTimer(data_wait.record_wait) if data_wait is not None else None
 
@@ -114,6 +116,17 @@ class SignalSet:
             timers.append(self._data_wait)
         for timer in timers:
             timer.beat = beat
+
+    def watch_gradient_sync(self, model: Any, phase: str, hook: CommHook | None, state: Any) -> None:
+        """Time `model`'s gradient all-reduce (a DDP communication hook), held by phase `phase`."""
+        if self._phases is None or self._sync_wait is None:
+            raise ValueError(
+                "Telemetry.watch_gradient_sync: no phases are timed; set TelemetryConfig.phases (the "
+                "wait is taken out of the phase that holds the all-reduce)"
+            )
+        self._phases.timer(phase)  # a declared phase, or a ValueError naming the phases
+        self._sync_wait.watch(model, hook, state)
+        self._phases.stragglers.sync_phase = phase
 
     def checkpoint_saved(self, step: int) -> None:
         if self._goodput is not None:

@@ -1,22 +1,40 @@
 """Straggler scores from phase times: what synchronous training hides in its step time.
 
 When ranks wait for each other every step, every rank's step time is the slowest rank's, so a
-straggler shows only inside the sections it is slow in (a fast rank waits in its backward's
-all-reduce, the slow one does not). Per phase and rank, two scores, as nvidia-resiliency-ext's
-straggler detection scores its sections:
+straggler shows only inside the sections it is slow in. The wait itself lands in the phase that
+holds the synchronization (DDP's all-reduce inside backward): there the ranks that wait take
+longest, and the rank they wait for takes least. So that only the rank that causes the wait is
+ever named, the phase that holds the all-reduce (`sync_phase`, set by
+`Telemetry.watch_gradient_sync`) is scored on its time less the wait each rank measured there
+(`train/sync_wait`): the slow rank is the one that waits least. Per phase and rank, two scores,
+as nvidia-resiliency-ext's straggler detection scores its sections:
 
 - `score` = the rank's time / the median rank's time in this window: how much slower than its peers;
 - `own_best_score` = the rank's time / its own best window so far: how much slower than itself
   (a rank that slows down, e.g. throttling, while its peers slow down with it).
 
-Reported per phase: the worst rank and its score, as values. Over phases: the `top_k` ranks by
-their worst `score` in any phase taking at least `MIN_SHARE` percent of the step (shorter phases
-are too short to rank a whole rank on), place 1 being the slowest.
+A score is a straggler's only above the phase's `threshold`, derived from the run's own
+window-to-window spread: the factor by which a rank's score changes from one window to the next,
+on (geometric) mean over the last `NOISE_WINDOWS` windows and the ranks within a factor `BULK` of
+the median, to the power `NOISE_SPREADS`, and at least 1 + `MIN_EXCESS`. A noisy host moves every
+rank's score from window to window and raises the threshold; a straggler's score stays put,
+however far above 1 it is. Known from `MIN_NOISE_WINDOWS` windows on.
+
+Reported per phase: the worst rank, its score, the threshold and the cost (the percent of the
+step the other ranks wait for it there: the median rank's share of the step in the phase, its
+work only, times score - 1), as values. Over phases, the stragglers: up to `top_k` ranks whose
+score passed its phase's threshold in this window and the one before (a noisy host's one-window
+spike names nobody) at a cost of at least `MIN_COST` percent of the step (a rank 3 times slower
+in a phase of 0.5 % of the step costs nobody anything), place 1 the slowest.
 """
 
 from __future__ import annotations
 
+import itertools
+import math
+import statistics
 import threading
+from collections import deque
 from collections.abc import Mapping
 from typing import Any
 
@@ -24,25 +42,52 @@ from torchtelemetry.metric import MetricKind
 from torchtelemetry.report._values import MetricDescriptor, ReportValue
 from torchtelemetry.report.signals._base import highest_rank, median
 
-__all__ = ["MIN_SHARE", "StragglerScores"]
+__all__ = [
+    "BULK",
+    "MIN_EXCESS",
+    "MIN_NOISE_WINDOWS",
+    "MIN_COST",
+    "NOISE_SPREADS",
+    "NOISE_WINDOWS",
+    "StragglerScores",
+]
 
-MIN_SHARE = 1.0
-"""Percent of the step a phase must take for its scores to rank ranks in the top k."""
+MIN_COST = 5.0
+"""Percent of the step the other ranks must wait for a rank in a phase for it to be named."""
+MIN_EXCESS = 0.2
+"""The lowest threshold is 1 + this: a rank 20 % slower than the median rank in a phase."""
+NOISE_SPREADS = 3.0
+"""The threshold is the mean window-to-window change factor of a rank's score to this power."""
+NOISE_WINDOWS = 16
+"""Windows the window-to-window changes are taken over."""
+BULK = 2.0
+"""The noise is taken over the ranks whose score is within this factor of 1 (the median rank's):
+not the straggler itself, nor a rank that barely enters the phase, whose scores move by large
+factors that say nothing of the others' spread."""
+MIN_NOISE_WINDOWS = 4
+"""Windows of a phase before its threshold is known (and its ranks can be named in the top k)."""
 
 SCORE = "train/straggler/score"
 RANK = "train/straggler/rank"
 OWN_BEST_SCORE = "train/straggler/own_best_score"
 OWN_BEST_RANK = "train/straggler/own_best_rank"
+THRESHOLD = "train/straggler/threshold"
+COST = "train/straggler/cost"
 TOP_RANK = "train/straggler/top_rank"
 TOP_SCORE = "train/straggler/top_score"
 
 
 class StragglerScores:
-    """Scores one window's phase times per rank; keeps each rank's best time per phase (checkpointed)."""
+    """Scores one window's phase times per rank; keeps each rank's best time per phase (checkpointed)
+    and each phase's recent scores (not checkpointed: a restarted run learns its noise again)."""
 
     def __init__(self, top_k: int) -> None:
         self.top_k = top_k
+        self.sync_phase: str | None = None
+        """The phase that holds the gradient all-reduce, whose time is scored less the sync wait."""
         self._best: dict[str, dict[int, float]] = {}
+        self._recent: dict[str, deque[dict[int, float]]] = {}
+        self._passing: dict[str, set[int]] = {}
         self._lock = threading.Lock()
 
     @staticmethod
@@ -58,40 +103,83 @@ class StragglerScores:
             by_phase(RANK, "Rank with the highest straggler score, per phase"),
             by_phase(OWN_BEST_SCORE, "Highest phase time of a rank over its own best window, per phase"),
             by_phase(OWN_BEST_RANK, "Rank with the highest own-best score, per phase"),
-            by_place(TOP_RANK, "The slowest ranks over phases (place 1 is the slowest), as rank ids"),
+            by_phase(THRESHOLD, "Score above which a rank straggles, from the run's window-to-window spread"),
+            MetricDescriptor(
+                COST,
+                MetricKind.GAUGE,
+                "percent",
+                "Percent of the step the other ranks wait for the slowest rank in the phase",
+                "phase",
+            ),
+            by_place(TOP_RANK, "The ranks that straggle over phases (place 1 is the slowest), as rank ids"),
             by_place(TOP_SCORE, "Straggler score of each of the slowest ranks (place 1 is the slowest)"),
         ]
 
     def score(
-        self, times: Mapping[str, Mapping[int, float]], shares: Mapping[str, float]
+        self,
+        times: Mapping[str, Mapping[int, float]],
+        shares: Mapping[str, float],
+        sync_wait: Mapping[int, float] | None = None,
     ) -> dict[str, ReportValue]:
-        """The scores of one window: `times[phase][rank]` seconds per step, `shares[phase]` percent."""
-        out: dict[str, dict[str, float]] = {name: {} for name in (SCORE, RANK, OWN_BEST_SCORE, OWN_BEST_RANK)}
+        """The scores of one window: `times[phase][rank]` seconds per step, `shares[phase]` percent,
+        `sync_wait[rank]` seconds per step in the gradient all-reduce (inside `sync_phase`)."""
+        names = (SCORE, RANK, OWN_BEST_SCORE, OWN_BEST_RANK, THRESHOLD, COST)
+        out: dict[str, dict[str, float]] = {name: {} for name in names}
         overall: dict[int, float] = {}
         with self._lock:
-            for phase, by_rank in times.items():
+            for phase, raw in times.items():
+                by_rank = raw
+                if phase == self.sync_phase and sync_wait:
+                    by_rank = {rank: seconds - sync_wait.get(rank, 0.0) for rank, seconds in raw.items()}
                 timed = {rank: seconds for rank, seconds in by_rank.items() if seconds > 0}
                 if not timed:
                     continue
+                middle = median(timed)
+                share = shares.get(phase, 0.0)  # the median rank's share of the step in the phase
+                if by_rank is not raw:  # of its work only
+                    share *= middle / median({rank: s for rank, s in raw.items() if s > 0})
                 best = self._best.setdefault(phase, {})
                 for rank, seconds in timed.items():
                     best[rank] = min(best.get(rank, seconds), seconds)
                 own = {rank: seconds / best[rank] for rank, seconds in timed.items()}
                 worst_own = highest_rank(own)
                 out[OWN_BEST_SCORE][phase], out[OWN_BEST_RANK][phase] = own[worst_own], float(worst_own)
-                middle = median(timed)
                 scores = {rank: seconds / middle for rank, seconds in timed.items()}
                 worst = highest_rank(scores)
                 out[SCORE][phase], out[RANK][phase] = scores[worst], float(worst)
-                if shares.get(phase, 0.0) >= MIN_SHARE:
-                    for rank, score in scores.items():
-                        overall[rank] = max(overall.get(rank, 0.0), score)
+                out[COST][phase] = share * (scores[worst] - 1)
+                threshold = self._threshold(phase, scores)
+                if threshold is None:
+                    continue
+                out[THRESHOLD][phase] = threshold
+                passing = {
+                    rank: score
+                    for rank, score in scores.items()
+                    if score > threshold and share * (score - 1) >= MIN_COST
+                }
+                for rank in passing.keys() & self._passing.get(phase, set()):
+                    overall[rank] = max(overall.get(rank, 0.0), passing[rank])
+                self._passing[phase] = set(passing)
         top = sorted(overall.items(), key=lambda item: (-item[1], item[0]))[: self.top_k]
         report: dict[str, ReportValue] = {name: values for name, values in out.items() if values}
         if top:
             report[TOP_RANK] = {str(place): float(rank) for place, (rank, _) in enumerate(top, start=1)}
             report[TOP_SCORE] = {str(place): score for place, (_, score) in enumerate(top, start=1)}
         return report
+
+    def _threshold(self, phase: str, scores: dict[int, float]) -> float | None:
+        """Remember this window's scores of `phase`; its threshold once `MIN_NOISE_WINDOWS` are known."""
+        recent = self._recent.setdefault(phase, deque(maxlen=NOISE_WINDOWS))
+        recent.append(scores)
+        changes = [
+            abs(math.log(now[rank] / before[rank]))
+            for before, now in itertools.pairwise(recent)
+            for rank in now.keys() & before.keys()
+            if 1 / BULK <= now[rank] <= BULK and 1 / BULK <= before[rank] <= BULK
+        ]
+        if len(recent) < MIN_NOISE_WINDOWS or not changes:
+            return None
+        return max(1.0 + MIN_EXCESS, math.exp(NOISE_SPREADS * statistics.fmean(changes)))
 
     def state_dict(self) -> dict[str, Any]:
         with self._lock:
