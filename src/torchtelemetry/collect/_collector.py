@@ -37,6 +37,7 @@ from torchtelemetry.sync import GroupLike, forget_group, group_world_size, resol
 __all__ = ["AsyncMetricCollector", "CollectionError"]
 
 _THREAD_PREFIX = "torchtelemetry-collector"
+# Process-global: thread names are unique within a process, so the collectors number theirs per process.
 _collector_ids = itertools.count()
 
 
