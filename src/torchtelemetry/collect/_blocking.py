@@ -1,4 +1,4 @@
-"""`sync_and_compute`: a window of metrics reduced and computed now, on the calling thread."""
+"""`sync_and_compute`: one collection of a PyTree of metrics, done now on the calling thread."""
 
 from __future__ import annotations
 
