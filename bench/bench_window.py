@@ -35,8 +35,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from tests.distributed import run_ranks
+from tests.ops import OpCounter
 from tests.sync.collectives import CollectiveCounter
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import torchtelemetry as tt
 from torchtelemetry.collect import AsyncMetricCollector
@@ -44,16 +44,6 @@ from torchtelemetry.report import to_python
 
 _KINDS = ("mean", "sum", "max", "min")
 _SIZES = (1, 16, 128)
-
-
-class _Ops(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.count += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _kinds(count: int) -> list[str]:
@@ -142,9 +132,9 @@ def _floor_cpu_us(floor: Floor, windows: int) -> float:
 
 def _ops(fn: Any) -> int:
     fn()
-    with _Ops() as ops:
+    with OpCounter() as ops:
         fn()
-    return ops.count
+    return sum(ops.ops.values())
 
 
 def _bench_rank(rank: int, world_size: int, windows: int, rounds: int) -> dict[str, Any]:

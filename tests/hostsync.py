@@ -37,7 +37,8 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from tests.ops import TorchDispatchMode
 
 __all__ = ["HostSyncError", "NoHostSync"]
 

@@ -5,7 +5,11 @@ from __future__ import annotations
 import collections
 from typing import Any
 
+# The one import of a private module of torch (tests/test_imports.py allows it here alone): torch
+# 2.13 has no public dispatch mode, the only way to see the aten ops a block runs.
 from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["OpCounter", "TorchDispatchMode"]
 
 
 class OpCounter(TorchDispatchMode):

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from torch.utils import _pytree as pytree
 
+from tests.trees import pytree
 from torchtelemetry.collect._window import _builder
 
 ROOT = Path(__file__).resolve().parents[1]

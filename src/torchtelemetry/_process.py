@@ -6,6 +6,7 @@ import os
 
 __all__ = ["check_same_process", "current_pid"]
 
+# Process-global: the id of this process, by nature one per process (set again in a fork).
 _PID = os.getpid()
 
 

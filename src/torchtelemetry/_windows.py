@@ -3,8 +3,8 @@ and collecting the ones that finished.
 
 A collection is due every `every` steps on a grid that extra collections (a flush, a checkpoint,
 a training framework's own logging) do not move. Scheduling never waits unless `max_pending`
-windows are already in flight; then it waits for the oldest (every rank schedules the same
-windows, so none can be skipped on one rank alone). A failed collection stops the bookkeeping.
+collections are already in flight; then it waits for the oldest (every rank schedules the same
+collections, so none can be skipped on one rank alone). A failed collection stops the bookkeeping.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """`StopOnSignal`: a training loop stops on SIGINT/SIGTERM at the same step on every rank.
 
-A signal reaches the ranks at different moments (Ctrl-C reaches every process of the terminal, a
+An OS signal reaches the ranks at different moments (Ctrl-C reaches every process of the terminal, a
 scheduler's SIGTERM may reach one), so a rank that stops on its own leaves the others waiting in
 the next collective: a `CollectionError` traceback and a lost last window. Here a signal only sets
 a flag; every `every` steps the ranks agree on it with one all-reduce of a single number on a gloo

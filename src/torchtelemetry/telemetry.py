@@ -307,7 +307,7 @@ class Telemetry:
             self._closed = True
             if self._hang_watch is not None:  # its reports go through the hub: stop it first
                 self._hang_watch.close(timeout_s)
-            self._publisher.release()  # windows still in flight after a failure must not wait for logs
+            self._publisher.release()  # collections still in flight after a failure must not wait for logs
             self._collector.unbind(timeout_s=timeout_s)
             self.hub.close(timeout_s)
             self._every_rank.release()

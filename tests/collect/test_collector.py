@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from torch.utils import _pytree as pytree
 
 import torchtelemetry as tt
 from tests.distributed import run_ranks
+from tests.trees import pytree
 from torchtelemetry.collect import AsyncMetricCollector
 from torchtelemetry.report import to_python
 

@@ -8,12 +8,12 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from torch.utils import _pytree as pytree
 
 import torchtelemetry as tt
 from tests.collect.test_collector import assert_same, expected_window, feed_window, make_metrics
 from tests.distributed import run_ranks
 from tests.sync.collectives import CollectiveCounter, CollectiveRecorder
+from tests.trees import pytree
 from torchtelemetry.collect import (
     HOST_TRANSPORT_LIMIT_BYTES,
     AsyncMetricCollector,
@@ -109,16 +109,14 @@ def test_a_mixed_window_is_one_collective_while_small_and_one_per_bucket_above()
 
 
 def _device_transport_rank(rank: int, world_size: int) -> dict[str, Any]:
-    from torch.distributed.distributed_c10d import _world
-
-    groups_before = len(_world.pg_map)
+    groups_before = dist.get_pg_count()
     metrics = make_metrics(rank, world_size)
     results = []
     with (
         CollectiveRecorder() as calls,
         AsyncMetricCollector(metrics, transport="device", timeout_s=60, max_pending=3) as collector,
     ):
-        groups_while_bound = len(_world.pg_map) - groups_before
+        groups_while_bound = dist.get_pg_count() - groups_before
         for window in range(5):
             feed_window(metrics, rank, window)
             collector.schedule_collection()

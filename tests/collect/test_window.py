@@ -9,7 +9,6 @@ from typing import Any, ClassVar
 
 import pytest
 import torch
-from torch.utils import _pytree as pytree
 
 import torchtelemetry as tt
 from tests.collect.test_collector import assert_same, expected_window, feed_window, make_metrics
@@ -17,6 +16,7 @@ from tests.distributed import run_ranks
 from tests.metric.examples import EXAMPLE_CASES, build, feed
 from tests.ops import OpCounter
 from tests.sync.collectives import CollectiveCounter
+from tests.trees import pytree
 from torchtelemetry.collect import AsyncMetricCollector, WindowPlan
 from torchtelemetry.metric import metric_leaves
 from torchtelemetry.report import to_python

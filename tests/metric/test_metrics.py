@@ -7,10 +7,10 @@ import itertools
 import numpy as np
 import pytest
 import torch
-from torch.utils import _pytree as pytree
 
 import torchtelemetry as tt
 from tests.metric.examples import EXAMPLES, build, feed
+from tests.trees import pytree
 
 
 def computed(metric: tt.Metric):

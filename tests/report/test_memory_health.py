@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -43,6 +45,34 @@ def test_resident_bytes_follow_what_the_process_touches() -> None:
     ballast = torch.ones(BALLAST // 4)
     assert resident_bytes() - before >= BALLAST * 0.9
     del ballast
+
+
+def _read_in_forks(depth: int, write: int) -> None:
+    """Fork a child that reads its resident set three times, writes its number of open file
+    descriptors to `write` and does the same from there, `depth` forks deep in all."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            for _ in range(3):
+                resident_bytes()
+            os.write(write, b"%d\n" % len(os.listdir("/proc/self/fd")))
+            if depth > 1:
+                _read_in_forks(depth - 1, write)
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts open files in /proc/self/fd")
+def test_a_fork_reads_its_own_resident_set_without_keeping_its_parents_file_open() -> None:
+    resident_bytes()  # the parent's /proc/<pid>/statm is open when it forks
+    read, write = os.pipe()
+    _read_in_forks(3, write)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        open_files = [int(count) for count in pipe.read().split()]
+    assert len(open_files) == 3
+    assert len(set(open_files)) == 1, f"open files grew by one per fork: {open_files}"
 
 
 def _scripted_allocator(retries: list[int]) -> AllocatorStats:

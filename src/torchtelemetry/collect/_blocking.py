@@ -1,4 +1,4 @@
-"""`sync_and_compute`: a window of metrics reduced and computed now, on the calling thread."""
+"""`sync_and_compute`: one collection of a PyTree of metrics, done now on the calling thread."""
 
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ class _Prepared:
     """The PyTree's leaves, kept alive so that the ids in the cache key stay theirs."""
 
 
+# Process-global: `sync_and_compute` is a function, so its few recent plans are cached per process.
 _PREPARED: OrderedDict[tuple, _Prepared] = OrderedDict()
 _MAX_PREPARED = 16
 

@@ -37,6 +37,7 @@ from torchtelemetry.sync import GroupLike, forget_group, group_world_size, resol
 __all__ = ["AsyncMetricCollector", "CollectionError"]
 
 _THREAD_PREFIX = "torchtelemetry-collector"
+# Process-global: thread names are unique within a process, so the collectors number theirs per process.
 _collector_ids = itertools.count()
 
 
@@ -138,7 +139,7 @@ class AsyncMetricCollector:
         (a `LayoutMismatchError` on every rank if not). Moves the metrics to `device` if one was
         given, and every local state into one flat buffer per bucket (values kept): capture CUDA
         graphs of `update()` after `bind()`, with `torch.cuda.graph(..., capture_error_mode=
-        "thread_local")`: while a window is in flight the worker thread waits on CUDA events, which
+        "thread_local")`: while a collection is in flight the worker thread waits on CUDA events, which
         the default "global" mode forbids to every thread during a capture (docs/collection.md).
         Never call `schedule_collection()` inside a capture. Everything that may block happens here,
         so that `schedule_collection()` never does.
@@ -204,8 +205,8 @@ class AsyncMetricCollector:
                     f"{rebuilt.device} since bind(); call unbind() and bind() again"
                 )
             self._binding.attach(self._named)
-            # Windows in flight keep the old transport's slots; the new one gets a ring of its own
-            # (and checks the new layout across the ranks: this window blocks, as bind() does).
+            # Collections in flight keep the old transport's slots; the new one gets a ring of its own
+            # (and checks the new layout across the ranks: this collection blocks, as bind() does).
             resolved = resolve_group(self._group, op="AsyncMetricCollector")
             self._transport = self._make_transport(rebuilt, resolved)
             storage = self._storage = rebuilt

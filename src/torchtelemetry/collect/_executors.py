@@ -1,4 +1,4 @@
-"""The collector's worker thread: runs the part of each window the training thread hands it."""
+"""The collector's worker thread: runs the part of each collection the training thread hands it."""
 
 from __future__ import annotations
 

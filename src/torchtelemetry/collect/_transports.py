@@ -61,10 +61,10 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 HOST_TRANSPORT_LIMIT_BYTES = 1 << 20
-"""`transport="auto"` moves a window of CUDA metrics through the host up to this many packed bytes."""
+"""`transport="auto"` moves a collection of CUDA metrics through the host up to this many packed bytes."""
 
 DEFAULT_MAX_PENDING = 2
-"""Windows in flight before `collect_results()` must be called, and so the size of the ring of
+"""Collections in flight before `collect_results()` must be called, and so the size of the ring of
 slots (on CUDA with the host transport, pinned host memory of this many times the packed state).
 The one default: `AsyncMetricCollector` and `TelemetryConfig` both take it from here."""
 

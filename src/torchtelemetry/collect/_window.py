@@ -1,4 +1,4 @@
-"""A window of a PyTree of metrics: packed by class, computed in batches, read back in one go.
+"""One collection of a PyTree of metrics: packed by class, computed in batches, read back in one go.
 
 `WindowPlan` lays the states out so that the K instances of a built-in class with the same state
 shapes sit side by side in their bucket: each state of the class is then a `(K, *shape)` view of

@@ -144,8 +144,10 @@ class _Lingering:
     ended: threading.Event
 
 
+# Process-global: a port is bound by the process, so the endpoints lingering on them are per process.
 _lingering: list[_Lingering] = []
 """Endpoints of closed runs still serving the final report, waiting for its scrape."""
+# Process-global: guards `_lingering`, which every exporter of the process shares.
 _lingering_lock = threading.Lock()
 
 

@@ -130,7 +130,7 @@ class ExportHub:
         """Queue one report for every exporter; never blocks on an exporter.
 
         `timestamp` is Unix seconds at collection (now when None). Counters and histograms are
-        running totals; `window` holds what the collection window itself added (the first delta
+        running totals; `window` holds what the window itself added (the first delta
         for exporters that prefer deltas). Names not described before are described (as gauges,
         or histograms for histogram values) on each exporter's thread first.
         """

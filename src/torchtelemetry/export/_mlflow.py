@@ -48,7 +48,7 @@ class MLflowExporter(BaseExporter):
     A tracking server is never contacted on the training thread: the client, the experiment and the
     run are made by the first export, on the exporter's thread, and retried by each export until
     they exist, so an unreachable server costs failed (counted) exports, never training time. How
-    long one attempt may take is MLflow's own setting (`MLFLOW_HTTP_REQUEST_TIMEOUT`,
+    long one try may take is MLflow's own setting (`MLFLOW_HTTP_REQUEST_TIMEOUT`,
     `MLFLOW_HTTP_REQUEST_MAX_RETRIES`). A local store (`sqlite:`, `file:` or a path) is made when
     the exporter starts instead, as `Telemetry` is built: creating a SQLite store runs MLflow's
     migrations (seconds), and reports that piled up meanwhile were dropped from a full queue. Each

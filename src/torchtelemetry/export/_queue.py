@@ -114,7 +114,7 @@ class ExporterQueue:
     def put_report(self, step: int, values: ReportValues, timestamp: float, window: ReportValues) -> None:
         """Queue a report; when the queue is full, drop (and count) the oldest queued report first.
 
-        `window` holds the collection window's own values of the names `values` carries as
+        `window` holds the window's own values of the names `values` carries as
         running totals (the first delta after a start).
         """
         with self._cond:

@@ -47,7 +47,7 @@ class DeltaConverter:
     The delta of a name is its total minus the total in the last report the exporter accepted,
     so a report dropped from a full queue, or one the exporter failed, is folded into the next
     delta instead of lost. The first report (after a start or a restart from a checkpoint) carries
-    the collection window's own value. Used by one thread at a time (the exporter's).
+    the window's own value. Used by one thread at a time (the exporter's).
     """
 
     def __init__(self, preference: Mapping[MetricKind, Temporality]) -> None:
@@ -63,7 +63,7 @@ class DeltaConverter:
     def convert(self, values: ReportValues, window: ReportValues) -> ReportValues:
         """`values` with deltas in place of the running totals of delta names.
 
-        `window` holds the collection window's own values (what the totals added this time).
+        `window` holds the window's own values (what the totals added this time).
         """
         self._offered = {}
         names = self._delta_names & values.keys()

@@ -135,7 +135,7 @@ class MetricAccumulator:
     def value(self) -> torch.Tensor:
         """The state `compute()` reads: under a process group of more than one rank, the state of the
         last `sync()`; else (one process) the local state, which is then the global one. (A
-        collection window computes a custom metric on a twin whose accumulators are `reading()` the
+        collection computes a custom metric on a twin whose accumulators are `reading()` the
         window's state.)"""
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             return self._synced

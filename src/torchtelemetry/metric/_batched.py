@@ -1,9 +1,9 @@
 """`BatchedRule`: a built-in metric's compute, written once for one instance and for K at once.
 
 A built-in class holds its rule (`Metric.batched`). A rule takes states with any leading dims:
-`compute()` runs it on the instance's own states, and a collection window on the K instances of
-the class it holds, their states stacked along a new leading dim (`batched_rule`), so a window of
-many metrics costs a few tensor ops per class, not per metric.
+`compute()` runs it on the instance's own states, and a collection on the K instances of the class
+it holds, their states stacked along a new leading dim (`batched_rule`), so a collection of many
+metrics costs a few tensor ops per class, not per metric.
 """
 
 from __future__ import annotations

@@ -87,6 +87,7 @@ class _SyncViews:
 
 # Sync views by (kind, *names or ids); a few recent ones, so alternating trees stay cached
 # (docs/collection.md, "State").
+# Process-global: `sync_metrics` is a function, so its views are cached per process.
 _SYNC_VIEWS: OrderedDict[tuple, _SyncViews] = OrderedDict()
 _MAX_SYNC_VIEWS = 16
 

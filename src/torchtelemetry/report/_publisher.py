@@ -74,7 +74,7 @@ class WindowPublisher:
     `publish` runs on the collector's worker thread (windows complete there in order), `scheduled`,
     `log` and `release` on the training thread; one lock orders them. `publish` builds the report
     (the work that grows with the number of metrics) at once, then waits for `release()` before it
-    submits it: values `log()`ged while a window is in flight (a training framework logs right after
+    submits it: values `log()`ged while a collection is in flight (a training framework logs right after
     the step that scheduled it) wait for the newest one: those at its step ride in its report, others
     are submitted right after it. A logged name must not be one of the run's own (`descriptors` and
     `reserved`): its value would replace theirs, or theirs its.
@@ -125,7 +125,7 @@ class WindowPublisher:
             self._in_flight.remove(window)
 
     def release(self) -> None:
-        """No more values will be logged at the steps of the windows in flight: they may be submitted."""
+        """No more values will be logged at the steps of the collections in flight: they may be submitted."""
         with self._lock:
             for window in self._in_flight:
                 window.released.set()
@@ -155,7 +155,7 @@ class WindowPublisher:
                     self._submit(step, values, timestamp)
 
     def log(self, values: Mapping[str, ReportValue], step: int) -> None:
-        """Submit host values now, or after the newest window in flight (see the class).
+        """Submit host values now, or after the newest collection in flight (see the class).
 
         Raises `NameCollisionError`, submitting none of `values`, when a name (once sanitized)
         is one of the run's own or two names sanitize to one.

@@ -63,7 +63,7 @@ def _per_bucket(bucket_bytes: list[int], world_size: int) -> WindowCost:
 
 
 def gathers(bucket_bytes: list[int], slot_bytes: int, world_size: int) -> bool:
-    """Whether a window of buckets of `bucket_bytes` (packed in `slot_bytes`) is ONE gathered
+    """Whether one collection's buckets of `bucket_bytes` (packed in `slot_bytes`) is ONE gathered
     all-reduce over `world_size` ranks: when that takes less time than one all-reduce per bucket
     (by the cost model) and its buffer is at most `GATHER_LIMIT_BYTES`."""
     if world_size < 2 or len(bucket_bytes) < 2 or world_size * slot_bytes > GATHER_LIMIT_BYTES:
@@ -73,7 +73,7 @@ def gathers(bucket_bytes: list[int], slot_bytes: int, world_size: int) -> bool:
 
 
 def window_cost(layout: BucketLayout, world_size: int) -> WindowCost:
-    """What reducing one window of `layout` over `world_size` ranks costs each rank, the way
+    """What reducing one collection of `layout` over `world_size` ranks costs each rank, the way
     `WindowExchange` does it; steady state, after the one-off layout check."""
     regions, slot_bytes = slot_regions(layout)
     bucket_bytes = [nbytes for _, nbytes, _ in regions.values()]
@@ -98,7 +98,7 @@ class WindowExchange:
 
     def new_slot(self, device: torch.device, *, pin_memory: bool = False, private_rows: bool = False) -> Slot:
         """A zeroed slot on `device` (pinned host memory with `pin_memory`). Slots reduced
-        concurrently (several windows in flight at once) each need `private_rows`."""
+        concurrently (several collections in flight at once) each need `private_rows`."""
         data = torch.zeros(self.slot_bytes, dtype=torch.uint8, device=device, pin_memory=pin_memory)
         buffers = {
             key: data[start : start + nbytes].view(dtype)

@@ -15,6 +15,7 @@ __all__ = ["LayoutMismatchError", "forget_group", "reduce_buffers", "verify_layo
 _DIST_OPS = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.MAX: dist.ReduceOp.MAX}
 
 # Layouts already checked to agree across the ranks of a group: {group name: {hash}}.
+# Process-global: process groups (and their names) are per process in torch.distributed.
 _VERIFIED_LAYOUTS: dict[str, set[int]] = {}
 
 

@@ -22,6 +22,7 @@ counters summed over ranks); here only the rank with the most in the window is n
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 
@@ -156,8 +157,20 @@ def memory_descriptors(*, cuda: bool) -> list[MetricDescriptor]:
 
 
 _PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+# Process-global: /proc/<pid>/statm is one process's own file, so each process holds its own.
 _STATM: dict[int, int] = {}
 """An open `/proc/<pid>/statm` per process id: one `pread` per reading (a fork reads its own)."""
+
+
+def _close_statm_in_child() -> None:
+    """A fork inherits its parent's open statm, which it never reads: close it at once."""
+    for fd in _STATM.values():
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _STATM.clear()
+
+
+os.register_at_fork(after_in_child=_close_statm_in_child)
 
 
 def resident_bytes() -> int:
