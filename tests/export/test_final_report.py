@@ -118,11 +118,21 @@ def _known_as_scraper(exporter: PrometheusExporter, agent: str, timeout_s: float
         time.sleep(0.01)
 
 
-def _non_daemon_threads() -> list[str]:
-    return [t.name for t in threading.enumerate() if not t.daemon and t is not threading.main_thread()]
+@pytest.fixture
+def non_daemon_threads() -> Callable[[], list[str]]:
+    """The non-daemon threads started since the test began (what would keep the process alive; an
+    earlier test's executor in the same process is not the run's)."""
+    before = set(threading.enumerate())
+
+    def started() -> list[str]:
+        return [t.name for t in set(threading.enumerate()) - before if not t.daemon]
+
+    return started
 
 
-def test_close_waits_past_its_timeout_until_the_scraper_read_the_final_report(caplog) -> None:
+def test_close_waits_past_its_timeout_until_the_scraper_read_the_final_report(
+    caplog, non_daemon_threads
+) -> None:
     """A scraper slower than close's timeout (Prometheus' default minute against close()'s default
     30 s, here 3 s against 0.1 s): close() waits for its next scrape, through the hub, and that scrape
     read the final report; no thread is left to keep the process alive."""
@@ -146,10 +156,12 @@ def test_close_waits_past_its_timeout_until_the_scraper_read_the_final_report(ca
     )
     assert "abandoning" not in caplog.text
     assert telemetry.hub.health()["prometheus"].errors == 0
-    assert _non_daemon_threads() == []
+    assert non_daemon_threads() == []
 
 
-def test_only_the_scraper_that_scraped_the_run_ends_the_wait(prometheus: PrometheusServer, caplog) -> None:
+def test_only_the_scraper_that_scraped_the_run_ends_the_wait(
+    prometheus: PrometheusServer, caplog, non_daemon_threads
+) -> None:
     """A liveness probe every 0.05 s, plain and `name[]`-filtered, beside a Prometheus scraping every
     2 s: close() (timeout 0.5 s) still waits until Prometheus has read the final report (a probe's
     read of it used to end the wait, and Prometheus' last read was an earlier step)."""
@@ -186,10 +198,10 @@ def test_only_the_scraper_that_scraped_the_run_ends_the_wait(prometheus: Prometh
     assert "kube-probe/1.30" in scrapers and "filtered-probe/1.0" not in scrapers, (
         "a filtered GET is no scraper"
     )
-    assert _non_daemon_threads() == []
+    assert non_daemon_threads() == []
 
 
-def test_a_single_manual_read_is_no_scraper_and_keeps_nothing_alive(caplog) -> None:
+def test_a_single_manual_read_is_no_scraper_and_keeps_nothing_alive(caplog, non_daemon_threads) -> None:
     """One `curl` a few steps before the end used to hold a finished process a minute past close()
     (Prometheus' default interval assumed, on a non-daemon thread)."""
     tokens = SumMetric(kind="counter")
@@ -203,7 +215,7 @@ def test_a_single_manual_read_is_no_scraper_and_keeps_nothing_alive(caplog) -> N
         telemetry.close(timeout_s=5)
     assert "final report" not in caplog.text
     assert exporter.url is None
-    assert _non_daemon_threads() == []
+    assert non_daemon_threads() == []
 
 
 @pytest.mark.slow

@@ -136,9 +136,11 @@ def cuda_only_names() -> frozenset[str]:
 
 def event_only_names() -> frozenset[str]:
     """Sample names exported only once something happened: the first non-finite value, a rank that
-    straggles (docs/signals.md), a DDP model whose gradient all-reduce is watched."""
-    happened = ("train/nonfinite/first_", "train/straggler/top_", "train/sync_wait")
-    described = [d for d in signal_descriptors() if d.name.startswith(happened)]
+    straggles (docs/signals.md), a DDP model whose gradient all-reduce is watched, a durable
+    checkpoint (goodput), a rank that made no progress for `hang_after_s`."""
+    happened = ("train/nonfinite/first_", "train/straggler/top_", "train/sync_wait", "train/hang/")
+    checkpointed = ("train/goodput", "train/goodput/wall_time", "train/goodput/productive_time")
+    described = [d for d in signal_descriptors() if d.name.startswith(happened) or d.name in checkpointed]
     return frozenset(name for descriptor in described for name in sample_names(descriptor))
 
 
