@@ -9,10 +9,10 @@ import math
 import numpy as np
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import torchtelemetry as tt
 from tests.distributed import run_ranks
+from tests.ops import TorchDispatchMode
 from tests.report.windows import collect_window, context
 from torchtelemetry.metric import metric_leaves
 from torchtelemetry.report.signals import MIN_HISTORY, NonFiniteSentinel, SignalSet, Spikes, watched_metrics
