@@ -103,6 +103,30 @@ class RankFailed(RuntimeError):
         self.errors = errors
 
 
+def _rank_processes(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: tuple,
+    env: dict[str, str] | None,
+    pg_timeout_s: float,
+) -> tuple[list[Any], Any, str]:
+    """One spawned (not yet started) process per rank, the queue they report to, and the directory
+    of their file rendezvous (no port, so concurrent test runs never race for one)."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    rendezvous_dir = tempfile.mkdtemp(prefix="torchtelemetry-rdzv-")
+    rendezvous = os.path.join(rendezvous_dir, "store")
+    procs = [
+        ctx.Process(
+            target=_entry,
+            args=(fn, rank, world_size, rendezvous, results, args, env or {}, pg_timeout_s),
+            daemon=True,
+        )
+        for rank in range(world_size)
+    ]
+    return procs, results, rendezvous_dir
+
+
 def run_ranks(
     fn: Callable[..., Any],
     world_size: int,
@@ -118,19 +142,7 @@ def run_ranks(
     `TimeoutError` (after killing every rank) if the ranks did not finish in time.
     Rank `victim`, if given, must die by SIGKILL without reporting; its result is None.
     """
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    # A file rendezvous needs no port, so concurrent test runs never race for one.
-    rendezvous_dir = tempfile.mkdtemp(prefix="torchtelemetry-rdzv-")
-    rendezvous = os.path.join(rendezvous_dir, "store")
-    procs = [
-        ctx.Process(
-            target=_entry,
-            args=(fn, rank, world_size, rendezvous, results, args, env or {}, pg_timeout_s),
-            daemon=True,
-        )
-        for rank in range(world_size)
-    ]
+    procs, results, rendezvous_dir = _rank_processes(fn, world_size, args, env, pg_timeout_s)
     for proc in procs:
         proc.start()
     outcomes: dict[int, tuple[bool, Any]] = {}
@@ -172,18 +184,7 @@ def started_ranks(
 ) -> Iterator[list[Any]]:
     """Start `fn(rank, world_size, *args)` on `world_size` gloo ranks and yield their processes
     without waiting for them (ranks that hang on purpose); every one is killed on leaving."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    rendezvous_dir = tempfile.mkdtemp(prefix="torchtelemetry-rdzv-")
-    rendezvous = os.path.join(rendezvous_dir, "store")
-    procs = [
-        ctx.Process(
-            target=_entry,
-            args=(fn, rank, world_size, rendezvous, results, args, env or {}, pg_timeout_s),
-            daemon=True,
-        )
-        for rank in range(world_size)
-    ]
+    procs, _, rendezvous_dir = _rank_processes(fn, world_size, args, env, pg_timeout_s)
     try:
         for proc in procs:
             proc.start()
