@@ -15,15 +15,21 @@ _CYCLES_PER_SECOND: list[float] = []
 
 
 def busy_for(seconds: float) -> torch.cuda.Event:
-    """Queue `torch.cuda._sleep` for about `seconds` on the current stream (calibrated once); the
-    returned event completes when the sleep does."""
+    """Queue `torch.cuda._sleep` for at least about `seconds` on the current stream (calibrated once,
+    at the fastest clock seen); the returned event completes when the sleep does."""
     if not _CYCLES_PER_SECOND:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        # An idle GPU clocks down (an H200 read 345 MHz idle, 1980 MHz busy): wake it first, and keep
+        # the fastest of three rates, so a sleep lasts at least `seconds` at any clock seen.
         torch.cuda._sleep(100_000_000)
-        end.record()
-        end.synchronize()
-        _CYCLES_PER_SECOND.append(100_000_000 / (start.elapsed_time(end) / 1000))
+        rates = []
+        for _ in range(3):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            torch.cuda._sleep(100_000_000)
+            end.record()
+            end.synchronize()
+            rates.append(100_000_000 / (start.elapsed_time(end) / 1000))
+        _CYCLES_PER_SECOND.append(max(rates))
     torch.cuda._sleep(int(_CYCLES_PER_SECOND[0] * seconds))
     slept = torch.cuda.Event()
     slept.record()

@@ -14,6 +14,7 @@ Each test names the fix it holds (issue 35) and fails with that fix reverted:
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -76,18 +77,30 @@ def test_the_first_window_on_an_nccl_group_syncs_nothing_and_leaves_the_stream_b
             busy_for(0.01)  # calibrated before the checks
             torch.cuda.synchronize()
             busy = []
+            slept = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             torch.cuda.set_sync_debug_mode("error")  # process-wide: the worker must not sync either
             try:
                 with NoHostSync():  # this thread: every host read of a value
                     for window in range(3):  # the first window first
                         _update(metrics, window)
+                        if window == 0:
+                            slept[0].record()
                         busy_for(2.0 if window == 0 else 0.2)
+                        if window == 0:
+                            slept[1].record()
+                        started = time.perf_counter()
                         collector.schedule_collection()
                         busy.append(not torch.cuda.current_stream().query())
+                        if window == 0:
+                            scheduled_s = time.perf_counter() - started
                 results = [collector.collect_results() for _ in range(3)]
             finally:
                 torch.cuda.set_sync_debug_mode(0)
-    assert busy[0], "the first schedule_collection() waited for the training stream"
+    sleep_s = slept[0].elapsed_time(slept[1]) / 1000
+    assert busy[0], (
+        f"the first schedule_collection() waited for the training stream: it took {scheduled_s:.3f} s "
+        f"with {sleep_s:.3f} s of GPU work queued"
+    )
     for window, result in enumerate(results):
         expected = _metrics(prefix=f"first_window/{transport}/", device="cpu")
         _update(expected, window)
@@ -112,12 +125,15 @@ def test_schedule_returns_while_the_training_stream_is_busy(transport: str) -> N
 def test_telemetry_step_returns_while_the_training_stream_is_busy() -> None:
     metrics = _metrics()
     telemetry = tt.Telemetry(metrics, every=2)
+    # Made before the stream is busy: torch.tensor(..., device="cuda") copies from pageable memory and
+    # waits for the stream, which failed this test on its first GPU run (an H200) at step 0.
+    tokens = torch.tensor(512, device="cuda")
     try:
         torch.cuda.synchronize()
         for step in range(6):
             _update(metrics, step)
             busy_for(1.0)
-            telemetry.step(step, tokens=torch.tensor(512, device="cuda"), learning_rate=0.1)
+            telemetry.step(step, tokens=tokens, learning_rate=0.1)
             assert not torch.cuda.current_stream().query(), f"step({step}) waited for the training stream"
         telemetry.flush()
         assert telemetry.latest["worst"] == 1.25
