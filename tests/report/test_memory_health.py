@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -76,13 +77,14 @@ def test_a_fork_reads_its_own_resident_set_without_keeping_its_parents_file_open
 
 
 def _scripted_allocator(retries: list[int]) -> AllocatorStats:
-    """The allocator's counters as `torch.cuda.memory_stats` gives them, one reading per window: the
-    CUDA calls are the only part a CPU cannot run."""
+    """The allocator's counters as `torch.cuda.memory_stats_as_nested_dict` gives them, one reading
+    per window: the CUDA calls are the only part a CPU cannot run."""
     readings = iter(retries)
 
-    def memory_stats(device: torch.device) -> dict[str, int]:
+    def memory_stats(device: torch.device) -> dict[str, Any]:
         count = next(readings)
-        return {"num_alloc_retries": count, "num_ooms": count // 2, "allocated_bytes.all.current": 1 << 20}
+        allocated = {"all": {"current": 1 << 20, "peak": 3 << 20}}
+        return {"num_alloc_retries": count, "num_ooms": count // 2, "allocated_bytes": allocated}
 
     return AllocatorStats(
         torch.device("cpu"), memory_stats=memory_stats, mem_get_info=lambda _: (1 << 30, 1 << 31)
@@ -104,6 +106,8 @@ def test_allocator_counts_are_rebased_after_a_reset_and_exported_once() -> None:
     for window in windows:
         assert not {"train/memory/alloc_retries/max", "train/memory/ooms/max"} & set(window)
     assert windows[0]["train/memory/headroom/min"] == float(1 << 30)
+    # the peak comes from the same reading (one allocator read per signal and window, bench/README.md)
+    assert [w["train/peak_memory"] for w in windows] == [float(3 << 20)] * len(retries)
     names = {descriptor.name for descriptor in builtin_descriptors()}
     for quantity in ("alloc_retries", "ooms"):
         assert {name for name in names if name.startswith(f"train/memory/{quantity}")} == {

@@ -199,6 +199,7 @@ def test_cuda_allocator_memory_detail_once_per_window() -> None:
     assert block.numel() <= telemetry.latest["train/memory/max_reserved"] <= stats["reserved_bytes.all.peak"]
     assert telemetry.latest["train/memory/alloc_retries"] == stats["num_alloc_retries"]
     assert telemetry.latest["train/memory/ooms"] == stats["num_ooms"]
+    assert block.numel() <= telemetry.latest["train/peak_memory"] <= stats["allocated_bytes.all.peak"]
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from torchtelemetry.metric import MaxMetric, Metric, MetricKind
 from torchtelemetry.report._flatten import describe_metrics
-from torchtelemetry.report._memory import AllocatorStats, allocator_metrics, peak_memory
+from torchtelemetry.report._memory import AllocatorStats, allocator_metrics, resident_peak
 from torchtelemetry.report._values import MetricDescriptor
 from torchtelemetry.report.signals._base import Signal, SignalContext
 
@@ -51,9 +51,11 @@ class PeakMemory(Signal):
         return describe_metrics({"train": {"memory": allocator_metrics()}})
 
     def flush(self, duration_s: float, *, final: bool = False) -> None:
-        self.peak.extremum.local.clamp_(min=peak_memory(self.context.device))
-        if self.allocator is not None:
+        if self.allocator is None:
+            self.peak.extremum.local.clamp_(min=resident_peak())
+        else:
             reading = self.allocator.read()
+            self.peak.extremum.local.clamp_(min=reading.peak_allocated)
             self.memory["max_active"].extremum.local.clamp_(min=reading.peak_active)
             self.memory["max_reserved"].extremum.local.clamp_(min=reading.peak_reserved)
             self.memory["alloc_retries"].total.local.add_(reading.alloc_retries)
