@@ -57,19 +57,20 @@ class _LabelledMetric(Metric):
         return preds, None if mask is None else mask.all(dim=-1)
 
     def _valid(self, target: torch.Tensor, num_classes: int | None) -> torch.Tensor:
-        """Entries that count: not `ignore_index`, and (device-side) inside [0, num_classes)."""
-        valid = torch.ones_like(target, dtype=torch.bool)
-        if self.ignore_index is not None:
-            valid = target != self.ignore_index
+        """Entries that count: not `ignore_index`, and (device-side) inside [0, num_classes). Each
+        kernel launch costs the training thread on a GPU: none is spent on an all-true mask."""
+        valid = None if self.ignore_index is None else target != self.ignore_index
         if num_classes is not None:
             in_range = (target >= 0) & (target < num_classes)
-            if self._inspects_values(target) and bool((valid & ~in_range).any()):
+            if self._inspects_values(target) and bool(
+                (~in_range if valid is None else valid & ~in_range).any()
+            ):
                 raise ValueError(
                     f"{self.display_name()}: target has labels outside [0, {num_classes}); "
                     "set ignore_index for labels to skip"
                 )
-            valid = valid & in_range
-        return valid
+            valid = in_range if valid is None else valid & in_range
+        return torch.ones_like(target, dtype=torch.bool) if valid is None else valid
 
 
 class AccuracyMetric(_LabelledMetric):
