@@ -89,9 +89,9 @@ def test_the_training_thread_says_where_it_is_in_step_phase_data_wait_and_collec
             with telemetry.phase("backward"):
                 assert beat.where()[:2] == (0, "backward")
             assert beat.where()[:2] == (0, "forward")
-        moves = beat.where()[2]
+        progress = beat.where()[2]
         telemetry.step(0)
-        assert beat.where() == (1, "none", moves)
+        assert beat.where() == (1, "none", progress)
         telemetry.step(1)  # schedules a window
         seen = []
         telemetry._windows._collector.collect_results = _watching(
@@ -99,6 +99,25 @@ def test_the_training_thread_says_where_it_is_in_step_phase_data_wait_and_collec
         )
         telemetry.flush()
         assert seen == ["collect"] and beat.where()[1] == "none"
+    finally:
+        telemetry.close()
+
+
+def test_a_phase_entered_again_is_progress_and_phases_record_nothing_for_the_heartbeat() -> None:
+    """Micro-batches enter the same phase again and again within one step: each entry is progress.
+    The timers hold no heartbeat to write to: the heartbeat reads their own state."""
+    telemetry = tt.Telemetry({"loss": tt.SumMetric()}, every=2)
+    beat = telemetry._hang_watch.beat
+    try:
+        seen = []
+        for _ in range(3):
+            with telemetry.phase("forward"):
+                seen.append(beat.where())
+            seen.append(beat.where())
+        assert [where[:2] for where in seen] == [(0, "forward"), (0, "none")] * 3
+        assert len({where[2] for where in seen}) == len(seen), "an entry or exit was not progress"
+        for timer in beat.timers:
+            assert not hasattr(timer, "beat")
     finally:
         telemetry.close()
 

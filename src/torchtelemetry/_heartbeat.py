@@ -1,6 +1,7 @@
 """The heartbeat: each rank publishes where its training thread is; a stuck rank dumps its stacks.
 
-The training thread writes a `Heartbeat` (step, phases, moves) with plain assignments. A daemon
+The training thread writes a `Heartbeat` (its step, its collection waits) with plain assignments, and
+the heartbeat reads the phase it is in from the phase timers' own state. A daemon
 thread per rank (`torchtelemetry-heartbeat`) reads it every `heartbeat_interval_s`, notes when it
 last changed (progress), and sets it in a `torch.distributed.TCPStore` hosted by the exporting rank,
 whose address the ranks agree on at start-up, on the start-up group: no server of our own, and

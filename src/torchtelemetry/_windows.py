@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from torchtelemetry.collect import AsyncMetricCollector, CollectionError
-from torchtelemetry.report import COLLECT_PHASE, Heartbeat, SignalSet, WindowPublisher
+from torchtelemetry.report import Heartbeat, SignalSet, WindowPublisher
 
 __all__ = ["StepWindows"]
 
@@ -106,12 +106,12 @@ class StepWindows:
         if beat is None:
             self._collect(block=block, limit=limit)
             return
-        beat.phases.append(COLLECT_PHASE)
-        beat.moves += 1
+        beat.collecting = True
+        beat.collections += 1
         try:
             self._collect(block=block, limit=limit)
         finally:
-            beat.phases.pop()
+            beat.collecting = False
 
     def _collect(self, *, block: bool, limit: int | None) -> None:
         collected = 0

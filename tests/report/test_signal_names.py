@@ -34,6 +34,9 @@ class _SecondsClock:
     def stop(self, index: int, started: None) -> None:
         self._taken[index] += self._per_section[index]
 
+    def entered_at(self, started: None) -> float:
+        return 0.0
+
     def take(
         self, steps: int, *, wait: bool = False, timeout_s: float = 60.0
     ) -> list[tuple[list[float], int]]:

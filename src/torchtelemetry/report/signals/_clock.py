@@ -19,8 +19,6 @@ from typing import Any, Protocol
 
 import torch
 
-from torchtelemetry.report.signals._hang import Heartbeat
-
 __all__ = ["EventClock", "HostClock", "HostTimer", "PhaseClock", "PhaseTimer"]
 
 logger = logging.getLogger(__name__)
@@ -36,6 +34,10 @@ class PhaseClock(Protocol):
 
     def stop(self, index: int, started: Any) -> None: ...
 
+    def entered_at(self, started: Any) -> float:
+        """The host time (`perf_counter`) at which the section `started` (from `start`) began."""
+        ...
+
     def take(self, steps: int, *, wait: bool = False, timeout_s: float = 60.0) -> list[Batch]: ...
 
     def close(self) -> None: ...
@@ -44,9 +46,10 @@ class PhaseClock(Protocol):
 class PhaseTimer:
     """`with telemetry.phase("forward"):` adds the block's time to its phase. Other phases may nest
     in it; the same phase entered again inside itself is part of the outer block (counted once).
-    Entered only on the thread that built it (the training thread)."""
+    Entered only on the thread that built it (the training thread). The heartbeat reads where the
+    thread is from `state()` (another thread): entering and leaving record nothing more for it."""
 
-    __slots__ = ("_clock", "_depth", "_index", "_started", "_thread", "beat", "name")
+    __slots__ = ("_clock", "_depth", "_index", "_started", "_thread", "name")
 
     def __init__(self, clock: PhaseClock, index: int, name: str) -> None:
         self._clock = clock
@@ -55,15 +58,9 @@ class PhaseTimer:
         self._depth = 0
         self._thread = TrainingThread(f"Telemetry.phase({name!r})")
         self.name = name
-        self.beat: Heartbeat | None = None
-        """Where the training thread is, told of each entry and exit (None: no heartbeat)."""
 
     def __enter__(self) -> PhaseTimer:
         self._thread.check()
-        beat = self.beat
-        if beat is not None:
-            beat.phases.append(self.name)
-            beat.moves += 1
         if not self._depth:
             self._started = self._clock.start()
         self._depth += 1
@@ -73,16 +70,19 @@ class PhaseTimer:
         self._depth -= 1
         if not self._depth:
             self._clock.stop(self._index, self._started)
-        beat = self.beat
-        if beat is not None:
-            beat.phases.pop()
+
+    def state(self) -> tuple[int, float]:
+        """(How deep the thread is inside this phase, when it last entered it), read from any thread."""
+        started = self._started
+        return self._depth, (self._clock.entered_at(started) if started is not None else 0.0)
 
 
 class HostTimer:
     """`with timer:` hands the block's host seconds to `record` (reusable; a block entered again
-    inside itself is counted once; the data wait). Entered only on the thread that built it."""
+    inside itself is counted once; the data wait). Entered only on the thread that built it; the
+    heartbeat reads `state()`, as a `PhaseTimer`'s."""
 
-    __slots__ = ("_depth", "_record", "_started", "_thread", "beat", "name")
+    __slots__ = ("_depth", "_record", "_started", "_thread", "name")
 
     def __init__(
         self, record: Callable[[float], None], name: str = "data", op: str = "Telemetry.data_wait()"
@@ -92,15 +92,9 @@ class HostTimer:
         self._depth = 0
         self._thread = TrainingThread(op)
         self.name = name
-        self.beat: Heartbeat | None = None
-        """Where the training thread is, told of each entry and exit (None: no heartbeat)."""
 
     def __enter__(self) -> HostTimer:
         self._thread.check()
-        beat = self.beat
-        if beat is not None:
-            beat.phases.append(self.name)
-            beat.moves += 1
         if not self._depth:
             self._started = time.perf_counter()
         self._depth += 1
@@ -110,9 +104,10 @@ class HostTimer:
         self._depth -= 1
         if not self._depth:
             self._record(time.perf_counter() - self._started)
-        beat = self.beat
-        if beat is not None:
-            beat.phases.pop()
+
+    def state(self) -> tuple[int, float]:
+        """(How deep the thread is inside this block, when it last entered it), read from any thread."""
+        return self._depth, self._started
 
 
 class TrainingThread:
@@ -148,6 +143,9 @@ class HostClock:
 
     def stop(self, index: int, started: float) -> None:
         self._seconds[index] += time.perf_counter() - started
+
+    def entered_at(self, started: float) -> float:
+        return started
 
     def take(self, steps: int, *, wait: bool = False, timeout_s: float = 60.0) -> list[Batch]:
         seconds, self._seconds = self._seconds, [0.0] * len(self._seconds)
@@ -186,15 +184,18 @@ class EventClock:
         except IndexError:
             return self._make_event()
 
-    def start(self) -> Any:
+    def start(self) -> tuple[float, Any]:
         event = self._event()
         event.record()
-        return event
+        return time.perf_counter(), event
 
-    def stop(self, index: int, started: Any) -> None:
+    def stop(self, index: int, started: tuple[float, Any]) -> None:
         event = self._event()
         event.record()
-        self._sections.append((index, started, event))
+        self._sections.append((index, started[1], event))
+
+    def entered_at(self, started: tuple[float, Any]) -> float:
+        return started[0]
 
     def take(self, steps: int, *, wait: bool = False, timeout_s: float = 60.0) -> list[Batch]:
         """Hand the sections since the last call to the reader; return the batches it has read

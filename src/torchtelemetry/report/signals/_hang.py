@@ -1,8 +1,9 @@
 """Hangs: where each rank is (`Heartbeat`, written by the training thread) and which rank a hang is
 waiting for (`find_hang`, on the exporting rank), under the names `train/hang/*`.
 
-The training thread writes its `Heartbeat` with plain assignments (the step it is in, the phases it
-is inside, a count of moves): no lock, no collective, no clock. A thread per rank publishes it about
+The training thread writes its `Heartbeat` with plain assignments (the step it is in, whether it
+waits for a collection): no lock, no collective, no clock; the phases it is inside are read from
+their timers. A thread per rank publishes it about
 once a second; the exporting rank reads every rank's (`RankBeat`) and, once any rank made no
 progress for `hang_after_s`, exports the rank furthest behind (by step, then phase order, then how
 long it has been stuck), its step and phase, how long, and how many ranks stopped publishing
@@ -11,8 +12,9 @@ altogether (`lost`). None of it grows with the world size: ranks travel as value
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from torchtelemetry.metric import MetricKind
 from torchtelemetry.report._values import MetricDescriptor, ReportValue
@@ -63,26 +65,53 @@ HANG_DESCRIPTORS = (
 """Every name a hang report carries; exported by the exporting rank's monitor, not by windows."""
 
 
-class Heartbeat:
-    """Where the training thread is, written by it alone with plain assignments (read by another
-    thread, which tolerates a torn read: it only compares and copies).
+class SectionTimer(Protocol):
+    """A timed section of the training thread (a phase, the data wait), as the heartbeat reads it."""
 
-    `step`: the step being trained (one past the last `Telemetry.step()`); `phases`: the phases the
-    thread is inside, innermost last; `moves`: a count of phase entries, so that re-entering the same
-    phase (micro-batches) counts as progress.
+    name: str
+
+    def state(self) -> tuple[int, float]:
+        """(How deep the thread is inside the section, the host time it last entered it)."""
+        ...
+
+
+class Heartbeat:
+    """Where the training thread is, read by another thread (which tolerates a torn read: it only
+    compares and copies).
+
+    The training thread writes `step` (the step being trained: one past the last
+    `Telemetry.step()`) and, around a blocking wait for a window's collection, `collecting` and
+    `collections`, with plain assignments. Phases and the data wait record nothing for it: `where()`
+    reads their timers' own state (`timers`), so entering and leaving a phase costs the same with the
+    heartbeat as without (bench/README.md).
     """
 
-    __slots__ = ("moves", "phases", "step")
+    __slots__ = ("collecting", "collections", "step", "timers")
 
     def __init__(self, step: int = 0) -> None:
         self.step = step
-        self.phases: list[str] = []
-        self.moves = 0
+        self.collecting = False
+        """The training thread waits for a window's collection (the phase "collect")."""
+        self.collections = 0
+        """Waits for a collection begun: each is progress."""
+        self.timers: tuple[SectionTimer, ...] = ()
+        """The phases and the data wait the training thread may be inside."""
 
-    def where(self) -> tuple[int, str, int]:
-        """(step, innermost phase, moves) as read now, from another thread."""
-        innermost = self.phases[-1:]
-        return self.step, innermost[0] if innermost else BETWEEN_PHASES, self.moves
+    def where(self) -> tuple[int, str, Hashable]:
+        """(step, innermost phase, progress) as read now, from another thread. The innermost phase
+        is the one entered last among those the thread is inside; `progress` changes with every
+        entry and exit of a phase (a phase entered again, as micro-batches do, is progress)."""
+        states = tuple(timer.state() for timer in self.timers)
+        phase = COLLECT_PHASE if self.collecting else BETWEEN_PHASES
+        if not self.collecting:
+            inside = [
+                (entered, timer.name)
+                for timer, (depth, entered) in zip(self.timers, states, strict=True)
+                if depth
+            ]
+            if inside:
+                phase = max(inside)[1]
+        return self.step, phase, (self.collections, states)
 
 
 @dataclass(frozen=True, slots=True)

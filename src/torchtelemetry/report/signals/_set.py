@@ -110,12 +110,11 @@ class SignalSet:
         return self._phases.timer(name)
 
     def record_into(self, beat: Heartbeat) -> None:
-        """Tell `beat` of every phase and data wait entered and left from now on (the heartbeat)."""
+        """Let `beat` read where the training thread is from every phase's and the data wait's timer."""
         timers: list[PhaseTimer | HostTimer] = list(self._phases.timers()) if self._phases else []
         if self._data_wait is not None:
             timers.append(self._data_wait)
-        for timer in timers:
-            timer.beat = beat
+        beat.timers = tuple(timers)
 
     def watch_gradient_sync(self, model: Any, phase: str, hook: CommHook | None, state: Any) -> None:
         """Time `model`'s gradient all-reduce (a DDP communication hook), held by phase `phase`."""
