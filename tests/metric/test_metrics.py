@@ -611,26 +611,35 @@ def test_per_rank_update_total_adds_a_presummed_total_to_this_ranks_slot() -> No
 def test_every_builtin_update_runs_the_one_prologue_once(
     cls: type[tt.Metric], example: tt.metric.MetricExample, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The thread check, the input conversion and nan_policy live in `_begin_update` only: each
-    built-in `update()` calls it exactly once (a second input goes through `_input`)."""
+    """The thread check, the input conversion and nan_policy live in `UpdateInputs` only: each
+    built-in `update()` runs exactly one prologue, `_begin_update` (a second input goes through
+    `_input`) or, for the common case it accepts, `_ready_scalars`."""
     from torchtelemetry.metric._inputs import UpdateInputs
 
     calls: list[str] = []
-    prologue = UpdateInputs._begin_update
+    prologue, ready = UpdateInputs._begin_update, UpdateInputs._ready_scalars
 
     def counted(self: tt.Metric, *args, **kwargs):
         calls.append(type(self).__name__)
         return prologue(self, *args, **kwargs)
 
+    def counted_ready(self: tt.Metric, *args, **kwargs):
+        accepted = ready(self, *args, **kwargs)
+        if accepted:
+            calls.append(type(self).__name__)
+        return accepted
+
     monkeypatch.setattr(UpdateInputs, "_begin_update", counted)
+    monkeypatch.setattr(UpdateInputs, "_ready_scalars", counted_ready)
     feed(build(cls, example), example)
     assert calls == [cls.__name__] * len(example.updates)
 
 
 def test_a_ready_tensor_costs_the_prologue_no_conversion(monkeypatch: pytest.MonkeyPatch) -> None:
     """A 0-d loss and token count already on the metric's device, of real dtypes, outside autograd,
-    go into the weighted mean's two kernels as they are: the prologue enters no conversion and asks
-    `is_compiling()` once (bench/bench_update.py measures what this saves; a count, not a time)."""
+    go into the weighted mean's two kernels as they are: one expression (`_ready_scalars`) checks
+    them, with no conversion and no per-input prologue (bench/bench_update.py measures what this
+    saves; a count, not a time)."""
     import sys
 
     metric = tt.WeightedMeanMetric()
@@ -648,8 +657,8 @@ def test_a_ready_tensor_costs_the_prologue_no_conversion(monkeypatch: pytest.Mon
     finally:
         sys.setprofile(None)
     assert "_as_tensor" not in entered and "_converted" not in entered
-    assert entered.count("is_compiling") <= 1
-    assert entered.count("_input") == 2  # one per input, each checked
+    assert entered.count("_ready_scalars") == 1
+    assert "_begin_update" not in entered and "_input" not in entered
     assert metric.weighted_sum.local.item() == 2 * 2.5 * 512
 
 
@@ -692,3 +701,86 @@ def test_a_metric_that_names_no_label_uses_the_exporters_default() -> None:
     assert descriptor.label_name == DEFAULT_LABEL_NAME == "label"
     assert _inferred_descriptor("x", {"0": 1.0}).label_name == descriptor.label_name
     assert flatten_results([("spread", Spread())], [[1.0, 2.0]]) == {"spread": {"0": 1.0, "1": 2.0}}
+
+
+def _weighted_mean_outcome(
+    value: torch.Tensor, weight: torch.Tensor, *, common_case: bool, device: str = "cpu"
+) -> tuple:
+    """What `WeightedMeanMetric().to(device).update(value, weight)` does: the state it leaves, or the
+    error."""
+    metric = tt.WeightedMeanMetric().to(device)
+    if not common_case:  # the full prologue for every input
+        metric._ready_scalars = lambda *args: False  # type: ignore[method-assign]
+    try:
+        metric.update(value, weight)
+    except Exception as error:
+        return type(error).__name__, str(error)
+    return "added", repr(metric.weighted_sum.local.item()), repr(metric.total_weight.local.item())
+
+
+_ODD_DTYPES = [
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int64,
+    torch.uint16,
+    torch.uint32,
+    torch.uint64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.float8_e4m3fn,
+    torch.complex64,
+]
+
+
+def _odd_input_pairs() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def tensor(number: float, dtype: torch.dtype) -> torch.Tensor:
+        if dtype == torch.uint64:
+            return torch.tensor(2**60 + 1, dtype=torch.uint64)  # not exact in float64
+        return torch.tensor(number, dtype=torch.float64).to(dtype)
+
+    odd = [
+        (torch.tensor(1.0), torch.tensor([1.0, 2.0])),
+        (torch.tensor(1.0), torch.tensor([3.0])),
+        (torch.tensor([1.0, 2.0]), torch.tensor(2)),
+        (torch.tensor(1.0, device="meta"), torch.tensor(2.0)),
+        (torch.tensor(1.0), torch.tensor(2.0, device="meta")),
+        (torch.tensor(1.0), torch.tensor(-1)),
+        (torch.tensor(float("nan")), torch.tensor(1)),
+        (torch.tensor(1.0), torch.tensor(float("inf"))),
+        (torch.tensor(1.0, requires_grad=True), torch.tensor(2)),
+        (torch.tensor(1.0), torch.tensor(2.0, requires_grad=True)),
+        (torch.nn.Parameter(torch.tensor(1.0)), torch.tensor(1)),
+        (torch.tensor(1.0), torch.tensor(1 + 2j)),
+    ]
+    return [(tensor(3, value), tensor(2, weight)) for value in _ODD_DTYPES for weight in _ODD_DTYPES] + odd
+
+
+def test_the_common_case_prologue_accepts_and_refuses_exactly_what_the_full_one_does() -> None:
+    """`_ready_scalars` checks a 0-d value and a tensor weight in one expression and leaves the rest
+    to torch's kernels: over every pair of input dtypes and odd inputs (another shape, the meta
+    device, a negative or non-finite weight, autograd, uint64 that float64 cannot hold), the
+    weighted mean ends with the same state or the same error either way."""
+    differ = []
+    for value, weight in _odd_input_pairs():
+        fast = _weighted_mean_outcome(value, weight, common_case=True)
+        full = _weighted_mean_outcome(value, weight, common_case=False)
+        if fast != full and not (fast[0] == full[0] == "added" and "nan" in fast[1] and "nan" in full[1]):
+            differ.append((value.dtype, weight.dtype, tuple(value.shape), str(value.device), fast, full))
+    assert not differ, differ
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_common_case_prologue_on_cuda_takes_no_cpu_operand() -> None:
+    """On a CUDA state a 0-d CPU operand goes through the full prologue (a kernel would take it as a
+    scalar, and a CUDA graph would keep its value): same outcome either way, for every mix."""
+    cpu, cuda = torch.tensor(2.5), torch.tensor(2.5, device="cuda")
+    weights = [torch.tensor(512), torch.tensor(512, device="cuda"), torch.tensor(-1, device="cuda")]
+    for value in (cpu, cuda, torch.tensor([2.5, 1.0], device="cuda")):
+        for weight in weights:
+            fast = _weighted_mean_outcome(value, weight, common_case=True, device="cuda")
+            full = _weighted_mean_outcome(value, weight, common_case=False, device="cuda")
+            assert fast == full, (value, weight, fast, full)

@@ -114,6 +114,17 @@ class WeightedMeanMetric(Metric):
         """Add `value` with `weight` (a scalar, or a tensor of the same shape as `value`)."""
         weighted_sum, total_weight = self.weighted_sum, self.total_weight
         local_sum = weighted_sum._local
+        # The common case first (a loss and its token count: bench/README.md). Torch refuses what
+        # `_ready_scalars` leaves to it (a weight of another shape, another dtype or device) before
+        # anything is written: those take the full path below, which says what is wrong.
+        if self._float_state and self._ready_scalars(value, weight, local_sum):
+            try:
+                local_sum.addcmul_(value, weight)
+            except RuntimeError:
+                pass
+            else:
+                total_weight._local.add_(weight)
+                return
         device = local_sum.device
         value, mask = self._begin_update(value, "value", device)
         weight, weight_mask = self._input(weight, "weight", device)
