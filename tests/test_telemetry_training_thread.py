@@ -16,7 +16,8 @@ import torch
 import torchtelemetry as tt
 from tests.hostsync import NoHostSync
 from tests.ops import OpCounter
-from torchtelemetry.metric._aggregation import _any_negative  # the CPU-only check, exempt by design
+from torchtelemetry.metric._aggregation import _any_negative  # the CPU-only checks, exempt by design
+from torchtelemetry.metric._inputs import UpdateInputs
 from torchtelemetry.report.signals import check_count  # step(tokens=)'s, CPU-only as well
 
 EVERY = 2
@@ -116,7 +117,7 @@ def test_step_in_steady_state_never_syncs_the_device() -> None:
             metrics["loss"].update(torch.tensor(2.0), 512)
             metrics["accuracy"].update(torch.randn(4, 3), torch.tensor([0, 1, 2, 0]))
             metrics["grad_norm"].update(torch.tensor(1.5))
-            with NoHostSync(exempt=[_any_negative, check_count]):
+            with NoHostSync(exempt=[_any_negative, UpdateInputs._ready_scalars, check_count]):
                 with telemetry.data_wait():
                     pass
                 telemetry.step(step, tokens=torch.tensor(512), samples=4, learning_rate=0.1)

@@ -157,7 +157,7 @@ def assemble_run(metrics: Any, exporters: Sequence[Exporter] | str, config: Tele
         run_id = identity.run_id + policy.run_id_suffix
         run = RunInfo(run_id=run_id, world_size=world_size, config=dict(config.run_config))
         if signals is not None:
-            signals.run_id = run.run_id
+            signals.adopt_run(run.run_id)
         signal_metrics = signals.metrics() if signals is not None else {}
         leaves = user_leaves + list(signal_metrics.items())
         ranks = RankSeriesLimit(world_size, config.max_rank_series)

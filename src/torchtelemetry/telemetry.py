@@ -152,7 +152,7 @@ class Telemetry:
         )
         self.hub.adopt_run(self.run)
         if self._signals is not None:
-            self._signals.run_id = self.run.run_id
+            self._signals.adopt_run(self.run.run_id)
 
     @property
     def backpressure_waits(self) -> int:

@@ -11,7 +11,8 @@ import torch
 import torchtelemetry as tt
 from tests.hostsync import NoHostSync
 from tests.report.windows import context
-from torchtelemetry.metric._aggregation import _any_negative  # the CPU-only check, exempt by design
+from torchtelemetry.metric._aggregation import _any_negative  # the CPU-only checks, exempt by design
+from torchtelemetry.metric._inputs import UpdateInputs
 from torchtelemetry.report.signals import (
     MemoryHealth,
     NonFiniteSentinel,
@@ -67,7 +68,7 @@ def test_a_training_step_with_phases_and_the_sentinel_never_reads_a_value_on_cpu
             telemetry.step(step)
         value, tokens = torch.tensor(float("nan")), torch.tensor(512)
         for step in range(4, 24):
-            with NoHostSync(exempt=[_any_negative]):
+            with NoHostSync(exempt=[_any_negative, UpdateInputs._ready_scalars]):
                 with telemetry.data_wait():
                     pass
                 with telemetry.phase("forward"):

@@ -28,7 +28,7 @@ from torchtelemetry.report.signals._builtin import (
     signal_descriptors,
 )
 from torchtelemetry.report.signals._clock import EventClock, HostClock, HostTimer, PhaseClock, PhaseTimer
-from torchtelemetry.report.signals._data_wait import DataWait
+from torchtelemetry.report.signals._data_wait import DATA_PHASE, DataWait
 from torchtelemetry.report.signals._goodput import Goodput
 from torchtelemetry.report.signals._hang import (
     BETWEEN_PHASES,
@@ -51,7 +51,7 @@ from torchtelemetry.report.signals._nvml import (
     open_nvml,
 )
 from torchtelemetry.report.signals._peak_memory import PeakMemory
-from torchtelemetry.report.signals._phases import DATA_PHASE, DEFAULT_PHASES, Phases, check_phase_names
+from torchtelemetry.report.signals._phases import DEFAULT_PHASES, Phases, check_phase_names
 from torchtelemetry.report.signals._progress import ProgressFile, ProgressRecord, progress_path
 from torchtelemetry.report.signals._set import SignalSet
 from torchtelemetry.report.signals._spikes import MIN_HISTORY, Spikes

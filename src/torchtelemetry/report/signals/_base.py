@@ -14,12 +14,16 @@ import math
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 from torchtelemetry.metric import DEFAULT_STATE_DTYPE, Metric, MetricAccumulator, ReduceOp
 from torchtelemetry.report._values import MetricDescriptor, ReportValue
+
+if TYPE_CHECKING:
+    from torchtelemetry.report.signals._clock import HostTimer, PhaseTimer
+    from torchtelemetry.report.signals._progress import ProgressFile
 
 __all__ = [
     "RankValues",
@@ -91,6 +95,26 @@ class Signal:
     def descriptors(self) -> list[MetricDescriptor]:
         """Every name `derive` may leave in a report."""
         return []
+
+    def timers(self) -> Mapping[str, PhaseTimer | HostTimer]:
+        """The sections of the training thread this signal times, by the name `Telemetry.phase()`
+        takes (the heartbeat reads where the thread is from them)."""
+        return {}
+
+    def watch_gradient_sync(self, model: Any, phase: str, hook: Any, state: Any) -> bool:
+        """`Telemetry.watch_gradient_sync(model, phase=...)`: True if this signal times `model`'s
+        gradient all-reduce (it registers the hook), False if it only takes note of `phase`."""
+        return False
+
+    def checkpoint_saved(self, step: int) -> None:
+        """A checkpoint of step `step` is durable."""
+
+    def adopt_run(self, run_id: str) -> None:
+        """The run is (from now on) `run_id`."""
+
+    def run_progress(self) -> ProgressFile | None:
+        """The progress file a resumed run reads its run id and step from (None: none kept here)."""
+        return None
 
     def check(self, keyword: str, value: Any) -> None:
         """Raise, naming the signal, if `value` given as `keyword` cannot be recorded. Runs for every

@@ -17,9 +17,12 @@ import torch
 from torchtelemetry.metric import Metric, MetricKind, PerRankMetric
 from torchtelemetry.report._values import MetricDescriptor, ReportValue
 from torchtelemetry.report.signals._base import Signal, SignalContext, WindowTiming
+from torchtelemetry.report.signals._clock import HostTimer
 
-__all__ = ["DATA_WAIT", "DATA_WAIT_SHARE", "DataWait", "check_seconds"]
+__all__ = ["DATA_PHASE", "DATA_WAIT", "DATA_WAIT_SHARE", "DataWait", "check_seconds"]
 
+DATA_PHASE = "data"
+"""The data wait's phase name (`Telemetry.phase("data")` is `data_wait()`)."""
 DATA_WAIT = "train/data_wait"
 DATA_WAIT_SHARE = "train/data_wait_share"
 
@@ -43,6 +46,10 @@ class DataWait(Signal):
         self._seconds = 0.0
         self._steps = 0
         self._seen = False
+        self._timer = HostTimer(self.record_wait, DATA_PHASE)
+
+    def timers(self) -> dict[str, HostTimer]:
+        return {DATA_PHASE: self._timer}
 
     def metrics(self) -> dict[str, Metric]:
         return {DATA_WAIT: self.wait, DATA_WAIT_SHARE: self.share}

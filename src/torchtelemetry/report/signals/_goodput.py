@@ -91,6 +91,12 @@ class Goodput(Signal):
     def on_step(self, step: int, step_time: float | None) -> None:
         self._step = step
 
+    def adopt_run(self, run_id: str) -> None:
+        self.run_id = run_id
+
+    def run_progress(self) -> ProgressFile | None:
+        return self.progress
+
     def checkpoint_saved(self, step: int) -> None:
         """The checkpoint of `step` is durable: progress up to when its state was taken counts."""
         taken = self._taken.pop(step, None) or wall_time()

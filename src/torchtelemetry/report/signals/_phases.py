@@ -34,14 +34,14 @@ from torchtelemetry.report.signals._base import (
     median,
 )
 from torchtelemetry.report.signals._clock import EventClock, HostClock, PhaseClock, PhaseTimer
+from torchtelemetry.report.signals._data_wait import DATA_PHASE
 from torchtelemetry.report.signals._stragglers import StragglerScores
 from torchtelemetry.report.signals._sync_wait import SYNC_WAIT
 
-__all__ = ["DATA_PHASE", "DEFAULT_PHASES", "PhaseTimes", "Phases", "check_phase_names"]
+__all__ = ["DEFAULT_PHASES", "PhaseTimes", "Phases", "check_phase_names"]
 
 DEFAULT_PHASES = ("forward", "backward", "optimizer")
 """`TelemetryConfig.phases` by default; a phase no rank enters costs its state, never a series."""
-DATA_PHASE = "data"
 """The phase timed by `Telemetry.data_wait()`, exported per rank as `train/data_wait`."""
 DATA_WAIT = "train/data_wait"
 PHASE = "train/phase"
@@ -128,9 +128,14 @@ class Phases(Signal):
                 "collection, as their times ride the window's collective"
             ) from None
 
-    def timers(self) -> list[PhaseTimer]:
-        """The context managers of every declared phase."""
-        return list(self._timers.values())
+    def timers(self) -> dict[str, PhaseTimer]:
+        """The context manager of every declared phase."""
+        return dict(self._timers)
+
+    def watch_gradient_sync(self, model: Any, phase: str, hook: Any, state: Any) -> bool:
+        """The wait in `phase`'s all-reduce is taken out of its straggler scores."""
+        self.stragglers.sync_phase = phase
+        return False
 
     def metrics(self) -> dict[str, Metric]:
         return {PHASE: self.times} if self.phases else {}

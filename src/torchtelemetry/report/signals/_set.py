@@ -10,12 +10,10 @@ from torchtelemetry.metric import Metric
 from torchtelemetry.report._values import MetricDescriptor, ReportValue
 from torchtelemetry.report.signals._base import Signal, WindowTiming
 from torchtelemetry.report.signals._clock import HostTimer, PhaseTimer
-from torchtelemetry.report.signals._data_wait import DataWait
-from torchtelemetry.report.signals._goodput import Goodput
+from torchtelemetry.report.signals._data_wait import DATA_PHASE
 from torchtelemetry.report.signals._hang import Heartbeat
-from torchtelemetry.report.signals._phases import DATA_PHASE, Phases
 from torchtelemetry.report.signals._progress import ProgressFile
-from torchtelemetry.report.signals._sync_wait import CommHook, SyncWait
+from torchtelemetry.report.signals._sync_wait import CommHook
 
 __all__ = ["SignalSet"]
 
@@ -29,34 +27,27 @@ class SignalSet:
 
     def __init__(self, signals: Sequence[Signal]) -> None:
         self.signals = tuple(signals)
+        timers = [(name, timer) for signal in self.signals for name, timer in signal.timers().items()]
         names = collections.Counter(signal.name for signal in self.signals)
         keywords = collections.Counter(keyword for signal in self.signals for keyword in signal.keywords)
+        sections = collections.Counter(name for name, _ in timers)
         repeated = sorted(
-            name for counted in (names, keywords) for name, count in counted.items() if count > 1
+            name for counted in (names, keywords, sections) for name, count in counted.items() if count > 1
         )
         if repeated:
-            raise ValueError(f"SignalSet: signal names or step keywords {repeated} are used twice")
+            raise ValueError(f"SignalSet: signal names, step keywords or phases {repeated} are used twice")
         self._by_keyword = {keyword: signal for signal in self.signals for keyword in signal.keywords}
-        self._phases = next((signal for signal in self.signals if isinstance(signal, Phases)), None)
-        self._goodput = next((signal for signal in self.signals if isinstance(signal, Goodput)), None)
-        self._sync_wait = next((signal for signal in self.signals if isinstance(signal, SyncWait)), None)
-        data_wait = next((signal for signal in self.signals if isinstance(signal, DataWait)), None)
-        self._data_wait = HostTimer(data_wait.record_wait) if data_wait is not None else None
+        self._timers = dict(timers)
 
     @property
     def progress(self) -> ProgressFile | None:
-        """Goodput's progress file (None without one)."""
-        return self._goodput.progress if self._goodput is not None else None
+        """The progress file a resumed run reads (None without one)."""
+        return next((found for signal in self.signals if (found := signal.run_progress())), None)
 
-    @property
-    def run_id(self) -> str:
-        """The run id the progress file is written under ("" without goodput)."""
-        return self._goodput.run_id if self._goodput is not None else ""
-
-    @run_id.setter
-    def run_id(self, run_id: str) -> None:
-        if self._goodput is not None:
-            self._goodput.run_id = run_id
+    def adopt_run(self, run_id: str) -> None:
+        """Tell every signal the run is `run_id` (goodput writes its progress file under it)."""
+        for signal in self.signals:
+            signal.adopt_run(run_id)
 
     @property
     def keywords(self) -> frozenset[str]:
@@ -93,43 +84,42 @@ class SignalSet:
         for signal in self.signals:
             signal.on_step(step, step_time)
 
-    def data_wait_timer(self) -> HostTimer:
+    def data_wait_timer(self) -> PhaseTimer | HostTimer:
         """The timer of the data wait (the phase "data")."""
-        if self._data_wait is None:
+        if DATA_PHASE not in self._timers:
             raise ValueError("Telemetry.data_wait: no data wait signal in this SignalSet")
-        return self._data_wait
+        return self._timers[DATA_PHASE]
 
     def phase(self, name: str) -> PhaseTimer | HostTimer:
         """The timer of phase `name` (`TelemetryConfig.phases`, or "data": the data wait)."""
-        if name == DATA_PHASE:
-            return self.data_wait_timer()
-        if self._phases is None:
-            raise ValueError(
-                f"Telemetry.phase: no phases are timed (phase {name!r}); set TelemetryConfig.phases"
-            )
-        return self._phases.timer(name)
+        if name not in self._timers:
+            raise self._undeclared("Telemetry.phase", name)
+        return self._timers[name]
+
+    def _undeclared(self, op: str, name: str) -> ValueError:
+        declared = tuple(phase for phase in self._timers if phase != DATA_PHASE)
+        if not declared:
+            return ValueError(f"{op}: no phases are timed (phase {name!r}); set TelemetryConfig.phases")
+        return ValueError(
+            f"{op}: {name!r} is not a declared phase (TelemetryConfig.phases = {declared}); add it "
+            "there: every rank must know its phases before the first collection, as their times ride "
+            "the window's collective"
+        )
 
     def record_into(self, beat: Heartbeat) -> None:
         """Let `beat` read where the training thread is from every phase's and the data wait's timer."""
-        timers: list[PhaseTimer | HostTimer] = list(self._phases.timers()) if self._phases else []
-        if self._data_wait is not None:
-            timers.append(self._data_wait)
-        beat.timers = tuple(timers)
+        beat.timers = tuple(self._timers.values())
 
     def watch_gradient_sync(self, model: Any, phase: str, hook: CommHook | None, state: Any) -> None:
         """Time `model`'s gradient all-reduce (a DDP communication hook), held by phase `phase`."""
-        if self._phases is None or self._sync_wait is None:
-            raise ValueError(
-                "Telemetry.watch_gradient_sync: no phases are timed; set TelemetryConfig.phases (the "
-                "wait is taken out of the phase that holds the all-reduce)"
-            )
-        self._phases.timer(phase)  # a declared phase, or a ValueError naming the phases
-        self._sync_wait.watch(model, hook, state)
-        self._phases.stragglers.sync_phase = phase
+        if phase == DATA_PHASE or phase not in self._timers:
+            raise self._undeclared("Telemetry.watch_gradient_sync", phase)
+        if not any([signal.watch_gradient_sync(model, phase, hook, state) for signal in self.signals]):
+            raise ValueError("Telemetry.watch_gradient_sync: no signal here times the gradient all-reduce")
 
     def checkpoint_saved(self, step: int) -> None:
-        if self._goodput is not None:
-            self._goodput.checkpoint_saved(step)
+        for signal in self.signals:
+            signal.checkpoint_saved(step)
 
     def flush(self, duration_s: float, *, final: bool = False) -> None:
         for signal in self.signals:

@@ -16,7 +16,8 @@ as nvidia-resiliency-ext's straggler detection scores its sections:
 A score is a straggler's only above the phase's `threshold`, derived from the run's own
 window-to-window spread: the factor by which a rank's score changes from one window to the next,
 on (geometric) mean over the last `NOISE_WINDOWS` windows and the ranks within a factor `BULK` of
-the median, to the power `NOISE_SPREADS`, and at least 1 + `MIN_EXCESS`. A noisy host moves every
+the median, to the power `NOISE_SPREADS`, at least 1 + `MIN_EXCESS` and at least the score of a rank
+`MIN_EXCESS_S` per step slower than the median rank. A noisy host moves every
 rank's score from window to window and raises the threshold; a straggler's score stays put,
 however far above 1 it is. Known from `MIN_NOISE_WINDOWS` windows on.
 
@@ -56,6 +57,10 @@ MIN_COST = 5.0
 """Percent of the step the other ranks must wait for a rank in a phase for it to be named."""
 MIN_EXCESS = 0.2
 """The lowest threshold is 1 + this: a rank 20 % slower than the median rank in a phase."""
+MIN_EXCESS_S = 0.002
+"""Nor is the threshold below the score of a rank 2 ms per step slower than the median rank: under
+that, a busy host's scheduling moves the ranks' times by as much (a healthy 2-rank run beside a CPU
+hog scored a rank 1.7 two windows running in a phase of 1 ms of work per step)."""
 NOISE_SPREADS = 3.0
 """The threshold is the mean window-to-window change factor of a rank's score to this power."""
 NOISE_WINDOWS = 16
@@ -148,7 +153,7 @@ class StragglerScores:
                 worst = highest_rank(scores)
                 out[SCORE][phase], out[RANK][phase] = scores[worst], float(worst)
                 out[COST][phase] = share * (scores[worst] - 1)
-                threshold = self._threshold(phase, scores)
+                threshold = self._threshold(phase, scores, middle)
                 if threshold is None:
                     continue
                 out[THRESHOLD][phase] = threshold
@@ -167,8 +172,9 @@ class StragglerScores:
             report[TOP_SCORE] = {str(place): score for place, (_, score) in enumerate(top, start=1)}
         return report
 
-    def _threshold(self, phase: str, scores: dict[int, float]) -> float | None:
-        """Remember this window's scores of `phase`; its threshold once `MIN_NOISE_WINDOWS` are known."""
+    def _threshold(self, phase: str, scores: dict[int, float], middle: float) -> float | None:
+        """Remember this window's scores of `phase`; its threshold once `MIN_NOISE_WINDOWS` are known
+        (`middle`: the median rank's seconds per step in the phase)."""
         recent = self._recent.setdefault(phase, deque(maxlen=NOISE_WINDOWS))
         recent.append(scores)
         changes = [
@@ -179,7 +185,8 @@ class StragglerScores:
         ]
         if len(recent) < MIN_NOISE_WINDOWS or not changes:
             return None
-        return max(1.0 + MIN_EXCESS, math.exp(NOISE_SPREADS * statistics.fmean(changes)))
+        noise = math.exp(NOISE_SPREADS * statistics.fmean(changes))
+        return max(1.0 + MIN_EXCESS, 1.0 + MIN_EXCESS_S / middle, noise)
 
     def state_dict(self) -> dict[str, Any]:
         with self._lock:

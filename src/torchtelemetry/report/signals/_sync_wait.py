@@ -80,6 +80,10 @@ class SyncWait(Signal):
         register(state, timed)
         self._watched = True
 
+    def watch_gradient_sync(self, model: Any, phase: str, hook: Any, state: Any) -> bool:
+        self.watch(model, hook, state)
+        return True
+
     # -- the threads DDP runs the hook and its callbacks on ---------------------------------
 
     def _launched(self, last: bool) -> None:
