@@ -10,6 +10,7 @@ collections, so none can be skipped on one rank alone). A failed collection stop
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -18,6 +19,8 @@ from torchtelemetry.collect import AsyncMetricCollector, CollectionError
 from torchtelemetry.report import Heartbeat, SignalSet, WindowPublisher
 
 __all__ = ["StepWindows"]
+
+logger = logging.getLogger(__name__)
 
 
 class StepWindows:
@@ -47,6 +50,7 @@ class StepWindows:
         """Times scheduling waited because `max_pending` collections were in flight."""
         self.failure: CollectionError | None = None
         """The collection that failed; nothing more is collected after it."""
+        self._ignored_inputs = False
         self.beat: Heartbeat | None = None
         """The heartbeat, told when this thread waits for collections (phase "collect")."""
 
@@ -56,6 +60,13 @@ class StepWindows:
         if self._signals is not None:
             step_time = None if self._last_step_clock is None else now - self._last_step_clock
             self._signals.record_step(step, step_time, inputs)
+        elif not self._ignored_inputs and any(value is not None for value in inputs.values()):
+            self._ignored_inputs = True
+            logger.warning(
+                "Telemetry.step: signals are off (TelemetryConfig.signals=False), so %s are not "
+                "recorded (logged once)",
+                sorted(keyword for keyword, value in inputs.items() if value is not None),
+            )
         self._last_step_clock = now
         self.last_step = step
         self.steps_in_window += 1

@@ -176,31 +176,23 @@ class Telemetry:
 
     # -- the loop -------------------------------------------------------------------------
 
-    def step(
-        self,
-        step: int,
-        *,
-        tokens: torch.Tensor | float | None = None,
-        samples: torch.Tensor | float | None = None,
-        learning_rate: float | None = None,
-        data_time: float | None = None,
-    ) -> None:
+    def step(self, step: int, **inputs: Any) -> None:
         """Mark the end of training step `step`; schedule and export without waiting.
 
-        `tokens` and `samples` (tensors stay on the device) feed the throughput
-        counters; `learning_rate` the learning-rate gauge; `data_time` the seconds this step
-        waited for its batch (or mark the wait with `data_wait()`).
+        Each keyword goes to the signal that takes it (`step_keywords`; the built-in ones:
+        docs/signals.md, "The built-in training signals"), e.g. `tokens=` and `samples=` (tensors
+        stay on the device), `learning_rate=`, `data_time=` (or time the wait with `data_wait()`).
+        None counts as not given; a keyword no signal takes raises a `TypeError` naming those taken.
         """
         self._require_open("step")
-        inputs = {
-            "tokens": tokens,
-            "samples": samples,
-            "learning_rate": learning_rate,
-            "data_time": data_time,
-        }
         if self._beat is not None:
             self._beat.step = step + 1
         self._windows.stepped(step, inputs)
+
+    @property
+    def step_keywords(self) -> frozenset[str]:
+        """The keywords `step()` takes: those the signals declare (none with `signals=False`)."""
+        return self._signals.keywords if self._signals is not None else frozenset()
 
     def data_wait(self) -> HostTimer | contextlib.AbstractContextManager[None]:
         """Time the block as waiting for data: `with telemetry.data_wait(): batch = next(batches)`.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -81,6 +83,36 @@ def test_every_signal_is_one_object_with_a_unique_name_and_keywords() -> None:
     with pytest.raises(TypeError, match=r"no signal takes \['token'\]"):
         signals.record_step(0, None, {"token": 3})
     signals.close()
+
+
+def test_step_routes_each_keyword_to_the_signal_that_declares_it() -> None:
+    """`Telemetry.step(**inputs)` knows no keyword itself: it takes those its signals declare, and an
+    unknown one is refused naming them, with nothing of the step recorded."""
+    telemetry = tt.Telemetry({"loss": tt.SumMetric()}, every=2, nvml=False)
+    try:
+        declared = {keyword for signal in telemetry._signals.signals for keyword in signal.keywords}
+        assert telemetry.step_keywords == declared == {"tokens", "samples", "learning_rate", "data_time"}
+        with pytest.raises(TypeError, match=r"no signal takes \['token'\] \(signals take \['data_time'"):
+            telemetry.step(0, tokens=5, token=3)
+        telemetry.step(0, tokens=7, learning_rate=0.5)
+        telemetry.step(1, tokens=3)
+        telemetry.flush()
+        assert telemetry.latest["train/tokens"] == 10.0  # the refused step recorded none of its tokens
+    finally:
+        telemetry.close()
+
+
+def test_step_keywords_with_the_signals_off_are_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    telemetry = tt.Telemetry({"loss": tt.SumMetric()}, every=2, signals=False)
+    try:
+        assert telemetry.step_keywords == frozenset()
+        with caplog.at_level(logging.WARNING, logger="torchtelemetry"):
+            for step in range(3):
+                telemetry.step(step, tokens=5, learning_rate=None)
+        warned = [r.getMessage() for r in caplog.records if "signals are off" in r.getMessage()]
+        assert len(warned) == 1 and "['tokens']" in warned[0]
+    finally:
+        telemetry.close()
 
 
 def test_builtin_descriptors_name_every_shape_once() -> None:
