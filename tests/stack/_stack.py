@@ -33,8 +33,8 @@ from torchtelemetry.export import (
     prometheus_name,
 )
 from torchtelemetry.metric import MetricKind
-from torchtelemetry.report import allocator_metrics, describe_metrics, signal_descriptors
-from torchtelemetry.report.signals import gpu_descriptors, memory_descriptors
+from torchtelemetry.report import describe_metrics, signal_descriptors
+from torchtelemetry.report.signals import cuda_only_descriptors
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
@@ -128,10 +128,7 @@ def training_descriptors() -> tuple[MetricDescriptor, ...]:
 def cuda_only_names() -> frozenset[str]:
     """Sample names only a CUDA run emits (the allocator's detail, memory health's device
     quantities, GPU health through NVML)."""
-    described = describe_metrics({"train": {"memory": allocator_metrics()}})
-    on_cpu = {d.name for d in memory_descriptors(cuda=False)}
-    described += [d for d in (*memory_descriptors(cuda=True), *gpu_descriptors()) if d.name not in on_cpu]
-    return frozenset(name for descriptor in described for name in sample_names(descriptor))
+    return frozenset(name for descriptor in cuda_only_descriptors() for name in sample_names(descriptor))
 
 
 def event_only_names() -> frozenset[str]:

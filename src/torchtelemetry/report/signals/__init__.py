@@ -25,6 +25,7 @@ from torchtelemetry.report.signals._builtin import (
     DEFAULT_TOP_K,
     builtin_descriptors,
     builtin_signals,
+    cuda_only_descriptors,
     signal_descriptors,
 )
 from torchtelemetry.report.signals._clock import EventClock, HostClock, HostTimer, PhaseClock, PhaseTimer
@@ -120,6 +121,7 @@ __all__ = [
     "WindowTiming",
     "builtin_descriptors",
     "builtin_signals",
+    "cuda_only_descriptors",
     "check_count",
     "check_phase_names",
     "finite_by_rank",

@@ -96,6 +96,12 @@ class Signal:
         """Every name `derive` may leave in a report."""
         return []
 
+    @staticmethod
+    def cuda_descriptors() -> list[MetricDescriptor]:
+        """The names this signal exports only when training on CUDA (the registry, the dashboards and
+        the alert rules know them on any machine)."""
+        return []
+
     def timers(self) -> Mapping[str, PhaseTimer | HostTimer]:
         """The sections of the training thread this signal times, by the name `Telemetry.phase()`
         takes (the heartbeat reads where the thread is from them)."""

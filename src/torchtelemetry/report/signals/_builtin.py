@@ -16,9 +16,9 @@ from torchtelemetry.report.signals._data_wait import DataWait
 from torchtelemetry.report.signals._goodput import Goodput
 from torchtelemetry.report.signals._hang import HANG_DESCRIPTORS
 from torchtelemetry.report.signals._learning_rate import LearningRate
-from torchtelemetry.report.signals._memory_health import MemoryHealth, memory_descriptors
+from torchtelemetry.report.signals._memory_health import MemoryHealth
 from torchtelemetry.report.signals._nonfinite import NonFiniteSentinel, watched_metrics
-from torchtelemetry.report.signals._nvml import GpuHealth, gpu_descriptors, open_nvml
+from torchtelemetry.report.signals._nvml import GpuHealth, open_nvml
 from torchtelemetry.report.signals._peak_memory import PeakMemory
 from torchtelemetry.report.signals._phases import DEFAULT_PHASES, Phases
 from torchtelemetry.report.signals._spikes import Spikes
@@ -32,6 +32,7 @@ __all__ = [
     "DEFAULT_TOP_K",
     "builtin_descriptors",
     "builtin_signals",
+    "cuda_only_descriptors",
     "signal_descriptors",
 ]
 
@@ -84,11 +85,8 @@ def builtin_signals(
     return signals
 
 
-def builtin_descriptors(max_rank_series: int = 1) -> list[MetricDescriptor]:
-    """Every name the built-in signals can export, in every shape (with model FLOPs and MFU, on
-    CUDA, with NVML, the default phases per rank, one watched metric), for dashboards and alert
-    rules that must know them all. With `max_rank_series` 0, as a run wider than its limit
-    describes them (before `RankSeriesLimit` turns the rest of its values per rank into statistics)."""
+def _described(max_rank_series: int) -> tuple[list[MetricDescriptor], list[type[Signal]]]:
+    """The names and classes of the built-in signals as built on CPU with every option on."""
     context = SignalContext(world_size=1, rank=0, device=torch.device("cpu"), max_rank_series=max_rank_series)
     signals = builtin_signals(
         context, leaves=[("loss", SumMetric())], flops=ModelFlops(per_unit=1.0, per_sample=False, peak=1.0)
@@ -96,8 +94,24 @@ def builtin_descriptors(max_rank_series: int = 1) -> list[MetricDescriptor]:
     described = [descriptor for signal in signals for descriptor in signal.descriptors()]
     for signal in signals:
         signal.close()
-    cuda_only = memory_descriptors(cuda=True) + PeakMemory.cuda_descriptors() + gpu_descriptors()
-    return list({d.name: d for d in described + cuda_only}.values())
+    return described, [type(signal) for signal in signals]
+
+
+def cuda_only_descriptors() -> list[MetricDescriptor]:
+    """The names the built-in signals export only on CUDA: each signal's own `cuda_descriptors()`
+    (GpuHealth's too, a signal built only where NVML reads a GPU)."""
+    _, classes = _described(1)
+    found = {d.name: d for cls in (*classes, GpuHealth) for d in cls.cuda_descriptors()}
+    return list(found.values())
+
+
+def builtin_descriptors(max_rank_series: int = 1) -> list[MetricDescriptor]:
+    """Every name the built-in signals can export, in every shape (with model FLOPs and MFU, on
+    CUDA, with NVML, the default phases per rank, one watched metric), for dashboards and alert
+    rules that must know them all. With `max_rank_series` 0, as a run wider than its limit
+    describes them (before `RankSeriesLimit` turns the rest of its values per rank into statistics)."""
+    described, _ = _described(max_rank_series)
+    return list({d.name: d for d in described + cuda_only_descriptors()}.values())
 
 
 def signal_descriptors() -> list[MetricDescriptor]:

@@ -87,6 +87,11 @@ class MemoryHealth(Signal):
     def descriptors(self) -> list[MetricDescriptor]:
         return memory_descriptors(cuda=self.cuda)
 
+    @staticmethod
+    def cuda_descriptors() -> list[MetricDescriptor]:
+        on_cpu = {descriptor.name for descriptor in memory_descriptors(cuda=False)}
+        return [d for d in memory_descriptors(cuda=True) if d.name not in on_cpu]
+
     def flush(self, duration_s: float, *, final: bool = False) -> None:
         values = {"rss": float(resident_bytes())}
         if self.allocator is not None:

@@ -186,6 +186,10 @@ class GpuHealth(Signal):
     def descriptors(self) -> list[MetricDescriptor]:
         return gpu_descriptors()
 
+    @staticmethod
+    def cuda_descriptors() -> list[MetricDescriptor]:
+        return gpu_descriptors()
+
     def flush(self, duration_s: float, *, final: bool = False) -> None:
         latest = self._latest
         if latest is not None:
