@@ -11,6 +11,9 @@ spelt, typed and unit-ed as the registry says, on both wires.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +54,14 @@ def test_the_shipped_registry_is_what_torchtelemetry_signals_writes(tmp_path: Pa
     )
     assert main(["signals"]) == 0
     assert capsys.readouterr().out == written.read_text(encoding="utf-8")
+
+
+def test_python_m_torchtelemetry_is_the_console_script(tmp_path: Path) -> None:
+    written = tmp_path / "signals.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REGISTRY.parents[2] / "src"), *sys.path])}
+    command = [sys.executable, "-m", "torchtelemetry", "signals", "--output", str(written)]
+    subprocess.run(command, check=True, env=env, timeout=120)
+    assert written.read_text(encoding="utf-8") == REGISTRY.read_text(encoding="utf-8")
 
 
 def test_the_registry_has_every_default_name_once_with_its_schema_versions() -> None:
