@@ -77,7 +77,10 @@ def test_without_nvml_nothing_is_exported_and_one_line_says_why(caplog: pytest.L
         assert open_nvml(torch.device("cuda", 0), module="tests.report.no_such_nvml") is None
     assert len(caplog.records) == 1 and "pip install 'torchtelemetry[nvml]'" in caplog.text
     signals = builtin_signals(context(), nvml=True)
-    assert not any(isinstance(signal, GpuHealth) for signal in signals)  # CPU training: no GPU to read
+    (gpu,) = [signal for signal in signals if isinstance(signal, GpuHealth)]  # CPU training: no GPU to read
+    assert gpu.reader is None and not gpu.metrics() and not gpu.descriptors()
+    assert not gpu._thread.is_alive()  # no reader, no thread
+    gpu.close()
 
 
 @pytest.mark.cuda

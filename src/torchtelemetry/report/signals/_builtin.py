@@ -80,8 +80,7 @@ def builtin_signals(
     if flops is not None:
         signals.insert(4, ModelFlopsSignal(context, flops))
     reader = open_nvml(context.device) if nvml and context.device.type == "cuda" else None
-    if reader is not None:
-        signals.append(GpuHealth(context, reader))
+    signals.append(GpuHealth(context, reader))  # without a reader: nothing exported, no thread
     return signals
 
 
@@ -98,10 +97,9 @@ def _described(max_rank_series: int) -> tuple[list[MetricDescriptor], list[type[
 
 
 def cuda_only_descriptors() -> list[MetricDescriptor]:
-    """The names the built-in signals export only on CUDA: each signal's own `cuda_descriptors()`
-    (GpuHealth's too, a signal built only where NVML reads a GPU)."""
+    """The names the built-in signals export only on CUDA: each signal's own `cuda_descriptors()`."""
     _, classes = _described(1)
-    found = {d.name: d for cls in (*classes, GpuHealth) for d in cls.cuda_descriptors()}
+    found = {d.name: d for cls in classes for d in cls.cuda_descriptors()}
     return list(found.values())
 
 

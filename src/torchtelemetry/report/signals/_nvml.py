@@ -151,11 +151,12 @@ def gpu_descriptors() -> list[MetricDescriptor]:
 
 
 class GpuHealth(Signal):
-    """NVML readings per rank, reduced (see the module)."""
+    """NVML readings per rank, reduced (see the module); without a reader (no CUDA, no NVML) it
+    exports nothing and starts no thread."""
 
     name = "gpu"
 
-    def __init__(self, context: SignalContext, reader: NvmlReader) -> None:
+    def __init__(self, context: SignalContext, reader: NvmlReader | None) -> None:
         super().__init__(context)
         self.reader = reader
         self.ranks = RankValues(context.world_size, context.rank, tuple(QUANTITIES)).to(context.device)
@@ -164,8 +165,9 @@ class GpuHealth(Signal):
         self._stopped = False
         self._failed = False
         self._thread = threading.Thread(target=self._run, name="torchtelemetry-nvml", daemon=True)
-        self._wanted.set()
-        self._thread.start()
+        if reader is not None:
+            self._wanted.set()
+            self._thread.start()
 
     def _run(self) -> None:
         while True:
@@ -174,6 +176,7 @@ class GpuHealth(Signal):
             if self._stopped:
                 return
             try:
+                assert self.reader is not None  # the thread runs only with one
                 self._latest = self.reader.read()
             except Exception as error:
                 if not self._failed:
@@ -181,16 +184,18 @@ class GpuHealth(Signal):
                     logger.warning("Telemetry: NVML read failed (%s); GPU health is not updated", error)
 
     def metrics(self) -> dict[str, Metric]:
-        return {STATE: self.ranks}
+        return {STATE: self.ranks} if self.reader is not None else {}
 
     def descriptors(self) -> list[MetricDescriptor]:
-        return gpu_descriptors()
+        return gpu_descriptors() if self.reader is not None else []
 
     @staticmethod
     def cuda_descriptors() -> list[MetricDescriptor]:
         return gpu_descriptors()
 
     def flush(self, duration_s: float, *, final: bool = False) -> None:
+        if self.reader is None:
+            return
         latest = self._latest
         if latest is not None:
             for index, quantity in enumerate(QUANTITIES):
@@ -212,6 +217,8 @@ class GpuHealth(Signal):
                 )
 
     def close(self) -> None:
+        if self.reader is None:
+            return
         self._stopped = True
         self._wanted.set()
         self._thread.join(timeout=10.0)
