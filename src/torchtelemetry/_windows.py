@@ -60,12 +60,14 @@ class StepWindows:
         if self._signals is not None:
             step_time = None if self._last_step_clock is None else now - self._last_step_clock
             self._signals.record_step(step, step_time, inputs)
-        elif not self._ignored_inputs and any(value is not None for value in inputs.values()):
+        elif not self._ignored_inputs and (
+            given := sorted(keyword for keyword, value in inputs.items() if value is not None)
+        ):
             self._ignored_inputs = True
             logger.warning(
                 "Telemetry.step: signals are off (TelemetryConfig.signals=False), so %s are not "
                 "recorded (logged once)",
-                sorted(keyword for keyword, value in inputs.items() if value is not None),
+                given,
             )
         self._last_step_clock = now
         self.last_step = step

@@ -51,11 +51,11 @@ def test_seconds_per_step_over_ranks_and_shares_exported_only_for_phases_entered
     phases = _event_phases()
     signals = SignalSet([phases])
     for step in range(2):
-        with phases.timer("forward"):
+        with phases.timers()["forward"]:
             _device_work(10)
-        with phases.timer("backward"):
+        with phases.timers()["backward"]:
             _device_work(20)
-            with phases.timer("forward"):  # nested in another phase: both blocks count
+            with phases.timers()["forward"]:  # nested in another phase: both blocks count
                 _device_work(5)
         signals.record_step(step, None, {})
     window = collect_window(signals, step=1, steps=2, duration_s=0.1)
@@ -84,20 +84,20 @@ def test_event_clock_reads_events_off_the_training_thread_and_a_window_carries_w
     phases = _event_phases()
     signals = SignalSet([phases])
     for step in range(3):
-        with phases.timer("forward"):
+        with phases.timers()["forward"]:
             _device_work(10)
         signals.record_step(step, None, {})
     first = collect_window(signals, step=2, steps=3, final=False)  # handed to the reader, not read
     assert "train/phase/forward" not in first and "train/phases/median" not in first
     FakeEvent.gate.set()
-    with phases.timer("forward"):
+    with phases.timers()["forward"]:
         _device_work(40)
     signals.record_step(3, None, {})
     second = collect_window(signals, step=3, steps=1, final=True)  # waits for both batches
     # 3 steps of 10 ms and 1 of 40 ms, each batch with the steps it covers
     assert second["train/phase/forward"] == {"0": pytest.approx(0.07 / 4)}
     for step in range(4, 40):
-        with phases.timer("forward"):
+        with phases.timers()["forward"]:
             _device_work(1)
         signals.record_step(step, None, {})
         collect_window(signals, step=step, final=True)
@@ -108,7 +108,7 @@ def test_event_clock_reads_events_off_the_training_thread_and_a_window_carries_w
 def test_the_host_clock_times_blocks_and_undeclared_phases_are_refused() -> None:
     phases = Phases(context(), ("forward",))
     signals = SignalSet([phases])
-    with phases.timer("forward"):
+    with phases.timers()["forward"]:
         time.sleep(0.02)
     signals.record_step(0, None, {})
     window = collect_window(signals, duration_s=0.05)
@@ -121,13 +121,13 @@ def test_a_phase_entered_again_inside_itself_counts_once() -> None:
     FakeEvent.gate.set()
     phases = _event_phases()
     signals = SignalSet([phases])
-    with phases.timer("forward"):
+    with phases.timers()["forward"]:
         _device_work(10)
-        with phases.timer("forward"):  # e.g. a model whose submodule times its own forward
+        with phases.timers()["forward"]:  # e.g. a model whose submodule times its own forward
             _device_work(10)
-            with phases.timer("forward"):
+            with phases.timers()["forward"]:
                 _device_work(5)
-        with phases.timer("backward"):  # another phase nested in it still counts on its own
+        with phases.timers()["backward"]:  # another phase nested in it still counts on its own
             _device_work(5)
     signals.record_step(0, None, {})
     window = collect_window(signals, duration_s=0.05)
@@ -201,9 +201,9 @@ def _two_ranks_one_slow(rank: int, world_size: int, max_rank_series: int) -> dic
     phases = Phases(context(world_size, rank, max_rank_series), ("forward", "backward"))
     signals = SignalSet([phases])
     for step in range(2):
-        with phases.timer("forward"):
+        with phases.timers()["forward"]:
             time.sleep(0.06 if rank == 1 else 0.01)
-        with phases.timer("backward"):
+        with phases.timers()["backward"]:
             time.sleep(0.01)
         signals.record_step(step, None, {})
     window = collect_window(signals, step=1, steps=2, duration_s=0.2)

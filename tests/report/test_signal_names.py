@@ -61,7 +61,7 @@ def _phases_declared(rank: int, world_size: int, orders: list[tuple[str, ...]]) 
     signals = SignalSet([phases])
     for step in range(2):
         for name in declared:
-            with phases.timer(name):
+            with phases.timers()[name]:
                 pass
         signals.record_step(step, None, {})
     return collect_window(signals, step=1, steps=2, duration_s=100.0)

@@ -121,7 +121,7 @@ class WeightedMeanMetric(Metric):
             try:
                 local_sum.addcmul_(value, weight)
             except RuntimeError:
-                pass
+                pass  # refused before anything was written: the full path says why
             else:
                 total_weight._local.add_(weight)
                 return

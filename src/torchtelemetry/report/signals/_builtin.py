@@ -96,11 +96,14 @@ def _described(max_rank_series: int) -> tuple[list[MetricDescriptor], list[type[
     return described, [type(signal) for signal in signals]
 
 
+def _cuda_only(classes: Sequence[type[Signal]]) -> list[MetricDescriptor]:
+    """Each of `classes`' own `cuda_descriptors()`, once by name."""
+    return list({d.name: d for cls in classes for d in cls.cuda_descriptors()}.values())
+
+
 def cuda_only_descriptors() -> list[MetricDescriptor]:
     """The names the built-in signals export only on CUDA: each signal's own `cuda_descriptors()`."""
-    _, classes = _described(1)
-    found = {d.name: d for cls in classes for d in cls.cuda_descriptors()}
-    return list(found.values())
+    return _cuda_only(_described(1)[1])
 
 
 def builtin_descriptors(max_rank_series: int = 1) -> list[MetricDescriptor]:
@@ -108,8 +111,8 @@ def builtin_descriptors(max_rank_series: int = 1) -> list[MetricDescriptor]:
     CUDA, with NVML, the default phases per rank, one watched metric), for dashboards and alert
     rules that must know them all. With `max_rank_series` 0, as a run wider than its limit
     describes them (before `RankSeriesLimit` turns the rest of its values per rank into statistics)."""
-    described, _ = _described(max_rank_series)
-    return list({d.name: d for d in described + cuda_only_descriptors()}.values())
+    described, classes = _described(max_rank_series)
+    return list({d.name: d for d in described + _cuda_only(classes)}.values())
 
 
 def signal_descriptors() -> list[MetricDescriptor]:

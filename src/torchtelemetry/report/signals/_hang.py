@@ -102,16 +102,11 @@ class Heartbeat:
         is the one entered last among those the thread is inside; `progress` changes with every
         entry and exit of a phase (a phase entered again, as micro-batches do, is progress)."""
         states = tuple(timer.state() for timer in self.timers)
-        phase = COLLECT_PHASE if self.collecting else BETWEEN_PHASES
-        if not self.collecting:
-            inside = [
-                (entered, timer.name)
-                for timer, (depth, entered) in zip(self.timers, states, strict=True)
-                if depth
-            ]
-            if inside:
-                phase = max(inside)[1]
-        return self.step, phase, (self.collections, states)
+        progress = (self.collections, states)
+        if self.collecting:
+            return self.step, COLLECT_PHASE, progress
+        inside = [(at, timer.name) for timer, (depth, at) in zip(self.timers, states, strict=True) if depth]
+        return self.step, max(inside)[1] if inside else BETWEEN_PHASES, progress
 
 
 @dataclass(frozen=True, slots=True)

@@ -117,17 +117,6 @@ class Phases(Signal):
         self._steps = 0
         self.stragglers = StragglerScores(top_k)
 
-    def timer(self, name: str) -> PhaseTimer:
-        """The context manager timing phase `name`."""
-        try:
-            return self._timers[name]
-        except KeyError:
-            raise ValueError(
-                f"Telemetry.phase: {name!r} is not a declared phase (TelemetryConfig.phases = "
-                f"{self.phases}); add it there: every rank must know its phases before the first "
-                "collection, as their times ride the window's collective"
-            ) from None
-
     def timers(self) -> dict[str, PhaseTimer]:
         """The context manager of every declared phase."""
         return dict(self._timers)

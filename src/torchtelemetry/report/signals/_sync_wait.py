@@ -58,7 +58,7 @@ class SyncWait(Signal):
         self._steps = 0
         self._watched = False
 
-    def watch(self, model: Any, hook: CommHook | None = None, state: Any = None) -> None:
+    def watch_gradient_sync(self, model: Any, phase: str, hook: CommHook | None, state: Any) -> bool:
         """Register the timed communication hook on DDP `model` (DDP takes one hook, once)."""
         register = getattr(model, "register_comm_hook", None)
         if register is None:
@@ -79,9 +79,6 @@ class SyncWait(Signal):
         # are strings (postponed evaluation).
         register(state, timed)
         self._watched = True
-
-    def watch_gradient_sync(self, model: Any, phase: str, hook: Any, state: Any) -> bool:
-        self.watch(model, hook, state)
         return True
 
     # -- the threads DDP runs the hook and its callbacks on ---------------------------------
