@@ -30,7 +30,7 @@ lint: $(STAMP)
 	$(VENV)/bin/lint-imports  # the layers and private modules of .importlinter
 
 test: system-deps $(STAMP) lint
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider -n 4 --dist worksteal  # 4 processes: many tests wait on servers and ranks
 
 # On a machine with a CUDA device, even a bare offline image (python3 with torch+CUDA, pytest, numpy,
 # prometheus-client; no venv, no pip): the cuda-marked tests and the GPU figures, one table (README).

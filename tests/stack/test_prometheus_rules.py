@@ -107,6 +107,7 @@ def test_an_existing_prometheus_with_the_documented_additions_scrapes_the_traine
             groups = json.loads(http_get(f"{prometheus.url}/api/v1/rules"))["data"]["groups"]
             loaded = {rule["name"] for group in groups for rule in group["rules"]}
             assert loaded == {"mine:up"} | {rule.get("alert") or rule["record"] for rule in rules()}
+            telemetry.close()  # while Prometheus scrapes: its next scrape reads the final report
     finally:
         telemetry.close()
 
