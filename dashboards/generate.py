@@ -5,8 +5,10 @@ dashboards/health.py, the panel builders in dashboards/panels.py) and discovers
 everything else: template variables list the run's own gauges, counters and histograms from the
 `torchtelemetry_` series Prometheus holds, and one panel is repeated per value (a line per gauge,
 a rate per counter, a heatmap and quantiles per histogram). The names of the built-in signals
-are taken from the library, so the discovery variables never list them twice. tests/stack checks
-that the committed JSON is what this script writes.
+are taken from the library, so the discovery variables never list one a fixed panel shows; a
+signal added without a panel of its own (`unplaced_names()`) is listed by them, so its series are
+on the dashboard once this script has run. tests/stack checks that the committed JSON is what this
+script writes.
 
 (Grafana's grafana-foundation-sdk was considered: the release installable here targets the
 Grafana 10.1 schema (version 36), older than these dashboards' 41, so plain dicts it is.)
@@ -71,6 +73,34 @@ def builtin_names() -> list[str]:
         parts = ("_bucket", "_sum", "_count") if descriptor.kind is MetricKind.HISTOGRAM else ("",)
         names.update(name + part for part in parts)
     return sorted(names)
+
+
+def hidden_names() -> set[str]:
+    """Built-in names no panel of this dashboard shows, on purpose: the step time's extreme ranks (in
+    synchronous training every rank's step time is the slowest rank's: noise, docs/stack.md), each
+    phase's seconds per rank (shown over ranks instead: min / median / max and their ranks), the
+    run's finished mark (the alert rules read it) and the exporters' own health
+    (exporter-health.json)."""
+    from torchtelemetry.export import HEALTH_DESCRIPTORS, RUN_FINISHED_METRIC, prometheus_name
+    from torchtelemetry.report import signal_descriptors
+
+    phases = [d for d in signal_descriptors() if d.name.startswith("train/phase/")]
+    return {
+        "torchtelemetry_train_step_time_min_rank",
+        "torchtelemetry_train_step_time_max_rank",
+        *(prometheus_name(d) for d in (*phases, RUN_FINISHED_METRIC, *HEALTH_DESCRIPTORS)),
+    }
+
+
+def unplaced_names() -> set[str]:
+    """Built-in names that neither a fixed panel shows nor `hidden_names()` hides: a signal added
+    without a panel of its own. The discovery variables list them like the run's own metrics."""
+    from torchtelemetry.export import NAMESPACE
+
+    queries = " ".join(
+        target["expr"] for panel in builtin_panels() + health_panels() for target in panel.get("targets", [])
+    )
+    return set(builtin_names()) - set(re.findall(rf"\b{NAMESPACE}_\w+", queries)) - hidden_names()
 
 
 # -- the dashboard ------------------------------------------------------------------------------
@@ -327,7 +357,8 @@ def _discovery_variable(name: str, label: str, pattern: str, regex: str) -> dict
 
 
 def templating() -> dict[str, Any]:
-    builtin = "|".join(re.escape(name) for name in builtin_names())
+    placed = set(builtin_names()) - unplaced_names()
+    builtin = "|".join(re.escape(name) for name in sorted(placed))
     hidden = "|".join(HIDDEN_PARTS)
     return {
         "list": [

@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -253,21 +253,28 @@ DISCOVERY_VARIABLES = ("gauge", "counter", "histogram")
 repeated over one is a discovered panel."""
 
 
-def own_names(tree: str) -> dict[str, set[str]]:
-    """What each discovery variable must list for a run of `TREES[tree]`."""
+def own_names(tree: str, unplaced: Sequence[MetricDescriptor] = ()) -> dict[str, set[str]]:
+    """What each discovery variable must list for a run of `TREES[tree]`: the tree's own metrics and
+    the `unplaced` built-in signals (no fixed panel shows them)."""
+    descriptors = (*tree_descriptors(tree), *unplaced)
     return {
-        variable: {prometheus_name(d) for d in tree_descriptors(tree) if d.kind is MetricKind(variable)}
+        variable: {prometheus_name(d) for d in descriptors if d.kind is MetricKind(variable)}
         for variable in DISCOVERY_VARIABLES
     }
 
 
-def generated_training_dashboard() -> str:
-    """What dashboards/generate.py writes to dashboards/training.json."""
+def dashboard_generator() -> Any:
+    """dashboards/generate.py as a module (dashboards/ is not a package)."""
     spec = importlib.util.spec_from_file_location("generate_dashboards", DASHBOARD_DIR / "generate.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.render()
+    return module
+
+
+def generated_training_dashboard() -> str:
+    """What dashboards/generate.py writes to dashboards/training.json."""
+    return dashboard_generator().render()
 
 
 def discovery_query(variable: dict[str, Any]) -> tuple[str, re.Pattern[str]]:

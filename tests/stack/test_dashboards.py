@@ -8,12 +8,14 @@ from typing import Any
 
 import pytest
 
+import torchtelemetry.report
 from tests.stack._stack import (
     DASHBOARD_DIR,
     DISCOVERY_VARIABLES,
     GRAFANA_GLOBAL_VARIABLES,
     STACK_DOC,
     TREES,
+    dashboard_generator,
     dashboards,
     discovered,
     emitted_labels,
@@ -32,7 +34,9 @@ from tests.stack._stack import (
     tree_descriptors,
     variables_used,
 )
-from torchtelemetry.report import DEFAULT_PHASES, signal_descriptors
+from torchtelemetry.export import MetricDescriptor
+from torchtelemetry.metric import MetricKind
+from torchtelemetry.report import signal_descriptors
 
 PANEL_TYPES = {"timeseries", "heatmap", "stat"}
 EXPECTED = {
@@ -161,9 +165,7 @@ STEP_TIME_RANKS = frozenset(
 )
 """In synchronous training every rank's step time is the slowest rank's, so the ranks holding the
 longest and shortest one are noise (docs/stack.md)."""
-NOT_SHOWN = STEP_TIME_RANKS | {f"torchtelemetry_train_phase_{phase}_seconds" for phase in DEFAULT_PHASES}
-"""Exported but not shown: the step time's extreme ranks; the phases' times per rank (one series
-per rank and user-named phase), shown over ranks instead (min / median / max and their ranks)."""
+GENERATOR = dashboard_generator()
 
 
 def test_dashboards_show_everything_the_library_emits() -> None:
@@ -171,7 +173,7 @@ def test_dashboards_show_everything_the_library_emits() -> None:
     by_name = {
         path.name: set().union(*map(queried_metrics, _expanded_queries(d))) for path, d in DASHBOARDS.items()
     }
-    training = {min(sample_names(d)) for d in training_descriptors()} - NOT_SHOWN
+    training = {min(sample_names(d)) for d in training_descriptors()} - GENERATOR.hidden_names()
     assert training <= by_name["training.json"], sorted(training - by_name["training.json"])
     health = {min(sample_names(d)) for d in health_descriptors()}
     assert health <= by_name["exporter-health.json"], sorted(health - by_name["exporter-health.json"])
@@ -187,10 +189,35 @@ def test_stack_doc_lists_every_panel() -> None:
 
 @pytest.mark.parametrize("tree", list(TREES))
 def test_discovery_variables_list_exactly_the_trees_own_metrics(tree: str) -> None:
-    """Gauges, counters and histograms of the tree, never a built-in signal or a health metric."""
+    """Gauges, counters and histograms of the tree, never a health metric or a built-in signal that
+    a fixed panel shows (one without a panel of its own is listed: `unplaced_names()`)."""
     variables = _variables(DASHBOARDS[DASHBOARD_DIR / "training.json"])
     listed = {name: discovered(variables[name], _run_names(tree)) for name in DISCOVERY_VARIABLES}
-    assert listed == own_names(tree)
+    unplaced = [d for d in signal_descriptors() if set(sample_names(d)) & GENERATOR.unplaced_names()]
+    assert listed == own_names(tree, unplaced)
+
+
+def test_a_signal_added_without_a_panel_is_shown_by_the_discovered_panels(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A new built-in gauge and counter, with no panel written for them: the regenerated dashboard
+    lists them in its Gauge and Counter variables (so the repeated panels show them), and only them
+    besides the run's own metrics."""
+    added = (
+        MetricDescriptor("train/grad_scale", description="the loss scale of mixed precision"),
+        MetricDescriptor("train/skipped_steps", MetricKind.COUNTER, description="optimizer steps skipped"),
+    )
+    builtin = torchtelemetry.report.signal_descriptors
+    monkeypatch.setattr(torchtelemetry.report, "signal_descriptors", lambda: (*builtin(), *added))
+    generator = dashboard_generator()
+    assert generator.unplaced_names() == {
+        "torchtelemetry_train_grad_scale",
+        "torchtelemetry_train_skipped_steps_total",
+    }
+    variables = _variables(generator.build())
+    names = _run_names("demo") | {name for d in added for name in sample_names(d)}
+    listed = {name: discovered(variables[name], names) for name in DISCOVERY_VARIABLES}
+    assert listed == own_names("demo", added)
 
 
 def test_no_panel_ranks_step_times_or_divides_them_into_a_straggler_ratio() -> None:
