@@ -81,10 +81,14 @@ def test_ddp_ranks_name_only_the_slow_rank(
     path = tmp_path / "metrics.jsonl"
     run_ranks(_train, world_size, str(path), slow, slow_phase, timeout_s=240)
     reports = _reports(path)
-    for values in reports[1:]:  # the first window holds DDP's first-step set-up
-        # Step time cannot tell: every rank waits for the slowest every step.
-        step_times = values["train/step_time"]
-        assert max(step_times.values()) / min(step_times.values()) < 1.2
+    # Step time cannot tell: every rank waits for the slowest every step. Over the run (the first
+    # window holds DDP's first-step set-up), not per window: a busy host delays one rank's step()
+    # call at a window's edge by tens of milliseconds, which a 3-step window's mean still shows.
+    step_times = [
+        sum(values["train/step_time"][str(rank)] for values in reports[1:]) for rank in range(world_size)
+    ]
+    assert max(step_times) / min(step_times) < 1.2, step_times
+    for values in reports[1:]:
         # The others wait for it in the all-reduce: it waits least.
         waits = values["train/sync_wait"]
         assert min(waits, key=waits.get) == str(slow)
