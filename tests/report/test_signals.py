@@ -138,6 +138,25 @@ def test_a_bad_data_time_names_the_signal_and_loses_nothing() -> None:
     assert telemetry.latest["train/data_wait"]["0"] == 0.25
 
 
+@pytest.mark.parametrize(
+    "bad",
+    ["0.1", [0.1], True, torch.tensor([0.1, 0.2]), torch.tensor(0.1, device="meta")],
+    ids=["string", "list", "bool", "vector", "device tensor"],
+)
+def test_a_bad_learning_rate_names_the_signal_and_loses_nothing(bad: Any) -> None:
+    """Refused before anything of the step is recorded: the tokens given with it are not counted."""
+    telemetry = tt.Telemetry({}, [], every=2)
+    telemetry.step(0, tokens=10, learning_rate=0.5)
+    with pytest.raises(
+        TypeError, match=r"train/learning_rate: step\(learning_rate=\) takes a number.*nothing"
+    ):
+        telemetry.step(1, tokens=1000, learning_rate=bad)
+    telemetry.step(1, tokens=10, learning_rate=torch.tensor(0.25))
+    telemetry.close()
+    assert telemetry.latest["train/learning_rate"] == 0.25
+    assert telemetry.latest["train/tokens"] == 20
+
+
 def test_flops_configuration_is_checked_and_mfu_needs_a_known_peak(caplog: pytest.LogCaptureFixture) -> None:
     with pytest.raises(ValueError, match="flops_per_token and flops_per_sample are both set"):
         tt.TelemetryConfig(flops_per_token=1e9, flops_per_sample=1e12)

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping
 from typing import Any
+
+import torch
 
 from torchtelemetry.metric import MaxMetric, Metric, MetricKind
 from torchtelemetry.report._values import MetricDescriptor, ReportValue
@@ -32,6 +35,23 @@ class LearningRate(Signal):
 
     def descriptors(self) -> list[MetricDescriptor]:
         return [MetricDescriptor(LEARNING_RATE, MetricKind.GAUGE, "", self.metric.description)]
+
+    def check(self, keyword: str, value: Any) -> None:
+        """A real number, or a 0-d CPU tensor of one (a device tensor would be read with a host sync)."""
+        if isinstance(value, torch.Tensor):
+            if value.dim() == 0 and value.is_cpu and not (value.is_complex() or value.dtype is torch.bool):
+                return
+        elif isinstance(value, numbers.Real) and not isinstance(value, bool):
+            return
+        shape = (
+            f"a tensor of shape {tuple(value.shape)} on {value.device}"
+            if isinstance(value, torch.Tensor)
+            else ""
+        )
+        raise TypeError(
+            f"{LEARNING_RATE}: step(learning_rate=) takes a number (or a 0-d CPU tensor), got "
+            f"{shape or type(value).__name__}; nothing of this step was recorded"
+        )
 
     def record(self, keyword: str, value: Any) -> None:
         self._seen = True
