@@ -60,3 +60,18 @@ def test_every_name_docs_signals_md_gives_is_one_a_signal_exports() -> None:
         and not any(re.fullmatch(_pattern(token), name) or name.startswith(token + "/") for name in names)
     )
     assert not stale, f"{DOC.name} names series no signal exports: {stale}"
+
+
+def test_every_step_keyword_is_documented_where_the_built_in_signals_are() -> None:
+    """README.md's "Built-in training signals" and this page's table say how each `step()` keyword
+    is fed (`step(<keyword>=...)`, or several as `step(tokens=, samples=)`)."""
+    import torchtelemetry as tt
+
+    telemetry = tt.Telemetry({}, [], every=2, nvml=False)
+    keywords = telemetry.step_keywords
+    telemetry.close()
+    readme = (DOC.parents[1] / "README.md").read_text().split("## Built-in training signals", 1)[1]
+    table = DOC.read_text().split("## The built-in training signals", 1)[1]
+    for page, text in (("README.md", readme.split("\n## ", 1)[0]), (DOC.name, table.split("\n## ", 1)[0])):
+        missing = sorted(keyword for keyword in keywords if not re.search(rf"\b{keyword}=", text))
+        assert not missing, f"{page}: give the built-in signals' table a row fed by step({missing[0]}=...)"
