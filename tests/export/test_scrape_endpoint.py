@@ -44,10 +44,12 @@ def test_name_filter_returns_the_named_families_only() -> None:
 
 
 def test_connections_are_bounded_idle_ones_closed_and_none_left_after_close() -> None:
-    exporter = tt.PrometheusExporter(port=0, max_connections=4, idle_timeout_s=5.0)
+    exporter = tt.PrometheusExporter(port=0, max_connections=4, idle_timeout_s=10.0)
     exporter.describe([LOSS], RunInfo(run_id="bounded"))
     assert exporter.export(1, {"train/loss": 0.5}, time.time()).value == "success"
-    held = [socket.create_connection(("127.0.0.1", exporter.port)) for _ in range(40)]  # never send
+    # Never send. Connected without waiting for each handshake: past the listen backlog a blocking
+    # connect waits for SYN retries, and on a busy host the first 4 could idle out meanwhile.
+    held = [_connect_without_waiting(exporter.port) for _ in range(40)]
     try:
         deadline = time.monotonic() + 60
         while len(_handler_threads()) < 4 or exporter.refused_connections == 0:
@@ -74,6 +76,13 @@ def test_connections_are_bounded_idle_ones_closed_and_none_left_after_close() ->
     finally:
         for sock in held:
             sock.close()
+
+
+def _connect_without_waiting(port: int) -> socket.socket:
+    sock = socket.socket()
+    sock.setblocking(False)
+    sock.connect_ex(("127.0.0.1", port))  # EINPROGRESS: the kernel completes the handshake
+    return sock
 
 
 def test_a_port_in_use_is_an_error_naming_the_port() -> None:
