@@ -27,6 +27,8 @@ from tests.distributed import run_ranks
 from tests.report.promtool_series import rank_straggler_alerts
 from torchtelemetry.report.signals import MIN_COST, MIN_NOISE_WINDOWS
 
+pytestmark = pytest.mark.exclusive  # a healthy rank's phase must not look slow: no other test beside it
+
 DELAY_S = 0.06
 STEPS = 36
 EVERY = 3
