@@ -34,7 +34,7 @@ from torchtelemetry.report.signals._base import (
     median,
 )
 from torchtelemetry.report.signals._clock import EventClock, HostClock, PhaseClock, PhaseTimer
-from torchtelemetry.report.signals._data_wait import DATA_PHASE
+from torchtelemetry.report.signals._data_wait import DATA_PHASE, DATA_WAIT
 from torchtelemetry.report.signals._stragglers import StragglerScores
 from torchtelemetry.report.signals._sync_wait import SYNC_WAIT
 
@@ -42,8 +42,6 @@ __all__ = ["DEFAULT_PHASES", "PhaseTimes", "Phases", "check_phase_names"]
 
 DEFAULT_PHASES = ("forward", "backward", "optimizer")
 """`TelemetryConfig.phases` by default; a phase no rank enters costs its state, never a series."""
-"""The phase timed by `Telemetry.data_wait()`, exported per rank as `train/data_wait`."""
-DATA_WAIT = "train/data_wait"
 PHASE = "train/phase"
 PHASES = "train/phases"
 
