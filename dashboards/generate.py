@@ -75,32 +75,43 @@ def builtin_names() -> list[str]:
     return sorted(names)
 
 
+STEP_TIME_RANKS = frozenset(
+    {"torchtelemetry_train_step_time_min_rank", "torchtelemetry_train_step_time_max_rank"}
+)
+"""In synchronous training every rank's step time is the slowest rank's, so the ranks holding the
+longest and shortest one are noise (docs/stack.md): no panel shows them."""
+
+
 def hidden_names() -> set[str]:
-    """Built-in names no panel of this dashboard shows, on purpose: the step time's extreme ranks (in
-    synchronous training every rank's step time is the slowest rank's: noise, docs/stack.md), each
-    phase's seconds per rank (shown over ranks instead: min / median / max and their ranks), the
-    run's finished mark (the alert rules read it) and the exporters' own health
-    (exporter-health.json)."""
+    """Built-in names no panel of this dashboard shows, on purpose: `STEP_TIME_RANKS`, each phase's
+    seconds per rank (shown over ranks instead: min / median / max and their ranks), the run's
+    finished mark (the alert rules read it) and the exporters' own health (exporter-health.json)."""
     from torchtelemetry.export import HEALTH_DESCRIPTORS, RUN_FINISHED_METRIC, prometheus_name
     from torchtelemetry.report import signal_descriptors
 
     phases = [d for d in signal_descriptors() if d.name.startswith("train/phase/")]
     return {
-        "torchtelemetry_train_step_time_min_rank",
-        "torchtelemetry_train_step_time_max_rank",
+        *STEP_TIME_RANKS,
         *(prometheus_name(d) for d in (*phases, RUN_FINISHED_METRIC, *HEALTH_DESCRIPTORS)),
     }
 
 
-def unplaced_names() -> set[str]:
-    """Built-in names that neither a fixed panel shows nor `hidden_names()` hides: a signal added
-    without a panel of its own. The discovery variables list them like the run's own metrics."""
+def placed_names() -> set[str]:
+    """Built-in names a fixed panel shows or `hidden_names()` hides: the discovery variables never
+    list them."""
     from torchtelemetry.export import NAMESPACE
 
     queries = " ".join(
         target["expr"] for panel in builtin_panels() + health_panels() for target in panel.get("targets", [])
     )
-    return set(builtin_names()) - set(re.findall(rf"\b{NAMESPACE}_\w+", queries)) - hidden_names()
+    shown = set(re.findall(rf"\b{NAMESPACE}_\w+", queries))
+    return set(builtin_names()) & (shown | hidden_names())
+
+
+def unplaced_names() -> set[str]:
+    """Built-in names not `placed_names()`: a signal added without a panel of its own. The discovery
+    variables list them like the run's own metrics."""
+    return set(builtin_names()) - placed_names()
 
 
 # -- the dashboard ------------------------------------------------------------------------------
@@ -357,8 +368,7 @@ def _discovery_variable(name: str, label: str, pattern: str, regex: str) -> dict
 
 
 def templating() -> dict[str, Any]:
-    placed = set(builtin_names()) - unplaced_names()
-    builtin = "|".join(re.escape(name) for name in sorted(placed))
+    builtin = "|".join(re.escape(name) for name in sorted(placed_names()))
     hidden = "|".join(HIDDEN_PARTS)
     return {
         "list": [
