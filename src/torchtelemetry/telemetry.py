@@ -58,10 +58,10 @@ class Telemetry:
     flushes every exporter.
 
     Building a `Telemetry` is collective: build it on every rank, at the same point
-    (rank 0 of `group` exports: see `export_policy`). Every rank learns within `timeout_s` whether every
-    rank started; if one did not (a port in use, a missing extra, a rank that never
-    builds it), every rank raises, naming the rank and the cause
-    (`TelemetryStartupError` on the others). With `WORLD_SIZE` > 1 in the environment,
+    (rank 0 of `group` exports: see `export_policy`). Every rank that builds it learns within
+    `timeout_s` whether every rank started; if one did not (a port in use, a missing extra), every
+    rank raises, naming the rank and the cause (`TelemetryStartupError` on the others); a rank that
+    never builds it cannot raise, and the ranks that did name it. With `WORLD_SIZE` > 1 in the environment,
     call `torch.distributed.init_process_group()` first.
 
     Args:
