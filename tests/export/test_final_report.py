@@ -132,14 +132,13 @@ def non_daemon_threads() -> Callable[[], list[str]]:
     return started
 
 
-def test_close_waits_past_its_timeout_until_the_scraper_read_the_final_report(
-    caplog, non_daemon_threads
-) -> None:
-    """A scraper slower than close's timeout (Prometheus' default minute against close()'s default
-    30 s, here 3 s against 0.1 s): close() waits for its next scrape, through the hub, and that scrape
-    read the final report; no thread is left to keep the process alive."""
+def _closed_while_scraped_every_3_s(
+    caplog, timeout_s: float, **options: float
+) -> tuple[Telemetry, list[str]]:
+    """A run "waits" scraped every 3 s (a known cadence), closed with `timeout_s`, its exporter
+    built with `options`; what the scraper read."""
     tokens = SumMetric(kind="counter")
-    exporter = PrometheusExporter(port=0)
+    exporter = PrometheusExporter(port=0, **options)
     telemetry = Telemetry({"tokens": tokens}, [exporter], every=EVERY, run_id="waits", signals=False)
     _train(telemetry, tokens, range(0, 4))
     telemetry.flush()
@@ -147,8 +146,17 @@ def test_close_waits_past_its_timeout_until_the_scraper_read_the_final_report(
     _known_as_scraper(exporter, scraper.agent)
     _train(telemetry, tokens, range(4, STEPS))
     with caplog.at_level(logging.INFO, logger="torchtelemetry"):
-        telemetry.close(timeout_s=0.1)
-    bodies = scraper.stop()
+        telemetry.close(timeout_s=timeout_s)
+    return telemetry, scraper.stop()
+
+
+def test_close_waits_past_its_timeout_until_the_scraper_read_the_final_report(
+    caplog, non_daemon_threads
+) -> None:
+    """A scraper slower than close's timeout (Prometheus' default minute against close()'s default
+    30 s, here 3 s against 0.5 s): close() waits for its next scrape, through the hub, and that scrape
+    read the final report; no thread is left to keep the process alive."""
+    telemetry, bodies = _closed_while_scraped_every_3_s(caplog, timeout_s=0.5)
     final = bodies[-1]
     assert f'torchtelemetry_train_step{{route="scrape",run="waits"}} {float(STEPS - 1)}' in final
     assert f'torchtelemetry_tokens_total{{route="scrape",run="waits"}} {STEPS * TOKENS_PER_STEP}' in final
@@ -221,13 +229,15 @@ def test_a_single_manual_read_is_no_scraper_and_keeps_nothing_alive(caplog, non_
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("interval_s", [8.0, 60.0])
 def test_the_final_report_reaches_a_prometheus_scraping_less_often_than_close_may_wait(
-    prometheus: PrometheusServer,
+    prometheus: PrometheusServer, interval_s: float
 ) -> None:
-    """Prometheus scrapes every 8 s, close() may take 4: close() waits past its timeout until
-    Prometheus has scraped the final report (it used to stop after its linger_s, cut to close's
-    timeout, and Prometheus never got the end of the run)."""
-    prometheus.scrape_interval_s = 8.0
+    """Prometheus scrapes every 8 s, or at its default minute, close() may take 4: right after a
+    scrape, close() waits past its timeout, within the default linger_s, until Prometheus has scraped
+    the final report (it used to stop after its linger_s, cut to close's timeout, and Prometheus
+    never got the end of the run)."""
+    prometheus.scrape_interval_s = interval_s
     run_id = f"slow-scrape-{uuid.uuid4().hex[:8]}"
     tokens = SumMetric(kind="counter")
     exporter = PrometheusExporter(port=0)
@@ -236,12 +246,9 @@ def test_the_final_report_reaches_a_prometheus_scraping_less_often_than_close_ma
     prometheus.start()
     _train(telemetry, tokens, range(0, 4))
     telemetry.flush()
-    step = f'torchtelemetry_train_step{{run="{run_id}"}}'
-    prometheus.wait_for(f"count_over_time({step}[5m]) >= 2", timeout_s=60)  # the cadence is known
-    (last,) = prometheus.query(f"timestamp({step})")
-    prometheus.wait_for(f"timestamp({step}) > {last.value}", timeout_s=30)  # a scrape just happened
+    _known_as_scraper(exporter, "Prometheus/", reads=1, timeout_s=2 * interval_s)  # a scrape just happened
     _train(telemetry, tokens, range(4, STEPS))
-    telemetry.close(timeout_s=4.0)  # shorter than the 8 s to the next scrape: close() waits for it
+    telemetry.close(timeout_s=4.0)  # shorter than the time to the next scrape: close() waits for it
     assert _reaches(prometheus, "torchtelemetry_train_step", run_id, lambda value: value == STEPS - 1)
     assert _reaches(
         prometheus, "torchtelemetry_tokens_total", run_id, lambda total: total == STEPS * TOKENS_PER_STEP
@@ -292,40 +299,9 @@ def test_a_client_that_read_twice_does_not_hold_close(caplog, non_daemon_threads
 
 def test_a_scraper_slower_than_linger_s_does_not_hold_close(caplog) -> None:
     """A steady scraper every 3 s against linger_s=2: its next scrape cannot come within the bound
-    close() promises, so close() does not wait for it at all."""
-    tokens = SumMetric(kind="counter")
-    exporter = PrometheusExporter(port=0, linger_s=2.0)
-    telemetry = Telemetry({"tokens": tokens}, [exporter], every=EVERY, signals=False)
-    _train(telemetry, tokens, range(0, 4))
-    telemetry.flush()
-    scraper = Scraper(exporter.url, every_s=3.0)
-    _known_as_scraper(exporter, scraper.agent)
-    _train(telemetry, tokens, range(4, STEPS))
-    with caplog.at_level(logging.INFO, logger="torchtelemetry"):
-        telemetry.close(timeout_s=0.5)
-    scraper.stop()
+    close() promises, so close() does not wait for it at all (close's timeout is no limit here)."""
+    _closed_while_scraped_every_3_s(caplog, timeout_s=10.0, linger_s=2.0)
     assert "final report" not in caplog.text
-    assert "abandoning" not in caplog.text
-
-
-@pytest.mark.slow
-def test_a_prometheus_at_its_default_minute_gets_the_final_report(prometheus: PrometheusServer) -> None:
-    """Prometheus scrapes every 60 s (its default), close() may take 5: close() waits for the scrape
-    after the one just made, within the default linger_s."""
-    prometheus.scrape_interval_s = 60.0
-    run_id = f"minute-{uuid.uuid4().hex[:8]}"
-    tokens = SumMetric(kind="counter")
-    exporter = PrometheusExporter(port=0)
-    telemetry = Telemetry({"tokens": tokens}, [exporter], every=EVERY, run_id=run_id, signals=False)
-    prometheus.scrape("trainer", [f"127.0.0.1:{exporter.port}"])
-    prometheus.start()
-    _train(telemetry, tokens, range(0, 4))
-    telemetry.flush()
-    _known_as_scraper(exporter, "Prometheus/", reads=1, timeout_s=120)  # its first scrape, within a minute
-    _train(telemetry, tokens, range(4, STEPS))
-    telemetry.close(timeout_s=5.0)
-    assert _reaches(prometheus, "torchtelemetry_train_step", run_id, lambda value: value == STEPS - 1)
-    assert _reaches(prometheus, "torchtelemetry_run_finished_timestamp_seconds", run_id, lambda at: at > 0)
 
 
 def test_the_pushgateway_keeps_the_final_report_marked_finished(
