@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -219,26 +219,21 @@ class Telemetry:
             return contextlib.nullcontext()
         return self._signals.phase(name)
 
-    def watch_gradient_sync(
-        self,
-        model: torch.nn.Module,
-        *,
-        phase: str = "backward",
-        hook: Callable[[Any, Any], torch.futures.Future] | None = None,
-        state: Any = None,
-    ) -> None:
-        """Time the gradient all-reduce of `model`, a `DistributedDataParallel`, on every rank.
+    def watch_gradient_sync(self, model: torch.nn.Module, *, phase: str = "backward") -> None:
+        """Measure how long each rank's backward through `model` waits for the gradient collective.
 
-        Registers a DDP communication hook: DDP's own all-reduce, or `hook` (with `state`) timed
-        the same way. Exports `train/sync_wait` per rank, the seconds per step each rank waited
-        there for the others; the straggler scores take that wait out of `phase`, the declared
-        phase whose block holds the all-reduce (`loss.backward()`), so that the ranks that wait
-        are never named, only the one they wait for (docs/signals.md). Call it once, before
-        training, on every rank (DDP takes one communication hook). With `signals=False`, nothing.
+        `model` is the `DistributedDataParallel` or FSDP2 module (or the module it wraps). Nothing
+        of the training changes: no communication hook, a forward hook that marks the outputs'
+        gradients and two autograd-engine callbacks per backward, from the last gradient computed
+        to the end of the backward (DDP's all-reduce done). Exports `train/sync_wait` per rank; the
+        straggler scores take that wait out of `phase`, the declared phase whose block holds the
+        collective (`loss.backward()`), so that the ranks that wait are never named, only the one
+        they wait for. Without it a multi-rank run names nobody in `phase` (docs/signals.md). Call
+        it on every rank before training; `close()` removes the hook. With `signals=False`, nothing.
         """
         self._require_open("watch_gradient_sync")
         if self._signals is not None:
-            self._signals.watch_gradient_sync(model, phase, hook, state)
+            self._signals.watch_gradient_sync(model, phase)
 
     def checkpoint_saved(self, step: int) -> None:
         """Mark the checkpoint of `step` as durable (written and committed): for goodput, the

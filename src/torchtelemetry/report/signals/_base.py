@@ -106,9 +106,9 @@ class Signal:
         takes (the heartbeat reads where the thread is from them)."""
         return {}
 
-    def watch_gradient_sync(self, model: Any, phase: str, hook: Any, state: Any) -> bool:
-        """`Telemetry.watch_gradient_sync(model, phase=...)`: True if this signal times `model`'s
-        gradient all-reduce (it registers the hook), False if it only takes note of `phase`."""
+    def watch_gradient_sync(self, model: Any, phase: str) -> bool:
+        """`Telemetry.watch_gradient_sync(model, phase=...)`: True if this signal times the wait for
+        `model`'s gradient collective, False if it only takes note of `phase`."""
         return False
 
     def check(self, keyword: str, value: Any) -> None:

@@ -12,7 +12,6 @@ from torchtelemetry.report.signals._base import Signal, WindowTiming
 from torchtelemetry.report.signals._clock import HostTimer, PhaseTimer
 from torchtelemetry.report.signals._data_wait import DATA_PHASE
 from torchtelemetry.report.signals._hang import Heartbeat
-from torchtelemetry.report.signals._sync_wait import CommHook
 
 __all__ = ["SignalSet"]
 
@@ -99,12 +98,12 @@ class SignalSet:
         """Let `beat` read where the training thread is from every phase's and the data wait's timer."""
         beat.timers = tuple(self._timers.values())
 
-    def watch_gradient_sync(self, model: Any, phase: str, hook: CommHook | None, state: Any) -> None:
-        """Time `model`'s gradient all-reduce (a DDP communication hook), held by phase `phase`."""
+    def watch_gradient_sync(self, model: Any, phase: str) -> None:
+        """Time the wait for `model`'s gradient collective, held by phase `phase`."""
         if phase == DATA_PHASE or phase not in self._timers:
             raise self._undeclared("Telemetry.watch_gradient_sync", phase)
-        if not any([signal.watch_gradient_sync(model, phase, hook, state) for signal in self.signals]):
-            raise ValueError("Telemetry.watch_gradient_sync: no signal here times the gradient all-reduce")
+        if not any([signal.watch_gradient_sync(model, phase) for signal in self.signals]):
+            raise ValueError("Telemetry.watch_gradient_sync: no signal here times the gradient collective")
 
     def flush(self, duration_s: float, *, final: bool = False) -> None:
         for signal in self.signals:
