@@ -57,6 +57,7 @@ from torchtelemetry.report.signals._set import SignalSet
 from torchtelemetry.report.signals._spikes import MIN_HISTORY, Spikes
 from torchtelemetry.report.signals._step_time import StepTime
 from torchtelemetry.report.signals._stragglers import (
+    DEFAULT_SYNC_PHASE,
     MIN_COST,
     MIN_EXCESS,
     MIN_NOISE_WINDOWS,
@@ -88,6 +89,7 @@ __all__ = [
     "signal_descriptors",
     "DATA_PHASE",
     "DEFAULT_PHASES",
+    "DEFAULT_SYNC_PHASE",
     "MIN_COST",
     "MIN_EXCESS",
     "MIN_HISTORY",
