@@ -1,7 +1,7 @@
 """End to end on real DDP ranks (gloo): a straggler that synchronous training hides from step time is
 named by its phase times, and never a rank that waits for it.
 
-One rank sleeps inside its forward, its data wait or its optimizer step, about ten times the step's
+One rank sleeps inside its forward, its data wait or its optimizer step, over ten times the step's
 own work; DDP's all-reduce in backward makes every other rank wait for it there. These tests assert
 only what that margin guarantees on a loaded machine: the slow rank is named eventually, and no
 other rank is ever named, in the report or by RankStraggler (promtool, on the exported series). The
@@ -26,9 +26,14 @@ import torchtelemetry as tt
 from tests.distributed import run_ranks
 from tests.report.promtool_series import rank_straggler_alerts
 
-DELAY_S = 0.1
-"""The slow rank's sleep per step: some ten times the step's own work on a busy 2-core host."""
-STEPS = 40
+DELAY_S = 0.25
+"""The slow rank's sleep per step: over ten times the step's own work on a busy 2-core host, so a
+healthy rank descheduled there for a while costs the others far less than the 5 % of the step that
+naming needs (`MIN_COST`)."""
+DEVICE_S = 0.05
+"""What every rank's step waits for outside its phases (the device's work, a GPU run's bulk of the
+step): the same on every rank."""
+STEPS = 30
 EVERY = 5
 
 
@@ -69,6 +74,7 @@ def _train(
             optimizer.step()
             optimizer.zero_grad()
             straggle("optimizer")
+        time.sleep(DEVICE_S)
         loss_metric.update(loss.detach(), 32)
         telemetry.step(step)
     telemetry.close()
@@ -79,6 +85,12 @@ def _reports(path: Path) -> list[dict[str, Any]]:
     reports = [json.loads(line)["values"] for line in path.read_text().splitlines()]
     assert len(reports) == STEPS // EVERY
     return reports
+
+
+def _straggler_values(reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """What a failure shows: each window's straggler values and phase times."""
+    shown = ("train/straggler/", "train/phase/", "train/data_wait", "train/sync_wait")
+    return [{name: value for name, value in values.items() if name.startswith(shown)} for values in reports]
 
 
 def _named(reports: list[dict[str, Any]]) -> list[set[int]]:
@@ -101,7 +113,7 @@ def test_ddp_ranks_name_the_slow_rank_and_never_a_rank_that_waits(
         sum(values["train/step_time"][str(rank)] for values in reports[1:]) for rank in range(world_size)
     ]
     assert max(step_times) / min(step_times) < 1.2, step_times
-    # The others wait for it in the all-reduce, 0.1 s a step: over the run it waits least.
+    # The others wait for it in the all-reduce, 0.25 s a step: over the run it waits least.
     waits = [
         sum(values["train/sync_wait"][str(rank)] for values in reports[1:]) for rank in range(world_size)
     ]
@@ -109,8 +121,8 @@ def test_ddp_ranks_name_the_slow_rank_and_never_a_rank_that_waits(
     for values in reports[1:]:
         assert values["train/straggler/rank"][slow_phase] == slow
     named = _named(reports)
-    assert {slow} in named, named  # named eventually
-    assert set().union(*named) == {slow}, named  # and nobody else, ever
+    assert {slow} in named, _straggler_values(reports)  # named eventually
+    assert set().union(*named) == {slow}, _straggler_values(reports)  # and nobody else, ever
     assert rank_straggler_alerts(reports, tmp_path) <= {(slow_phase, slow)}
 
 
@@ -126,7 +138,7 @@ def test_without_the_wait_measured_the_rank_that_waits_is_never_named(tmp_path: 
         assert "backward" not in values.get("train/straggler/rank", {})
         assert "backward" not in values.get("train/straggler/score", {})
     named = _named(reports)
-    assert {1} in named and set().union(*named) == {1}, named
+    assert {1} in named and set().union(*named) == {1}, _straggler_values(reports)
     assert rank_straggler_alerts(reports, tmp_path) <= {("forward", 1)}
     (warning,) = [message for message in warnings[0] if "straggler" in message]
     assert "phase 'backward'" in warning and "watch_gradient_sync(model)" in warning
@@ -154,7 +166,7 @@ def test_a_healthy_run_beside_a_cpu_hog_names_nobody(tmp_path: Path) -> None:
             hog.join(timeout=30)
     reports = _reports(path)
     assert rank_straggler_alerts(reports, tmp_path) == set()
-    assert not any(_named(reports)), [values.get("train/straggler/score") for values in reports]
+    assert not any(_named(reports)), _straggler_values(reports)
 
 
 def test_watch_gradient_sync_wants_a_declared_phase_and_a_module() -> None:

@@ -11,10 +11,12 @@ no communication hook and changes no gradient, so DDP's own process group, a use
 - a forward hook on `model` marks the outputs' gradients (a tensor hook that returns nothing): when
   the first of them arrives, a backward through the model has begun, and a callback is queued on
   the autograd engine (`queue_callback`, once per graph task);
-- that callback runs when every node of the backward has run, every gradient computed (before
-  DDP's and FSDP2's own final callbacks, queued later or, for FSDP2's, itself marked first), and
-  marks the start; it queues a second callback, which runs after every callback queued before it:
-  after DDP's `finalize_backward` waited for its buckets' all-reduce. It marks the end.
+- that callback runs when every node of the backward has run, every gradient computed, and marks
+  the start: callbacks run in the order queued, and DDP queues its `finalize_backward` only when
+  its last bucket is ready (FSDP2 its own at its first pre-backward hook, after this one: the
+  forward hook is registered first). It queues a second callback, which runs after every callback
+  queued before it: after DDP's `finalize_backward` waited for its buckets' all-reduce. It marks
+  the end.
 
 End minus start, summed over the backward passes of a step (gradient accumulation under `no_sync()`
 adds only the engine's bookkeeping, microseconds: no collective runs), is the wait. Host time on CPU
