@@ -228,7 +228,7 @@ class Telemetry:
         to the end of the backward (DDP's all-reduce done). Exports `train/sync_wait` per rank; the
         straggler scores take that wait out of `phase`, the declared phase whose block holds the
         collective (`loss.backward()`), so that the ranks that wait are never named, only the one
-        they wait for. Without it a multi-rank run names nobody in `phase` (docs/signals.md). Call
+        they wait for. Without it a multi-rank run names nobody in "backward" (docs/signals.md). Call
         it on every rank before training; `close()` removes the hook. With `signals=False`, nothing.
         """
         self._require_open("watch_gradient_sync")
