@@ -21,6 +21,7 @@ from torchtelemetry.export import (
     Exporter,
     ExportHub,
     NullHub,
+    OTelExporter,
     RunInfo,
     exporters_from_spec,
 )
@@ -39,10 +40,12 @@ from torchtelemetry.report import (
     describe_with_signals,
 )
 from torchtelemetry.run import (
+    DEFAULT_TRACE_RANKS,
     GoodputLedger,
     ProgressFile,
     RunIdentity,
     RunProgress,
+    RunTraces,
     progress_path,
     resolve_run_identity,
 )
@@ -79,11 +82,14 @@ class RunParts:
     """The run's progress file (`TelemetryConfig.progress_file`), written by the exporting rank."""
     goodput: GoodputLedger
     """Goodput's lasting state (the goodput signal exports it)."""
+    traces: RunTraces
+    """This rank's traces: the timeline the timers write, and the spans of sampled windows."""
 
     def close(self) -> None:
         """Release what set-up started: the exporters (ports, threads), the signals' threads and the
         progress file's writer (the run did not finish)."""
         self.hub.close()
+        self.traces.close()
         if self.signals is not None:
             self.signals.close()
         if self.progress is not None:
@@ -102,16 +108,18 @@ def assemble_run(metrics: Any, exporters: Sequence[Exporter] | str, config: Tele
     goodput = GoodputLedger(progress)
     hub: ExportHub | NullHub = NullHub()
     signals = None
+    if isinstance(exporters, str):
+        exporters = exporters_from_spec(exporters)
+    rank = group_rank(resolved)
+    traces = _run_traces(config, exporters, rank, world_size, policy.exporting, run.run_id, device)
     try:
-        signals = _builtin_signals(config, world_size, goodput, user_leaves, group_rank(resolved), device)
+        signals = _builtin_signals(config, world_size, goodput, user_leaves, rank, device, traces)
         signal_metrics = signals.metrics() if signals is not None else {}
         leaves = user_leaves + list(signal_metrics.items())
         ranks = RankSeriesLimit(world_size, config.max_rank_series)
         descriptors = describe_with_signals(metrics, signals, ranks)
         if config.hang_after_s is not None:  # the hang monitor's reports (`_hang_monitor`)
             descriptors += HANG_DESCRIPTORS
-        if isinstance(exporters, str):
-            exporters = exporters_from_spec(exporters)
         if policy.exporting:
             hub = ExportHub(exporters, run=run, queue_size=config.queue_size)
         hub.describe(descriptors)
@@ -125,6 +133,7 @@ def assemble_run(metrics: Any, exporters: Sequence[Exporter] | str, config: Tele
         )
     except BaseException:
         hub.close()
+        traces.close()
         if signals is not None:
             signals.close()
         if progress is not None:
@@ -143,6 +152,7 @@ def assemble_run(metrics: Any, exporters: Sequence[Exporter] | str, config: Tele
         publisher,
         progress,
         goodput,
+        traces,
     )
 
 
@@ -182,6 +192,40 @@ def startup_timeout_s(config: TelemetryConfig | None, fields: Mapping[str, Any])
     return float(timeout_s) if isinstance(timeout_s, (int, float)) and timeout_s > 0 else 300.0
 
 
+def _run_traces(
+    config: TelemetryConfig,
+    exporters: Sequence[Exporter],
+    rank: int,
+    world_size: int,
+    exporting: bool,
+    run_id: str,
+    device: torch.device,
+) -> RunTraces:
+    """This rank's traces, sent to the first `OTelExporter`'s traces endpoint (`trace_ranks`)."""
+    otel = [exporter for exporter in exporters if isinstance(exporter, OTelExporter)]
+    trace_ranks = config.trace_ranks
+    if trace_ranks is None:
+        trace_ranks = DEFAULT_TRACE_RANKS if otel and config.signals else 0
+    elif trace_ranks and not (otel and config.signals):
+        raise ValueError(
+            f"TelemetryConfig.trace_ranks={trace_ranks}: spans are built from the built-in signals' "
+            "timers and sent to an OTelExporter's traces endpoint, and "
+            + ("exporters has no OTelExporter" if not otel else "signals=False")
+            + "; add tt.OTelExporter() (and keep signals on), or set trace_ranks=0"
+        )
+    sender = otel[0].span_sender() if trace_ranks else None
+    return RunTraces(
+        config.phases,
+        rank=rank,
+        world_size=world_size,
+        exporting=exporting,
+        run_id=run_id,
+        sender=sender,
+        trace_ranks=trace_ranks,
+        device=device,
+    )
+
+
 def _builtin_signals(
     config: TelemetryConfig,
     world_size: int,
@@ -189,6 +233,7 @@ def _builtin_signals(
     user_leaves: list[tuple[str, Metric]],
     rank: int,
     device: torch.device,
+    traces: RunTraces,
 ) -> SignalSet | None:
     if not config.signals:
         return None
@@ -207,5 +252,8 @@ def _builtin_signals(
             spike_windows=config.spike_windows,
             goodput=goodput,
             nvml=config.nvml,
+            trace_ranks=traces.trace_ranks,
+            traces=traces,
+            timeline=traces.log,
         )
     )

@@ -16,7 +16,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from torchtelemetry.collect import AsyncMetricCollector, CollectionError
-from torchtelemetry.report import Heartbeat, SignalSet, WindowPublisher
+from torchtelemetry.report import (
+    COLLECT_PHASE,
+    NO_SECTIONS,
+    Heartbeat,
+    SectionLog,
+    SignalSet,
+    WindowPublisher,
+)
 
 __all__ = ["StepWindows"]
 
@@ -34,7 +41,9 @@ class StepWindows:
         signals: SignalSet | None,
         *,
         every: int,
+        sections: SectionLog = NO_SECTIONS,
     ) -> None:
+        """`sections`: the window's timeline for its trace (each step's end, each wait for a collection)."""
         self._collector = collector
         self._publisher = publisher
         self._signals = signals
@@ -51,6 +60,8 @@ class StepWindows:
         self.failure: CollectionError | None = None
         """The collection that failed; nothing more is collected after it."""
         self._ignored_inputs = False
+        self._sections = sections
+        self._collect_kind = sections.kind(COLLECT_PHASE) if sections.keeps else 0
         self.beat: Heartbeat | None = None
         """The heartbeat, told when this thread waits for collections (phase "collect")."""
 
@@ -69,6 +80,7 @@ class StepWindows:
                 "recorded (logged once)",
                 given,
             )
+        self._sections.stepped(step, now)
         self._last_step_clock = now
         self.last_step = step
         self.steps_in_window += 1
@@ -115,16 +127,20 @@ class StepWindows:
         # Values logged at the windows' steps came before this call (a framework logs right after
         # the step()): their reports may be submitted now.
         self._publisher.release()
-        beat = self.beat if block and self._collector.pending else None
-        if beat is None:
+        if not (block and self._collector.pending):
             self._collect(block=block, limit=limit)
             return
-        beat.collecting = True
-        beat.collections += 1
+        beat = self.beat
+        if beat is not None:
+            beat.collecting = True
+            beat.collections += 1
+        started = time.perf_counter()
         try:
             self._collect(block=block, limit=limit)
         finally:
-            beat.collecting = False
+            if beat is not None:
+                beat.collecting = False
+            self._sections.record(self._collect_kind, started, time.perf_counter())
 
     def _collect(self, *, block: bool, limit: int | None) -> None:
         collected = 0

@@ -92,6 +92,10 @@ class TelemetryConfig:
     """How often each rank publishes where it is, and the exporting rank reads every rank's."""
     dump_dir: str | os.PathLike[str] | None = None
     """Where a hung rank writes its stacks (and NCCL's flight recorder); None: the current directory."""
+    trace_ranks: int | None = None
+    """Ranks each window sends OTLP spans of its steps from: the slowest, the fastest and one rotating
+    through the world (docs/signals.md, Traces), to the `OTelExporter`'s traces endpoint. None: 3 when
+    an `OTelExporter` is among the exporters (and `signals` is on), else 0; 0 turns traces off."""
 
     def __post_init__(self) -> None:
         check_collection_limits("TelemetryConfig.", timeout_s=self.timeout_s, max_pending=self.max_pending)
@@ -118,6 +122,14 @@ class TelemetryConfig:
                 f"TelemetryConfig.hang_after_s ({self.hang_after_s}) must be at least twice "
                 f"heartbeat_interval_s ({self.heartbeat_interval_s}): a rank publishes where it is once "
                 "per interval, so a shorter bound would call a rank between two heartbeats hung"
+            )
+        if self.trace_ranks is not None and (
+            isinstance(self.trace_ranks, bool)
+            or not isinstance(self.trace_ranks, int)
+            or self.trace_ranks < 0
+        ):
+            raise ValueError(
+                f"TelemetryConfig.trace_ranks must be None or an integer >= 0, got {self.trace_ranks!r}"
             )
         if self.straggler_top_k < 1:
             raise ValueError(

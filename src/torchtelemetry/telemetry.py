@@ -31,7 +31,7 @@ from torchtelemetry.report import (
     restore_run_state,
     run_state,
 )
-from torchtelemetry.run import RunIdentity
+from torchtelemetry.run import RunIdentity, checked_attempt
 
 __all__ = ["RunIdentity", "Telemetry", "TelemetryConfig", "TelemetryStartupError"]
 
@@ -122,6 +122,7 @@ class Telemetry:
         self._identity = parts.identity
         self._run_id_suffix = parts.run_id_suffix
         self._progress, self._goodput = parts.progress, parts.goodput
+        self._traces = parts.traces
         self.is_exporting = parts.is_exporting
         """Whether this rank exports: rank 0 of the group (`export_policy`)."""
         self.hub = parts.hub
@@ -129,7 +130,9 @@ class Telemetry:
         self._signals = parts.signals
         self._descriptors = parts.descriptors
         self._publisher = parts.publisher
-        self._windows = StepWindows(self._collector, self._publisher, self._signals, every=self.every)
+        self._windows = StepWindows(
+            self._collector, self._publisher, self._signals, every=self.every, sections=parts.traces.log
+        )
         self._beat = self._hang_watch.beat if self._hang_watch is not None else None
         self._windows.beat = self._beat
         self._closed = self._raised = False
@@ -153,6 +156,7 @@ class Telemetry:
             config=self.run.config,
         )
         self.hub.adopt_run(self.run)
+        self._traces.adopt_run(self.run.run_id)
         if self._progress is not None:
             self._progress.adopt_run(self.run.run_id)
 
@@ -240,6 +244,7 @@ class Telemetry:
         training up to when `state_dict()` was taken for it reached a checkpoint."""
         self._require_open("checkpoint_saved")
         self._goodput.checkpoint_saved(step)
+        self._traces.checkpoint_saved(step)
 
     def schedule_collection(self) -> None:
         """Schedule a collection of the steps since the last one now, without waiting for it.
@@ -299,6 +304,7 @@ class Telemetry:
                 self._hang_watch.close(timeout_s)
             self._publisher.release()  # collections still in flight after a failure must not wait for logs
             self._collector.unbind(timeout_s=timeout_s)
+            self._traces.close(timeout_s)  # every window's verdict is in: send what is queued
             self.hub.close(timeout_s)
             self._every_rank.release()
             if self._signals is not None:
@@ -358,10 +364,12 @@ class Telemetry:
         if not self._closed:
             self._windows.drain(block=True)
             self._windows.flush_signals(final=True)
+            self._traces.state_taken(self._windows.last_step)
         return {
             **run_state(self._leaves, self._publisher.totals, self._signals, self.config.group),
             **self._windows.state(),
             "run_id": self._identity.run_id,
+            "attempt": self._traces.attempt,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -381,11 +389,13 @@ class Telemetry:
                 f"Telemetry.load_state_dict: run_id must be a non-empty string, got {saved_run_id!r}; "
                 "pass the state Telemetry.state_dict() returned"
             )
+        saved_attempt = checked_attempt(state.get("attempt", 0))
         if saved_run_id and not self._identity.pinned and saved_run_id != self._identity.run_id:
             self._adopt_run(RunIdentity(saved_run_id, "checkpoint"))
         restore_run_state(
             state, self._leaves, self._user_leaves, self._publisher.totals, self._signals, self.config.group
         )
         self._windows.load(state)
+        self._traces.resumed(saved_attempt)
         if self._beat is not None and self._windows.last_step is not None:
             self._beat.step = self._windows.last_step + 1

@@ -8,6 +8,16 @@ the heartbeat and the hang monitor, goodput's lasting state, captures and traces
 from torchtelemetry.run._goodput import GoodputLedger
 from torchtelemetry.run._identity import RunIdentity, launcher_run_id, resolve_run_identity
 from torchtelemetry.run._progress import ProgressFile, ProgressRecord, RunProgress, progress_path
+from torchtelemetry.run._trace_ids import hex_span_id, hex_trace_id, span_id, trace_id
+from torchtelemetry.run._trace_spans import TracedWindow, window_spans
+from torchtelemetry.run._traces import (
+    DEFAULT_TRACE_RANKS,
+    LATE_WAIT_S,
+    QUEUED_WINDOWS,
+    TRACES_THREAD,
+    RunTraces,
+    checked_attempt,
+)
 
 __all__ = [
     # identity and attempts, the progress file, goodput's lasting state
@@ -19,4 +29,17 @@ __all__ = [
     "launcher_run_id",
     "progress_path",
     "resolve_run_identity",
+    # traces: spans of the sampled ranks' steps, their ids
+    "DEFAULT_TRACE_RANKS",
+    "checked_attempt",
+    "LATE_WAIT_S",
+    "QUEUED_WINDOWS",
+    "TRACES_THREAD",
+    "RunTraces",
+    "TracedWindow",
+    "hex_span_id",
+    "hex_trace_id",
+    "span_id",
+    "trace_id",
+    "window_spans",
 ]

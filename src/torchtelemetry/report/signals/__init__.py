@@ -28,7 +28,14 @@ from torchtelemetry.report.signals._builtin import (
     cuda_only_descriptors,
     signal_descriptors,
 )
-from torchtelemetry.report.signals._clock import EventClock, HostClock, HostTimer, PhaseClock, PhaseTimer
+from torchtelemetry.report.signals._clock import (
+    EventClock,
+    HostAnchor,
+    HostClock,
+    HostTimer,
+    PhaseClock,
+    PhaseTimer,
+)
 from torchtelemetry.report.signals._data_wait import DATA_PHASE, DataWait
 from torchtelemetry.report.signals._goodput import Goodput, GoodputReading, GoodputSource, goodput_gauges
 from torchtelemetry.report.signals._hang import (
@@ -54,8 +61,25 @@ from torchtelemetry.report.signals._nvml import (
 from torchtelemetry.report.signals._peak_memory import PeakMemory
 from torchtelemetry.report.signals._phases import DEFAULT_PHASES, Phases, check_phase_names
 from torchtelemetry.report.signals._set import SignalSet
+from torchtelemetry.report.signals._span_names import (
+    ATTEMPT_ATTRIBUTE,
+    PHASE_ATTRIBUTE,
+    RANK_ATTRIBUTE,
+    RUN_ID_ATTRIBUTE,
+    SPAN_ATTRIBUTES,
+    STEP_ATTRIBUTE,
+    STEP_SPAN,
+    SpanName,
+    span_name,
+    span_names,
+)
 from torchtelemetry.report.signals._spikes import MIN_HISTORY, Spikes
-from torchtelemetry.report.signals._step_time import StepTime
+from torchtelemetry.report.signals._step_time import (
+    STEP_TIME_BOUNDS,
+    STEP_TIME_HISTOGRAM,
+    StepTime,
+    StepTimeHistogram,
+)
 from torchtelemetry.report.signals._stragglers import (
     DEFAULT_SYNC_PHASE,
     MIN_COST,
@@ -67,8 +91,50 @@ from torchtelemetry.report.signals._stragglers import (
 )
 from torchtelemetry.report.signals._sync_wait import SYNC_WAIT, SyncWait
 from torchtelemetry.report.signals._throughput import Count, ModelFlopsSignal, check_count
+from torchtelemetry.report.signals._timeline import (
+    CHECKPOINT_SECTION,
+    NO_SECTIONS,
+    SYNC_WAIT_SECTION,
+    LateSections,
+    Section,
+    SectionLog,
+    WindowSections,
+)
+from torchtelemetry.report.signals._trace_sampling import (
+    TraceSample,
+    TraceSampling,
+    TraceSink,
+    sample_ranks,
+    section_kinds,
+)
 
 __all__ = [
+    "ATTEMPT_ATTRIBUTE",
+    "PHASE_ATTRIBUTE",
+    "RANK_ATTRIBUTE",
+    "RUN_ID_ATTRIBUTE",
+    "SPAN_ATTRIBUTES",
+    "STEP_ATTRIBUTE",
+    "STEP_SPAN",
+    "SpanName",
+    "span_name",
+    "span_names",
+    "CHECKPOINT_SECTION",
+    "NO_SECTIONS",
+    "STEP_TIME_BOUNDS",
+    "STEP_TIME_HISTOGRAM",
+    "SYNC_WAIT_SECTION",
+    "HostAnchor",
+    "LateSections",
+    "Section",
+    "SectionLog",
+    "StepTimeHistogram",
+    "TraceSample",
+    "TraceSampling",
+    "TraceSink",
+    "WindowSections",
+    "sample_ranks",
+    "section_kinds",
     "BETWEEN_PHASES",
     "COLLECT_PHASE",
     "HANG_DESCRIPTORS",

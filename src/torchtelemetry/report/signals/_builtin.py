@@ -24,6 +24,8 @@ from torchtelemetry.report.signals._spikes import Spikes
 from torchtelemetry.report.signals._step_time import StepTime
 from torchtelemetry.report.signals._sync_wait import SyncWait
 from torchtelemetry.report.signals._throughput import Count, ModelFlopsSignal
+from torchtelemetry.report.signals._timeline import NO_SECTIONS, SectionLog
+from torchtelemetry.report.signals._trace_sampling import TraceSampling, TraceSink
 
 __all__ = [
     "DEFAULT_SPIKE_SIGMA",
@@ -55,22 +57,28 @@ def builtin_signals(
     spike_windows: int = DEFAULT_SPIKE_WINDOWS,
     goodput: GoodputSource | None = None,
     nvml: bool = False,
+    trace_ranks: int = 0,
+    traces: TraceSink | None = None,
+    timeline: SectionLog = NO_SECTIONS,
 ) -> list[Signal]:
     """Every built-in signal of one `Telemetry` (its `TelemetryConfig` fields of the same names;
     `leaves` are the user's metrics, `flops` from `ModelFlops.resolve`, `goodput` the run's goodput
-    state, without which goodput is only described), in the order they derive:
+    state, without which goodput is only described; `traces` the run's traces, fed by `timeline`,
+    whose kinds are `section_kinds(phases)`), in the order they derive:
     a signal that reads another's window values comes after it (model FLOPs after the counts, the
-    phases after the data wait and the sync wait)."""
+    trace sampling and the phases after the data wait and the sync wait, the trace sampling before
+    the phases, which drop their values per rank above `max_rank_series`)."""
     watched = watched_metrics(leaves, nonfinite)
     signals: list[Signal] = [
         StepTime(context),
-        DataWait(context),
+        DataWait(context, timeline),
         Count(context, "tokens", "tokens", "Tokens trained on", "Token throughput"),
         Count(context, "samples", "samples", "Samples trained on", "Sample throughput"),
         LearningRate(context),
         PeakMemory(context),
-        SyncWait(context),
-        Phases(context, phases, top_k=straggler_top_k),
+        SyncWait(context, timeline),
+        *([TraceSampling(context, traces, trace_ranks)] if traces is not None and trace_ranks else []),
+        Phases(context, phases, top_k=straggler_top_k, log=timeline),
         NonFiniteSentinel(context, watched),
         Spikes(context, tuple(watched), sigma=spike_sigma, windows=spike_windows),
         MemoryHealth(context),

@@ -6,6 +6,10 @@ clock records two events on the current stream per section (no sync); a reader t
 each batch's events to complete and reads their elapsed times, so a window carries the batches
 read by the time it was scheduled, usually those of the window before (`take(wait=True)` waits for
 all of them: at a checkpoint and at close).
+
+Both hand each section's times to the window's `SectionLog` for its trace: the host clock the two
+times it takes anyway, the event clock's reader the events' times placed on the host timeline by a
+`HostAnchor` (a no-op log, the default, keeps nothing).
 """
 
 from __future__ import annotations
@@ -19,7 +23,9 @@ from typing import Any, Protocol
 
 import torch
 
-__all__ = ["EventClock", "HostClock", "HostTimer", "PhaseClock", "PhaseTimer"]
+from torchtelemetry.report.signals._timeline import NO_SECTIONS, LateSections, SectionLog
+
+__all__ = ["EventClock", "HostAnchor", "HostClock", "HostTimer", "PhaseClock", "PhaseTimer"]
 
 logger = logging.getLogger(__name__)
 
@@ -82,12 +88,20 @@ class HostTimer:
     inside itself is counted once; the data wait). Entered only on the thread that built it; the
     heartbeat reads `state()`, as a `PhaseTimer`'s."""
 
-    __slots__ = ("_depth", "_record", "_started", "_thread", "name")
+    __slots__ = ("_depth", "_kind", "_log", "_record", "_started", "_thread", "name")
 
     def __init__(
-        self, record: Callable[[float], None], name: str = "data", op: str = "Telemetry.data_wait()"
+        self,
+        record: Callable[[float], None],
+        name: str = "data",
+        op: str = "Telemetry.data_wait()",
+        *,
+        log: SectionLog = NO_SECTIONS,
+        kind: int = 0,
     ) -> None:
         self._record = record
+        self._log = log
+        self._kind = kind
         self._started = 0.0
         self._depth = 0
         self._thread = TrainingThread(op)
@@ -103,7 +117,9 @@ class HostTimer:
     def __exit__(self, *exc: object) -> None:
         self._depth -= 1
         if not self._depth:
-            self._record(time.perf_counter() - self._started)
+            ended = time.perf_counter()
+            self._record(ended - self._started)
+            self._log.record(self._kind, self._started, ended)
 
     def state(self) -> tuple[int, float]:
         """(How deep the thread is inside this block, when it last entered it), read from any thread."""
@@ -133,16 +149,20 @@ class TrainingThread:
 
 
 class HostClock:
-    """`time.perf_counter()`: what the host spent in each section (CPU training)."""
+    """`time.perf_counter()`: what the host spent in each section (CPU training); each section's
+    times also go to `log` (a phase's index is its kind there)."""
 
-    def __init__(self, phases: int) -> None:
+    def __init__(self, phases: int, log: SectionLog = NO_SECTIONS) -> None:
         self._seconds = [0.0] * phases
+        self._log = log
 
     def start(self) -> float:
         return time.perf_counter()
 
     def stop(self, index: int, started: float) -> None:
-        self._seconds[index] += time.perf_counter() - started
+        ended = time.perf_counter()
+        self._seconds[index] += ended - started
+        self._log.record(index, started, ended)
 
     def entered_at(self, started: float) -> float:
         return started
@@ -160,18 +180,27 @@ class EventClock:
     thread (`torchtelemetry-phase-reader`) once they completed; events are pooled and reused.
 
     `make_event` builds an event with `record()`, `synchronize()` and `elapsed_time(end)` in
-    milliseconds (default: a CUDA timing event whose `synchronize()` yields the CPU).
+    milliseconds (default: a CUDA timing event whose `synchronize()` yields the CPU). When `log` keeps
+    sections, the reader places each batch's events on the host timeline (`HostAnchor`) and hands
+    them to the window they were timed in.
     """
 
     def __init__(
-        self, phases: int, device: torch.device, make_event: Callable[[], Any] | None = None
+        self,
+        phases: int,
+        device: torch.device,
+        make_event: Callable[[], Any] | None = None,
+        log: SectionLog = NO_SECTIONS,
     ) -> None:
         self._phases = phases
         self._device = device
         self._make_event = make_event or (lambda: torch.cuda.Event(enable_timing=True, blocking=True))
+        self._log = log
         self._pool: collections.deque[Any] = collections.deque()
         self._sections: list[tuple[int, Any, Any]] = []
-        self._batches: collections.deque[tuple[list[tuple[int, Any, Any]], int] | None] = collections.deque()
+        self._batches: collections.deque[
+            tuple[list[tuple[int, Any, Any]], int, LateSections | None] | None
+        ] = collections.deque()
         self._read: list[Batch] = []
         self._unread = 0
         self._changed = threading.Condition()
@@ -204,7 +233,7 @@ class EventClock:
         with self._changed:
             if sections or steps:
                 self._start_reader()
-                self._batches.append((sections, steps))
+                self._batches.append((sections, steps, self._log.late() if sections else None))
                 self._unread += 1
                 self._changed.notify_all()
             if wait and not self._changed.wait_for(lambda: self._unread == 0, timeout_s):
@@ -222,25 +251,35 @@ class EventClock:
             self._reader.start()
 
     def _run(self) -> None:
+        stream = None
         if self._device.type == "cuda":
             torch.cuda.set_device(self._device)
+            stream = torch.cuda.Stream(self._device)  # idle: an anchor recorded there completes at once
         while True:
             with self._changed:
                 self._changed.wait_for(lambda: bool(self._batches))
                 batch = self._batches.popleft()
             if batch is None:
                 return
-            sections, steps = batch
+            sections, steps, late = batch
             seconds = [0.0] * self._phases
-            for index, started, ended in sections:
-                try:
+            try:
+                for index, started, ended in sections:
                     ended.synchronize()
                     seconds[index] += started.elapsed_time(ended) / 1000
-                except RuntimeError as error:  # a failed device: the training thread hears of it
-                    if not self._failed:
-                        self._failed = True
-                        logger.warning("Telemetry: phase events could not be read: %s", error)
+                if late is not None:
+                    anchor = HostAnchor(self._event(), stream)
+                    for index, started, ended in sections:
+                        late.add(index, anchor.place(started), anchor.place(ended))
+                    self._pool.append(anchor.event)
+            except RuntimeError as error:  # a failed device: the training thread hears of it
+                if not self._failed:
+                    self._failed = True
+                    logger.warning("Telemetry: phase events could not be read: %s", error)
+            for _, started, ended in sections:
                 self._pool.extend((started, ended))
+            if late is not None:
+                late.finish()
             with self._changed:
                 self._read.append((seconds, steps))
                 self._unread -= 1
@@ -254,3 +293,25 @@ class EventClock:
             self._batches.append(None)
             self._changed.notify_all()
         self._reader.join(timeout=60.0)
+
+
+class HostAnchor:
+    """Places completed timing events of one device on the host's `perf_counter` timeline: `event` is
+    recorded now on `stream` (an idle one, so it completes at once; None: the current stream) and
+    waited for, and the host time it completed at is noted. Off the training thread only: it waits."""
+
+    __slots__ = ("event", "host_time")
+
+    def __init__(self, event: Any, stream: Any = None) -> None:
+        before = time.perf_counter()
+        if stream is None:
+            event.record()
+        else:
+            event.record(stream)
+        event.synchronize()
+        self.host_time = (before + time.perf_counter()) / 2
+        self.event = event
+
+    def place(self, event: Any) -> float:
+        """The host time at which `event` (completed, recorded before the anchor) was reached."""
+        return self.host_time - event.elapsed_time(self.event) / 1000

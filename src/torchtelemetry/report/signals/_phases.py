@@ -39,6 +39,7 @@ from torchtelemetry.report.signals._clock import EventClock, HostClock, PhaseClo
 from torchtelemetry.report.signals._data_wait import DATA_PHASE, DATA_WAIT
 from torchtelemetry.report.signals._stragglers import StragglerScores
 from torchtelemetry.report.signals._sync_wait import SYNC_WAIT
+from torchtelemetry.report.signals._timeline import NO_SECTIONS, SectionLog
 
 __all__ = ["DEFAULT_PHASES", "PhaseTimes", "Phases", "check_phase_names"]
 
@@ -102,15 +103,17 @@ class Phases(Signal):
         *,
         top_k: int = 3,
         clock: PhaseClock | None = None,
+        log: SectionLog = NO_SECTIONS,
     ) -> None:
+        """`log`: the window's timeline for its trace, whose first kinds are `phases` in order."""
         super().__init__(context)
         self.phases = check_phase_names(phases)
         self.times = PhaseTimes(context.world_size, context.rank, self.phases).to(context.device)
         if clock is None:
             clock = (
-                EventClock(len(self.phases), context.device)
+                EventClock(len(self.phases), context.device, log=log)
                 if context.device.type == "cuda"
-                else HostClock(len(self.phases))
+                else HostClock(len(self.phases), log)
             )
         self._clock = clock
         self._timers = {name: PhaseTimer(clock, index, name) for index, name in enumerate(self.phases)}

@@ -4,11 +4,18 @@
 `RankSeriesLimit`); `train/step_time/min_rank` and `max_rank` name the fastest and slowest rank as
 values at any world size (the lowest rank on ties). In synchronous training every rank waits for
 the slowest, so step times agree; stragglers show in the phases (`_phases`, `_stragglers`).
+
+`train/step_time/histogram` counts every step of every rank by its time (buckets `STEP_TIME_BOUNDS`,
+summed over ranks): one series per exporting group, the step-time series that carries the exemplar
+linking to the slowest rank's trace (`_trace_sampling`).
 """
 
 from __future__ import annotations
 
-from torchtelemetry.metric import Metric, MetricKind, PerRankMetric
+import bisect
+from collections.abc import Sequence
+
+from torchtelemetry.metric import HistogramMetric, Metric, MetricKind, PerRankMetric
 from torchtelemetry.report._values import MetricDescriptor, ReportValue
 from torchtelemetry.report.signals._base import (
     Signal,
@@ -19,9 +26,32 @@ from torchtelemetry.report.signals._base import (
     lowest_rank,
 )
 
-__all__ = ["STEP_TIME", "StepTime"]
+__all__ = ["STEP_TIME", "STEP_TIME_BOUNDS", "STEP_TIME_HISTOGRAM", "StepTime", "StepTimeHistogram"]
 
 STEP_TIME = "train/step_time"
+STEP_TIME_HISTOGRAM = "train/step_time/histogram"
+STEP_TIME_BOUNDS = (
+    *(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5),
+    *(1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 600.0),
+)
+"""Upper bounds (seconds) of the step-time histogram's buckets: 1 ms to 10 minutes."""
+
+
+class StepTimeHistogram(HistogramMetric):
+    """Step times by bucket, every rank adding its own steps (SUM over ranks)."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            STEP_TIME_BOUNDS, unit="seconds", description="Host wall time of each training step, every rank's"
+        )
+
+    def add_counted(self, counts: Sequence[int], total: float) -> None:
+        """Add steps already counted by bucket on the host, `total` their seconds (no copy, no sync)."""
+        for index, count in enumerate(counts):
+            if count:
+                self.counts.add_at(index, count)
+        self.sum.update(total)
+        self.count.update(sum(counts))
 
 
 class StepTime(Signal):
@@ -37,11 +67,13 @@ class StepTime(Signal):
             unit="seconds",
             description="Mean host wall time of a training step, per rank",
         ).to(context.device)
+        self.histogram = StepTimeHistogram().to(context.device)
         self._total = 0.0
         self._count = 0
+        self._buckets = [0] * (len(STEP_TIME_BOUNDS) + 1)
 
     def metrics(self) -> dict[str, Metric]:
-        return {STEP_TIME: self.metric}
+        return {STEP_TIME: self.metric, STEP_TIME_HISTOGRAM: self.histogram}
 
     def descriptors(self) -> list[MetricDescriptor]:
         return [
@@ -50,17 +82,23 @@ class StepTime(Signal):
                 MetricDescriptor(f"{STEP_TIME}/{stat}_rank", description=f"Rank with the {stat} step time")
                 for stat in ("min", "max")
             ),
+            MetricDescriptor(
+                STEP_TIME_HISTOGRAM, MetricKind.HISTOGRAM, "seconds", self.histogram.description
+            ),
         ]
 
     def on_step(self, step: int, step_time: float | None) -> None:
         if step_time is not None:
             self._total += step_time
             self._count += 1
+            self._buckets[bisect.bisect_left(STEP_TIME_BOUNDS, step_time)] += 1
 
     def flush(self, duration_s: float, *, final: bool = False) -> None:
         if self._count:
             self.metric.update_total(self._total, float(self._count))  # numbers in the kernels: no copy
+            self.histogram.add_counted(self._buckets, self._total)
         self._total, self._count = 0.0, 0
+        self._buckets = [0] * len(self._buckets)
 
     def derive(self, window: dict[str, ReportValue], timing: WindowTiming) -> None:
         by_rank = finite_by_rank(window.get(STEP_TIME))
