@@ -51,9 +51,8 @@ def window_spans(
     each given to the step during which it ended (sections outside the window's steps are left out)."""
     timeline = window.sections
     ends = timeline.step_ends
-    if not timeline.complete:  # sections past the log's capacity were lost: keep the steps they covered
-        last = max((end for _, _, end in timeline.sections), default=timeline.since)
-        ends = [end for end in ends if end <= last]
+    if timeline.complete_steps is not None:  # later steps lost sections past the log's capacity
+        ends = ends[: timeline.complete_steps]
     starts = [timeline.since, *ends[:-1]]
     by_step: list[list[tuple[int, float, float]]] = [[] for _ in ends]
     for section in sorted((*timeline.sections, *extra), key=lambda section: section[2]):

@@ -80,9 +80,9 @@ class WindowSections:
     """When each of them ended (`Telemetry.step()`)."""
     sections: list[Section]
     """The host-timed sections, in the order they ended."""
-    complete: bool = True
-    """False when sections past the log's capacity were not kept: steps after the last kept one
-    have none."""
+    complete_steps: int | None = None
+    """When sections past the log's capacity were not kept, the steps that ended before the first of
+    them (the later ones lost some of theirs); None when every section was kept."""
     late: list[LateSections] = field(default_factory=list)
     """Sections placed on the host timeline by another thread (CUDA phases)."""
     events: list[tuple[int, Any, Any]] = field(default_factory=list)
@@ -95,6 +95,7 @@ class SectionLog:
 
     __slots__ = (
         "_capacity",
+        "_complete_steps",
         "_count",
         "_end",
         "_events",
@@ -115,7 +116,9 @@ class SectionLog:
         *,
         capacity: int = DEFAULT_SECTIONS,
         max_steps: int = DEFAULT_MAX_STEPS,
+        since: float | None = None,
     ) -> None:
+        """`since`: when the first window's first step began (default: now)."""
         self.kinds = tuple(kinds)
         self._capacity = capacity
         self._kind = [0] * capacity
@@ -126,7 +129,8 @@ class SectionLog:
         self._step = [0] * self._max_steps
         self._step_end = [0.0] * self._max_steps
         self._steps = 0
-        self._since = time.perf_counter()
+        self._since = time.perf_counter() if since is None else since
+        self._complete_steps: int | None = None
         self._late: list[LateSections] = []
         self._events: list[tuple[int, Any, Any]] = []
 
@@ -148,6 +152,8 @@ class SectionLog:
             self._start[count] = start
             self._end[count] = end
             self._count = count + 1
+        elif self._capacity and self._complete_steps is None:
+            self._complete_steps = self._steps
 
     def stepped(self, step: int, at: float) -> None:
         """Step `step` ended at `at`."""
@@ -186,11 +192,12 @@ class SectionLog:
             self._step[:steps],
             self._step_end[:steps],
             sections,
-            complete=count < self._capacity,
+            complete_steps=self._complete_steps,
             late=self._late,
             events=self._events,
         )
         self._count = self._steps = 0
+        self._complete_steps = None
         self._late, self._events = [], []
         if steps:
             self._since = last
