@@ -168,7 +168,9 @@ def http_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any
 
 
 @pytest.mark.timeout(400)
-def test_every_window_sends_spans_from_at_most_three_ranks_always_the_slow_one(http_run: dict[str, Any]) -> None:
+def test_every_window_sends_spans_from_at_most_three_ranks_always_the_slow_one(
+    http_run: dict[str, Any],
+) -> None:
     windows = _by_window(http_run["spans"])
     assert sorted(windows) == list(range(STEPS // EVERY))
     for window, spans in windows.items():
@@ -202,7 +204,8 @@ def test_each_step_span_has_its_phases_as_children_timed_as_the_metrics_say(http
     for (window, rank), traced in _by_rank_and_window(spans).items():
         for phase, name in PHASES.items():
             per_step = sum(span.duration_s for span in traced if span.name == f"train.{phase}") / EVERY
-            assert per_step == pytest.approx(reports[window][name][str(rank)], abs=1e-3), (window, rank, phase)
+            exported = reports[window][name][str(rank)]
+            assert per_step == pytest.approx(exported, abs=1e-3), (window, rank, phase)
         waited = sum(span.duration_s for span in traced if span.name == "train.sync_wait") / EVERY
         assert waited == pytest.approx(reports[window]["train/sync_wait"][str(rank)], abs=1e-3)
 
