@@ -91,7 +91,7 @@ def _exemplars(value: HistogramValue, now_ns: int) -> list[Any]:
         Exemplar(
             filtered_attributes={},
             value=exemplar.value,
-            time_unix_nano=min(int(exemplar.timestamp * 1e9), now_ns),
+            time_unix_nano=min(round(exemplar.timestamp * 1e9), now_ns),
             span_id=int(exemplar.span_id, 16),
             trace_id=int(exemplar.trace_id, 16),
         )
