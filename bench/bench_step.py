@@ -17,6 +17,12 @@ running) and off (`hang_after_s=None`), rounds interleaved. Per window: the trai
 time (thread CPU: preemption on a busy machine is not the code's cost) inside `step()` and inside
 `phase()` / `data_wait()` (entering and leaving, the work excluded), median over rounds of each
 round's median window, and the ratio on/off.
+
+    PYTHONPATH=src .venv/bin/python -m bench.bench_step --traces [--windows 40] [--rounds 5]
+
+The traces' cost (issue 47): the same loop and figures, an `OTelExporter` pushing to a local OTLP
+receiver in both, traces on (`trace_ranks=3`: a world of one is sampled every window, its traces
+thread sends every window's spans) and off (`trace_ranks=0`), heartbeat off, rounds interleaved.
 """
 
 from __future__ import annotations
@@ -25,8 +31,11 @@ import argparse
 import functools
 import statistics
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
+from tests.receivers import OtlpHttpReceiver
 
 import torchtelemetry as tt
 
@@ -60,11 +69,11 @@ def _per_window(num_metrics: int, windows: int) -> tuple[float, float]:
     return statistics.median(walls) * 1e6, statistics.median(cpus) * 1e6
 
 
-def _heartbeat_window(hang_after_s: float | None, windows: int) -> tuple[float, float]:
+def _sections_window(windows: int, exporters: list[Any], **fields: Any) -> tuple[float, float]:
     """Median thread-CPU µs per window inside `step()`, and inside `phase()` and `data_wait()`
-    (entering and leaving), heartbeat on or off."""
+    (entering and leaving), of a `Telemetry` with `exporters` and `fields`."""
     metrics = {f"metric{i}": _KINDS[i % len(_KINDS)]() for i in range(100)}
-    telemetry = tt.Telemetry(metrics, every=EVERY, hang_after_s=hang_after_s)
+    telemetry = tt.Telemetry(metrics, exporters, every=EVERY, **fields)
     phases = [functools.partial(telemetry.phase, name) for name in ("forward", "backward", "optimizer")]
     sections = [telemetry.data_wait, *phases]
     work = torch.randn(256, 256)
@@ -95,17 +104,18 @@ def _heartbeat_window(hang_after_s: float | None, windows: int) -> tuple[float, 
     return statistics.median(steps) * 1e6, statistics.median(in_sections) * 1e6
 
 
-def _heartbeat_cost(windows: int, rounds: int) -> None:
+def _on_off_cost(what: str, windows: int, rounds: int, off: Callable[[], Any], on: Callable[[], Any]) -> None:
+    """`what` off and on (each a call returning the figures of `_sections_window`), interleaved."""
     figures: dict[str, list[tuple[float, float]]] = {"off": [], "on": []}
     for _ in range(rounds):
-        figures["off"].append(_heartbeat_window(None, windows))
-        figures["on"].append(_heartbeat_window(300.0, windows))
+        figures["off"].append(off())
+        figures["on"].append(on())
     medians = {
         key: tuple(statistics.median(figure[index] for figure in found) for index in (0, 1))
         for key, found in figures.items()
     }
     print(
-        "| heartbeat | step() per window (thread CPU µs) | phase() + data_wait() per window (thread CPU µs) |"
+        f"| {what} | step() per window (thread CPU µs) | phase() + data_wait() per window (thread CPU µs) |"
     )
     print("|---|---|---|")
     for key, (in_step, in_phase) in medians.items():
@@ -119,11 +129,29 @@ def main() -> None:
     parser.add_argument("--metrics", default="100,1000,10000", help="comma-separated numbers of metrics")
     parser.add_argument("--windows", type=int, default=40)
     parser.add_argument("--heartbeat", action="store_true", help="the hang heartbeat's cost instead")
-    parser.add_argument("--rounds", type=int, default=5, help="with --heartbeat: rounds on and off")
+    parser.add_argument("--traces", action="store_true", help="the traces' cost instead")
+    parser.add_argument("--rounds", type=int, default=5, help="with --heartbeat, --traces: rounds on and off")
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.heartbeat:
-        _heartbeat_cost(args.windows, args.rounds)
+        _on_off_cost(
+            "heartbeat",
+            args.windows,
+            args.rounds,
+            lambda: _sections_window(args.windows, [], hang_after_s=None),
+            lambda: _sections_window(args.windows, [], hang_after_s=300.0),
+        )
+        return
+    if args.traces:
+        with OtlpHttpReceiver() as receiver:
+
+            def traced(trace_ranks: int) -> tuple[float, float]:
+                exporter = tt.OTelExporter(endpoint=receiver.metrics_endpoint)
+                return _sections_window(args.windows, [exporter], hang_after_s=None, trace_ranks=trace_ranks)
+
+            _on_off_cost("traces", args.windows, args.rounds, lambda: traced(0), lambda: traced(3))
+            spans = len(receiver.spans())
+        print(f"({spans} spans received from the rounds with traces on)")
         return
     sizes = [int(size) for size in args.metrics.split(",")]
     figures = {size: _per_window(size, args.windows) for size in sizes}

@@ -184,8 +184,14 @@ class SectionLog:
             return None
         steps, count = self._steps, self._count
         last = self._step_end[steps - 1] if steps else float("inf")
-        kept = [(self._kind[i], self._start[i], self._end[i]) for i in range(count)]
-        sections = [section for section in kept if section[2] <= last]
+        sections = list(zip(self._kind[:count], self._start[:count], self._end[:count], strict=True))
+        later = (
+            [section for section in sections if section[2] > last]
+            if count and max(self._end[:count]) > last
+            else []
+        )
+        if later:
+            sections = [section for section in sections if section[2] <= last]
         sealed = WindowSections(
             self.kinds,
             self._since,
@@ -201,9 +207,8 @@ class SectionLog:
         self._late, self._events = [], []
         if steps:
             self._since = last
-            for section in kept:
-                if section[2] > last:
-                    self.record(*section)
+        for section in later:
+            self.record(*section)
         return sealed
 
 
