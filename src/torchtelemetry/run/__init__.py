@@ -5,4 +5,21 @@ the heartbeat and the hang monitor, goodput's lasting state, captures and traces
 `torchtelemetry.report.signals`.
 """
 
-__all__: list[str] = []
+# Hangs: each rank's heartbeat, the exporting rank's monitor, the next rank's deputy (docs/signals.md).
+from torchtelemetry.run._hangs import BeatLedger, Hang, RankBeat, Reading, find_hang, hang_values
+from torchtelemetry.run._heartbeat import Heartbeat
+from torchtelemetry.run._watch import HangSettings, HangWatch, watch_hangs
+
+__all__ = [
+    # Hangs
+    "BeatLedger",
+    "Hang",
+    "HangSettings",
+    "HangWatch",
+    "Heartbeat",
+    "RankBeat",
+    "Reading",
+    "find_hang",
+    "hang_values",
+    "watch_hangs",
+]

@@ -35,6 +35,7 @@ from torchtelemetry.report.signals._base import (
 )
 from torchtelemetry.report.signals._clock import EventClock, HostClock, PhaseClock, PhaseTimer
 from torchtelemetry.report.signals._data_wait import DATA_PHASE, DATA_WAIT
+from torchtelemetry.report.signals._hang import HEARTBEAT_LABELS
 from torchtelemetry.report.signals._stragglers import StragglerScores
 from torchtelemetry.report.signals._sync_wait import SYNC_WAIT
 
@@ -196,7 +197,8 @@ class Phases(Signal):
 
 
 def check_phase_names(phases: Sequence[str]) -> tuple[str, ...]:
-    """`phases` as a tuple, each a legal single path segment, none twice, not the data phase."""
+    """`phases` as a tuple, each a legal single path segment, none twice, not the data phase nor a
+    label of the heartbeat's own (`HEARTBEAT_LABELS`)."""
     if isinstance(phases, str):
         raise TypeError(f"TelemetryConfig.phases must be a sequence of names, got the string {phases!r}")
     names = tuple(phases)
@@ -211,6 +213,14 @@ def check_phase_names(phases: Sequence[str]) -> tuple[str, ...]:
         raise ValueError(
             f"TelemetryConfig.phases: {DATA_PHASE!r} is the data wait, timed by Telemetry.data_wait() "
             "(also as phase('data')); leave it out"
+        )
+    reserved = sorted(set(names) & set(HEARTBEAT_LABELS))
+    if reserved:
+        raise ValueError(
+            f"TelemetryConfig.phases: {reserved} are labels of the hang heartbeat's own "
+            f"({', '.join(HEARTBEAT_LABELS)}: not in a phase, waiting for a window's collection, "
+            "closed, unknown), so a hang report could not tell your phase from them; rename it "
+            "(e.g. 'collect_rollouts')"
         )
     if len(set(names)) != len(names):
         raise ValueError(f"TelemetryConfig.phases: names repeat in {names}")

@@ -11,7 +11,6 @@ from torchtelemetry.report._values import MetricDescriptor, ReportValue
 from torchtelemetry.report.signals._base import Signal, WindowTiming
 from torchtelemetry.report.signals._clock import HostTimer, PhaseTimer
 from torchtelemetry.report.signals._data_wait import DATA_PHASE
-from torchtelemetry.report.signals._hang import Heartbeat
 from torchtelemetry.report.signals._progress import ProgressFile
 from torchtelemetry.report.signals._sync_wait import CommHook
 
@@ -106,9 +105,11 @@ class SignalSet:
             "the window's collective"
         )
 
-    def record_into(self, beat: Heartbeat) -> None:
-        """Let `beat` read where the training thread is from every phase's and the data wait's timer."""
-        beat.timers = tuple(self._timers.values())
+    @property
+    def section_timers(self) -> tuple[PhaseTimer | HostTimer, ...]:
+        """The timer of every phase and of the data wait: where the hang heartbeat reads which
+        sections the training thread is inside."""
+        return tuple(self._timers.values())
 
     def watch_gradient_sync(self, model: Any, phase: str, hook: CommHook | None, state: Any) -> None:
         """Time `model`'s gradient all-reduce (a DDP communication hook), held by phase `phase`."""
