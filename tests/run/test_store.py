@@ -89,7 +89,7 @@ def accept_only() -> Iterator[tuple[str, int]]:
 def test_joining_an_accept_only_listener_gives_up_within_the_bound(accept_only: tuple[str, int]) -> None:
     """TCPStore's own constructor waits for good against such a listener (its timeout is not a
     bound there); the link gives up at its bound and later calls fail at once."""
-    link = StoreLink(lambda: join_store(accept_only, timeout_s=2.0), name="test-store", timeout_s=2.0)
+    link = StoreLink(lambda timeout_s: join_store(accept_only, timeout_s), name="test-store", timeout_s=2.0)
     started = time.monotonic()
     with pytest.raises(StoreUnavailable, match="did not answer within 2 s"):
         link.connect(2.0)

@@ -6,13 +6,15 @@ rank's state at a time (`beats`); `find_hang` names the rank the others wait for
 reads a clock or a store, so tests give both as data and get exact verdicts.
 
 The ordering rule (docs/signals.md, Hangs): a hang exists once a rank that did not close made no
-progress for `hang_after_s`, or stopped publishing for that long (lost). The rank named is, among
-the lost ranks if any, else among all ranks, the one at the earliest point of the loop: the lowest
-step, then the earliest place in it (closed, not in a phase, the data wait, the declared phases in
-order, then the window's collection). A lost rank is placed at the lowest step a waiting rank is
-in, when that is past its last heartbeat (it did not reach the collective they wait in), with the
-phase `unknown`. Among ranks at the same point the one named before stays named, else the one
-stuck longest, then the lowest rank: the name is stable for the whole hang.
+progress for `hang_after_s`, or its heartbeat did not change for that long (lost). A heartbeat that
+did not change for two intervals is stale: its rank (frozen, or dead) is placed at the lowest step
+a live rank stands still in (no progress for two intervals: it waits there), when that is past its
+last heartbeat, in phase `unknown` (it did not reach the collective they wait in). The rank named
+is, among the lost ranks if any, else among all ranks, the one at the earliest point of the loop:
+the lowest step, then the earliest place in it (unknown, closed, not in a phase, the data wait, the
+declared phases in order, then the window's collection). Among ranks at the same point the one named
+before stays named, else the one stuck longest, then the lowest rank: the name is stable for the
+whole hang.
 """
 
 from __future__ import annotations
@@ -29,7 +31,12 @@ from torchtelemetry.report import (
     ReportValue,
 )
 
-__all__ = ["BeatLedger", "Hang", "RankBeat", "Reading", "find_hang", "hang_values"]
+__all__ = ["STALE_INTERVALS", "BeatLedger", "Hang", "RankBeat", "Reading", "find_hang", "hang_values"]
+
+
+STALE_INTERVALS = 2
+"""A heartbeat unchanged for this many intervals is stale (its rank did not publish), and a rank
+without progress for as long stands still."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,8 +64,10 @@ class RankBeat:
     phase: str
     stalled_s: float
     """Seconds since the rank last made progress."""
+    silent_s: float = 0.0
+    """Seconds since its heartbeat last changed (as read)."""
     lost: bool = False
-    """The rank stopped publishing for `hang_after_s` (its process died or froze whole)."""
+    """Its heartbeat did not change for `hang_after_s` (its process died or froze whole)."""
     dump: str = ""
     """The stack file the rank wrote for this hang (empty before it did)."""
 
@@ -121,32 +130,46 @@ class BeatLedger:
             silent_s = now - self._heard[rank]
             lost = silent_s >= self._hang_after_s and reading.phase != CLOSED_PHASE
             stalled_s = reading.stalled_s + silent_s
-            beats.append(RankBeat(rank, reading.step, reading.phase, stalled_s, lost, reading.dump))
+            beats.append(RankBeat(rank, reading.step, reading.phase, stalled_s, silent_s, lost, reading.dump))
         return beats
 
 
 def find_hang(
-    beats: Sequence[RankBeat], phases: Sequence[str], hang_after_s: float, named: int | None = None
+    beats: Sequence[RankBeat],
+    phases: Sequence[str],
+    hang_after_s: float,
+    interval_s: float,
+    named: int | None = None,
 ) -> Hang | None:
-    """The hang among `beats`, or None while every rank that did not close moves (see the module).
-    `named` is the rank the hang named so far: it stays named while no rank is at an earlier point."""
+    """The hang among `beats`, heartbeats published every `interval_s`, or None while every rank
+    that did not close moves (see the module). `named` is the rank the hang named so far: it stays
+    named while no rank is at an earlier point."""
     stuck = [beat for beat in beats if beat.lost or (beat.stalled_s >= hang_after_s and not beat.closed)]
     if not stuck:
         return None
-    waiting = [beat.step for beat in beats if not beat.lost and beat.stalled_s >= hang_after_s]
-    lost = [_placed(beat, min(waiting, default=beat.step)) for beat in beats if beat.lost]
+    still_s = STALE_INTERVALS * interval_s
+    standing = [
+        beat.step
+        for beat in beats
+        if beat.silent_s < still_s and beat.stalled_s >= still_s and not beat.closed
+    ]
+    waited_at = min(standing, default=None)
+    placed = [
+        _placed(beat, waited_at) if beat.silent_s >= still_s and not beat.closed else beat for beat in beats
+    ]
     order = {
+        UNKNOWN_PHASE: -4,
         CLOSED_PHASE: -3,
         BETWEEN_PHASES: -2,
         DATA_PHASE: -1,
         **{name: index for index, name in enumerate(phases)},
-        UNKNOWN_PHASE: -4,
     }
 
     def point(beat: RankBeat) -> tuple[int, int]:
         return beat.step, order.get(beat.phase, len(phases))
 
-    candidates = lost or list(beats)
+    lost = [beat for beat in placed if beat.lost]
+    candidates = lost or placed
     earliest = min(point(beat) for beat in candidates)
     tied = [beat for beat in candidates if point(beat) == earliest]
     behind = next((beat for beat in tied if beat.rank == named), None)
@@ -155,10 +178,11 @@ def find_hang(
     return Hang(behind, len(lost))
 
 
-def _placed(beat: RankBeat, waited_at: int) -> RankBeat:
-    """A lost rank at the step the waiting ranks are in, when that is past its last heartbeat: it
-    did not reach the collective they wait in; where in that step it stopped is unknown."""
-    if waited_at <= beat.step:
+def _placed(beat: RankBeat, waited_at: int | None) -> RankBeat:
+    """A rank whose heartbeat is stale, at the step live ranks stand still in when that is past its
+    last heartbeat: it did not reach the collective they wait in; where in that step it stopped is
+    unknown."""
+    if waited_at is None or waited_at <= beat.step:
         return beat
     return dataclasses.replace(beat, step=waited_at, phase=UNKNOWN_PHASE, dump="")
 

@@ -96,7 +96,8 @@ class HeartbeatPublisher:
     ) -> None:
         self.beat = beat
         self._link = link
-        self._key = key
+        self.key = key
+        """This rank's key in the heartbeat store."""
         self._secret = secret
         self.rank = rank
         self.run_id = run_id
@@ -125,9 +126,10 @@ class HeartbeatPublisher:
         step, phase, _ = self._where
         return RankBeat(self.rank, step, phase, self._clock() - self._since, dump=self.dump)
 
-    def publish(self) -> None:
+    def publish(self, *, last: bool = False) -> None:
         """Note progress, write the stacks if the rank is stuck, and set the heartbeat in the store
-        (a failure is logged once, and the next interval tries again)."""
+        (a failure is logged once, and the next interval tries again; the `last` one, at close,
+        meets a store whose host may have closed first)."""
         where, now = self.beat.where(), self._clock()
         if where != self._where:
             self._where, self._since, self.dump = where, now, ""
@@ -138,10 +140,14 @@ class HeartbeatPublisher:
         self._count += 1
         reading = Reading(self._count, step, phase, stalled_s, self.dump)
         try:
-            self._link.call("set", self._key, encode_heartbeat(self._secret, self._key, reading))
+            self._link.call("set", self.key, encode_heartbeat(self._secret, self.key, reading))
         except StoreUnavailable as error:
             self._failures += 1
-            if self._failures == 1:
+            if last:
+                logger.info(
+                    "Telemetry: rank %d's last heartbeat did not reach the store: %s", self.rank, error
+                )
+            elif self._failures == 1:
                 logger.warning(
                     "Telemetry: rank %d could not publish its heartbeat (%s); it tries again every "
                     "interval (a rank is called lost only once its heartbeat is stale)",
@@ -175,4 +181,4 @@ class HeartbeatPublisher:
     def close(self, timeout_s: float) -> None:
         """Stop publishing, after one last heartbeat (the rank closed: never a lost rank)."""
         self._ticker.close(timeout_s)
-        self.publish()
+        self.publish(last=True)

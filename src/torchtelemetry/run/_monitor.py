@@ -74,6 +74,7 @@ class _Watcher(ABC):
         self._hang_after_s = judging.hang_after_s
         self._report = report
         self._clock = judging.clock
+        self._interval_s = judging.interval_s
         self.ledger = BeatLedger(
             list(keys), started=self._clock(), hang_after_s=self._hang_after_s, join_s=join_s
         )
@@ -196,7 +197,7 @@ class HangMonitor(_Watcher):
             )
         self._unwatched.update(unwatched)
         named = self.hang.behind.rank if self.hang is not None else None
-        hang = find_hang(beats, self._phases, self._hang_after_s, named)
+        hang = find_hang(beats, self._phases, self._hang_after_s, self._interval_s, named)
         counts = (len(unwatched), self.ledger.rejected)
         self._judge(hang, beats, len(unwatched), force=counts != self._reported)
         self._reported = counts
@@ -227,7 +228,8 @@ class Deputy(_Watcher):
         self._publisher = publisher
         self._dumps = dumps
         self._evidence = ""
-        self._unanswered = False
+        self._unanswered_since: float | None = None
+        self._told_unanswered = False
         # Seen at the start, nowhere yet: a leader (and its store) that freezes before the first
         # read goes stale all the same.
         self.ledger.heard(leader, Reading(0, 0, UNKNOWN_PHASE, 0.0), self._clock())
@@ -235,23 +237,27 @@ class Deputy(_Watcher):
     def check(self) -> None:
         """Read the leader's heartbeat (a store that does not answer is no news: the heartbeat
         goes stale) and report the leader when it stopped while this rank waits."""
+        now = self._clock()
         try:
             self.read()
-            self._unanswered = False
+            self._unanswered_since = None
         except StoreUnavailable as error:
-            if not self._unanswered:
+            since = self._unanswered_since = self._unanswered_since or now
+            if now - since >= self._hang_after_s and not self._told_unanswered:
+                self._told_unanswered = True
                 logger.warning(
-                    "Telemetry: rank %d cannot read the exporting rank's heartbeat (%s); it goes stale "
-                    "while this lasts",
+                    "Telemetry: rank %d has not read the exporting rank's heartbeat for %.0f s (%s)",
                     self._publisher.rank,
+                    now - since,
                     error,
                 )
-            self._unanswered = True
         beats = self.ledger.beats(self._clock())
         own = self._publisher.state()
         hang = None
         if beats and (beats[0].lost or beats[0].closed) and own.stalled_s >= self._hang_after_s:
-            hang = find_hang([beats[0], own], self._phases, self._hang_after_s, self._leader)
+            hang = find_hang(
+                [beats[0], own], self._phases, self._hang_after_s, self._interval_s, self._leader
+            )
             if hang is not None and hang.behind.rank == self._leader:
                 hang = dataclasses.replace(
                     hang, behind=dataclasses.replace(hang.behind, dump=self._evident(hang, own))

@@ -103,13 +103,14 @@ def decode_heartbeat(secret: bytes, key: str, value: bytes) -> Reading | None:
 
 class StoreLink:
     """A store whose calls return within `timeout_s`: each runs on this link's daemon thread
-    (`name`); the caller waits for it at most that long. `connect()` opens the store on that thread
-    at the first call and again after a call failed (a reset connection is opened anew); a `store`
-    given instead (one this process hosts) is kept. While a call has not returned, later calls
-    raise `StoreUnavailable` at once. Closing the link drops the store."""
+    (`name`); the caller waits for it at most that long. `connect(timeout_s)` opens the store on that
+    thread at the first call and again after a call failed (a reset connection is opened anew),
+    trying for the call's bound; a `store` given instead (one this process hosts) is kept. While a
+    call has not returned, later calls raise `StoreUnavailable` at once. Closing the link drops the
+    store."""
 
     def __init__(
-        self, connect: Callable[[], Any] | None, *, name: str, timeout_s: float, store: Any = None
+        self, connect: Callable[[float], Any] | None, *, name: str, timeout_s: float, store: Any = None
     ) -> None:
         self._connect = connect
         self.timeout_s = timeout_s
@@ -131,26 +132,26 @@ class StoreLink:
 
     def connect(self, timeout_s: float | None = None) -> None:
         """Open the store now (within `timeout_s`, default the link's)."""
-        self._call(self._opened, timeout_s)
+        self._call(self._opened, self.timeout_s if timeout_s is None else timeout_s)
 
     def call(self, op: str, *args: Any, timeout_s: float | None = None) -> Any:
         """`store.<op>(*args)`, within `timeout_s` (default the link's)."""
-        return self._call(lambda: getattr(self._opened(), op)(*args), timeout_s)
+        wait_s = self.timeout_s if timeout_s is None else timeout_s
+        return self._call(lambda store_s: getattr(self._opened(store_s), op)(*args), wait_s)
 
-    def _opened(self) -> Any:
+    def _opened(self, timeout_s: float) -> Any:
         if self._store is None:
             if self._connect is None:
                 raise StoreUnavailable("the heartbeat store is closed")
-            self._store = self._connect()
+            self._store = self._connect(timeout_s)
         return self._store
 
-    def _call(self, work: Callable[[], Any], timeout_s: float | None) -> Any:
+    def _call(self, work: Callable[[float], Any], wait_s: float) -> Any:
         if self._pending is not None and not self._pending.done():
             raise StoreUnavailable("an earlier call to the heartbeat store has not returned")
         future: Future = Future()
         self._pending = future
-        self._calls.put((lambda: self._failing_anew(work), future))
-        wait_s = self.timeout_s if timeout_s is None else timeout_s
+        self._calls.put((lambda: self._failing_anew(work, wait_s), future))
         try:
             return future.result(wait_s)
         except FutureTimeout:
@@ -160,9 +161,9 @@ class StoreLink:
         except Exception as error:
             raise StoreUnavailable(f"{type(error).__name__}: {error}") from error
 
-    def _failing_anew(self, work: Callable[[], Any]) -> Any:
+    def _failing_anew(self, work: Callable[[float], Any], timeout_s: float) -> Any:
         try:
-            return work()
+            return work(timeout_s)
         except Exception:
             if self._connect is not None:
                 self._store = None  # open it anew at the next call

@@ -99,7 +99,7 @@ class _Links:
             if hosted is not None or address is None:
                 return StoreLink(None, name=name, timeout_s=2 * settings.interval_s, store=hosted)
             return StoreLink(
-                lambda: join_store(address, settings.timeout_s), name=name, timeout_s=2 * settings.interval_s
+                lambda timeout_s: join_store(address, timeout_s), name=name, timeout_s=2 * settings.interval_s
             )
 
         return cls(link("torchtelemetry-heartbeat-store"), link("torchtelemetry-hang-store"))
@@ -122,7 +122,10 @@ class HangWatch:
         watcher: HangMonitor | Deputy | None,
         route: DeputyRoute | None,
         links: _Links,
+        address: tuple[str, int] | None,
     ) -> None:
+        self.address = address
+        """The heartbeat store's host and port (None: in the exporting rank's memory, a group of one)."""
         self.publisher = publisher
         self.watcher = watcher
         self._route = route
@@ -218,7 +221,7 @@ def watch_hangs(
         watcher = Deputy(
             links.watching, 0, leader, judging, publisher=publisher, dumps=dumps, report=push
         ).start()
-    return HangWatch(publisher, watcher, route, links)
+    return HangWatch(publisher, watcher, route, links, offer.address)
 
 
 def _open(world_size: int, settings: HangSettings) -> tuple[_Offer, _Links] | None:
@@ -237,6 +240,8 @@ def _open(world_size: int, settings: HangSettings) -> tuple[_Offer, _Links] | No
             address = (host, port)
         offer = _Offer(address, token, secret)
         links = _Links.to(offer, settings, hosted)
+        whose = "hosted by this rank" if hosted is not None else "the job's rendezvous store"
+        logger.info("Telemetry: the hang heartbeat store is %s, at %s", whose, address or "(in memory)")
         del hosted  # the links hold it: closing them releases it (and a hosted store's port)
         keys = [heartbeat_key(token, rank) for rank in range(world_size)]
         links.publishing.call("multi_set", keys, [""] * world_size, timeout_s=settings.timeout_s)
