@@ -30,7 +30,7 @@ from torchtelemetry.report import (
     restore_run_state,
     run_state,
 )
-from torchtelemetry.run import HangSettings, Heartbeat, watch_hangs
+from torchtelemetry.run import HangSettings, watch_hangs
 
 __all__ = ["RunIdentity", "Telemetry", "TelemetryConfig", "TelemetryStartupError"]
 
@@ -95,21 +95,17 @@ class Telemetry:
             every_rank = agree_on_start(
                 failure, timeout_s=timeout_s, proposal=None if failure is not None else parts.identity
             )
-            hang_settings = HangSettings.of(self.config)
-            beat = None
-            if hang_settings is not None:
-                beat = Heartbeat(parts.signals.section_timers if parts.signals is not None else ())
-                hang_watch = watch_hangs(
-                    beat,
-                    every_rank,
-                    hang_settings,
-                    group=self.config.group,
-                    exporting=parts.is_exporting,
-                    run=parts.run,
-                    submit=parts.hub.submit,
-                    latest_step=lambda: parts.publisher.latest_step,
-                    exporters=parts.exporters,
-                )
+            hang_watch = watch_hangs(
+                HangSettings.of(self.config),
+                every_rank,
+                timers=parts.signals.section_timers if parts.signals is not None else (),
+                group=self.config.group,
+                exporting=parts.is_exporting,
+                run=parts.run,
+                submit=parts.hub.submit,
+                latest_step=lambda: parts.publisher.latest_step,
+                exporters=parts.exporters,
+            )
             # Keyed by metric path, so errors (a layout mismatch across ranks) name metrics as the user does.
             collector = AsyncMetricCollector(
                 dict(parts.leaves),
@@ -141,7 +137,7 @@ class Telemetry:
         self._signals = parts.signals
         self._descriptors = parts.descriptors
         self._publisher = parts.publisher
-        beat = beat if hang_watch is not None else None
+        beat = hang_watch.publisher.beat if hang_watch is not None else None
         self._windows = StepWindows(
             self._collector, self._publisher, self._signals, every=self.every, beat=beat
         )

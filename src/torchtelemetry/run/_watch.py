@@ -28,7 +28,7 @@ from torchtelemetry.export import Exporter, RunInfo
 from torchtelemetry.report import ReportValues
 from torchtelemetry.run._deputy_route import DeputyRoute
 from torchtelemetry.run._dumps import DumpFiles
-from torchtelemetry.run._heartbeat import Heartbeat, HeartbeatPublisher
+from torchtelemetry.run._heartbeat import Heartbeat, HeartbeatPublisher, SectionTimer
 from torchtelemetry.run._monitor import Deputy, HangMonitor, Judging
 from torchtelemetry.run._store import (
     StoreLink,
@@ -85,13 +85,14 @@ class _Offer:
 
 @dataclass(slots=True)
 class _Links:
-    """A rank's two connections to the store: its publisher's and its watcher's."""
+    """A rank's connections to the store: its publisher's, and its watcher's (the exporting rank's
+    and the next rank's)."""
 
     publishing: StoreLink
-    watching: StoreLink
+    watching: StoreLink | None
 
     @classmethod
-    def to(cls, offer: _Offer, settings: HangSettings, hosted: Any = None) -> _Links:
+    def to(cls, offer: _Offer, settings: HangSettings, *, watching: bool, hosted: Any = None) -> _Links:
         """Links to the store of `offer` (`hosted`: the store itself, in this process)."""
         address = offer.address
 
@@ -102,15 +103,14 @@ class _Links:
                 lambda timeout_s: join_store(address, timeout_s), name=name, timeout_s=2 * settings.interval_s
             )
 
-        return cls(link("torchtelemetry-heartbeat-store"), link("torchtelemetry-hang-store"))
+        watcher = link("torchtelemetry-hang-store") if watching else None
+        return cls(link("torchtelemetry-heartbeat-store"), watcher)
 
     def close(self, timeout_s: float) -> bool:
-        """Close both (dropping the store); False when a call still blocks one after `timeout_s`."""
+        """Close them (dropping the store); False when a call still blocks one after `timeout_s`."""
         deadline = time.monotonic() + timeout_s
-        closed = [
-            link.close(max(0.0, deadline - time.monotonic())) for link in (self.publishing, self.watching)
-        ]
-        return all(closed)
+        links = [link for link in (self.publishing, self.watching) if link is not None]
+        return all([link.close(max(0.0, deadline - time.monotonic())) for link in links])
 
 
 class HangWatch:
@@ -159,10 +159,10 @@ class HangWatch:
 
 
 def watch_hangs(
-    beat: Heartbeat,
+    settings: HangSettings | None,
     every_rank: EveryRank,
-    settings: HangSettings,
     *,
+    timers: Sequence[SectionTimer],
     group: GroupLike,
     exporting: bool,
     run: RunInfo,
@@ -170,10 +170,13 @@ def watch_hangs(
     latest_step: Callable[[], int | None],
     exporters: Sequence[Exporter],
 ) -> HangWatch | None:
-    """Start `beat`'s publisher and this rank's watcher (collective over the start-up group, see
-    the module); None when this rank has no store (one warning). The exporting rank's monitor
-    exports through `submit` at `latest_step()`; the next rank reports through its `DeputyRoute`
-    over `exporters`."""
+    """Start this rank's heartbeat (its phases and data wait read from `timers`), publisher and
+    watcher (collective over the start-up group, see the module); None without `settings`
+    (`hang_after_s=None`) or a store (one warning). The exporting rank's monitor exports through
+    `submit` at `latest_step()`; the next rank reports through its `DeputyRoute` over `exporters`.
+    The façade hands the heartbeat (`HangWatch.publisher.beat`) to its one writer."""
+    if settings is None:
+        return None
     resolved = resolve_group(group, op="Telemetry")
     rank, world_size = group_rank(resolved), group_world_size(resolved)
     opened = _open(world_size, settings) if exporting else None
@@ -184,14 +187,14 @@ def watch_hangs(
     if not isinstance(offer, _Offer):
         logger.warning("Telemetry: rank %d has no heartbeat store (see above); hangs are not detected", rank)
         return None
-    links = opened[1] if opened is not None else _joined(offer, settings, rank)
+    links = opened[1] if opened is not None else _joined(offer, settings, rank, watching=rank == 1)
     if links is None:
         return None
     backend = dist.get_backend(resolved) if resolved is not None else None
     dumps = DumpFiles(settings.dump_dir, rank, flight_recorder=_flight_recorder_on(backend))
     judging = Judging(offer.secret, settings.phases, settings.hang_after_s, settings.interval_s)
     publisher = HeartbeatPublisher(
-        beat,
+        Heartbeat(timers),
         links.publishing,
         key=heartbeat_key(offer.token, rank),
         secret=offer.secret,
@@ -203,7 +206,7 @@ def watch_hangs(
     ).start()
     watcher: HangMonitor | Deputy | None = None
     route = None
-    if exporting:
+    if links.watching is not None and exporting:
         keys = {other: heartbeat_key(offer.token, other) for other in range(world_size)}
 
         def report(values: ReportValues) -> None:
@@ -211,7 +214,7 @@ def watch_hangs(
 
         joined_s = settings.timeout_s + 2 * settings.interval_s
         watcher = HangMonitor(links.watching, keys, judging, join_s=joined_s, report=report).start()
-    elif rank == 1:
+    elif links.watching is not None:
         route = DeputyRoute(exporters, run, rank)
 
         def push(values: ReportValues) -> None:
@@ -239,7 +242,7 @@ def _open(world_size: int, settings: HangSettings) -> tuple[_Offer, _Links] | No
             hosted, port = host_store(host, settings.port, settings.timeout_s)
             address = (host, port)
         offer = _Offer(address, token, secret)
-        links = _Links.to(offer, settings, hosted)
+        links = _Links.to(offer, settings, watching=True, hosted=hosted)
         whose = "hosted by this rank" if hosted is not None else "the job's rendezvous store"
         logger.info("Telemetry: the hang heartbeat store is %s, at %s", whose, address or "(in memory)")
         del hosted  # the links hold it: closing them releases it (and a hosted store's port)
@@ -256,9 +259,9 @@ def _open(world_size: int, settings: HangSettings) -> tuple[_Offer, _Links] | No
     return offer, links
 
 
-def _joined(offer: _Offer, settings: HangSettings, rank: int) -> _Links | None:
+def _joined(offer: _Offer, settings: HangSettings, rank: int, *, watching: bool) -> _Links | None:
     """This rank's links to the store, joined within `timeout_s`; None (one warning) otherwise."""
-    links = _Links.to(offer, settings)
+    links = _Links.to(offer, settings, watching=watching)
     try:
         links.publishing.connect(settings.timeout_s)
     except StoreUnavailable as error:

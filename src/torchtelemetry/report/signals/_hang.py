@@ -35,15 +35,15 @@ HANG_DESCRIPTORS = (
         "train/hang/seconds",
         MetricKind.GAUGE,
         "seconds",
-        "Seconds since the rank a hang waits for last made progress (0: no hang)",
+        "Seconds since the rank furthest behind last made progress (0: no hang)",
     ),
-    MetricDescriptor("train/hang/rank", MetricKind.GAUGE, "", "Rank the last hang waits for"),
-    MetricDescriptor("train/hang/step", MetricKind.GAUGE, "", "Step that rank stopped in"),
+    MetricDescriptor("train/hang/rank", MetricKind.GAUGE, "", "Rank furthest behind in the last hang"),
+    MetricDescriptor("train/hang/step", MetricKind.GAUGE, "", "Step the rank furthest behind stopped in"),
     MetricDescriptor(
         "train/hang/phase",
         MetricKind.GAUGE,
         "",
-        "1 for the phase that rank stopped in (no series: no hang)",
+        "1 for the phase the rank furthest behind stopped in (no series: no hang)",
         "phase",
     ),
     MetricDescriptor(
@@ -53,7 +53,7 @@ HANG_DESCRIPTORS = (
         "train/hang/dump",
         MetricKind.GAUGE,
         "",
-        "The stack file that rank wrote, as label; the value is that rank",
+        "The stack file the rank furthest behind wrote, as label; the value is that rank",
         "file",
     ),
     MetricDescriptor(
