@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import ipaddress
 import json
 import logging
 import os
@@ -30,6 +31,7 @@ import torch.distributed as dist
 
 import torchtelemetry as tt
 from tests.distributed import run_ranks
+from torchtelemetry.run._store import interface_address
 
 HANG_AFTER_S = 3.0
 INTERVAL_S = 0.2
@@ -92,6 +94,33 @@ def test_the_store_listens_on_the_groups_interface_and_closes_with_each_telemetr
     # While open, the store listens on 127.0.0.1 (hex, little-endian) alone, never on every interface.
     port = exporting["addresses"][-1][1]
     assert [host for host, bound in exporting["listening_while_open"] if bound == port] == ["0100007F"]
+
+
+def _stages(rank: int, world_size: int, directory: str) -> dict[str, Any]:
+    """Two pipeline stages, [0, 1] and [2, 3], each with its own Telemetry: rank 2 exports its stage
+    though it is not global rank 0, and hosts that stage's store."""
+    stages = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    telemetry = tt.Telemetry(
+        {"loss": tt.SumMetric()}, group=stages[rank // 2], heartbeat_interval_s=INTERVAL_S, dump_dir=directory
+    )
+    monitor = telemetry._hang_watch.monitor
+    if monitor is not None:  # the other rank of the stage joined: the monitor hears it
+        _wait_for("the stage's other rank", lambda: len(monitor.ledger.beats(time.monotonic())) == 2)
+    address = telemetry._hang_watch.address
+    telemetry.close()
+    return {"address": list(address), "exporting": monitor is not None}
+
+
+@pytest.mark.timeout(300)
+def test_an_exporting_rank_that_is_not_global_rank_0_advertises_its_interface_address(tmp_path: Path) -> None:
+    """It used to advertise `socket.gethostname()`, which often resolves to 127.0.1.1 (or another
+    host's view of it); now the address of the interface the process group uses, as bound."""
+    results = run_ranks(_stages, 4, str(tmp_path), timeout_s=240)
+    assert [result["exporting"] for result in results] == [True, False, True, False]
+    assert results[0]["address"] == results[1]["address"] and results[2]["address"] == results[3]["address"]
+    host, port = results[2]["address"]
+    assert ipaddress.ip_address(host) == ipaddress.ip_address(interface_address())
+    assert port != results[0]["address"][1]
 
 
 def _on_the_job_store(rank: int, world_size: int, directory: str) -> dict[str, Any]:

@@ -6,6 +6,7 @@ real process groups: forged values from another process, ports closed at close()
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import logging
 import socket
 import threading
@@ -28,6 +29,7 @@ from torchtelemetry.run._store import (
     decode_heartbeat,
     encode_heartbeat,
     heartbeat_key,
+    interface_address,
     join_store,
 )
 
@@ -220,3 +222,13 @@ def test_a_rank_that_never_joined_is_unwatched_after_the_join_bound(tmp_path: Pa
         publisher.publish()
         monitor.check()
     assert [report["train/hang/unwatched_ranks"] for report in reports] == [1.0]
+
+
+def test_the_hosted_store_binds_the_interface_that_routes_to_the_rendezvous_host(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    assert interface_address() == "127.0.0.1"
+    monkeypatch.delenv("MASTER_ADDR")
+    address = ipaddress.ip_address(interface_address())  # an address, never a host name
+    assert not address.is_unspecified
