@@ -113,6 +113,13 @@ def _wait_for(what: str, found: Callable[[], bool]) -> None:
         time.sleep(0.05)
 
 
+def _watched(directory: Path, **fields: object) -> tt.Telemetry:
+    """A Telemetry exporting to `directory`/metrics.jsonl, dumping to `directory`, a hang after 0.4 s
+    (heartbeats every 0.1 s) unless `fields` say otherwise."""
+    settings = {"hang_after_s": 0.4, "heartbeat_interval_s": 0.1, "dump_dir": directory, **fields}
+    return tt.Telemetry({"loss": tt.SumMetric()}, [tt.JsonlExporter(directory / "metrics.jsonl")], **settings)
+
+
 def _in_a_training_thread(train: Callable[[], None]) -> tuple[threading.Thread, list[BaseException]]:
     """Start `train` on a thread of its own (it builds its Telemetry: the training thread)."""
     failures: list[BaseException] = []
@@ -145,14 +152,7 @@ def test_a_stuck_phase_is_reported_once_dumped_and_cleared_when_it_moves_again(t
     release, finish = threading.Event(), threading.Event()
 
     def train() -> None:  # the training thread: builds the Telemetry, gets stuck, moves on
-        with tt.Telemetry(
-            {"loss": tt.SumMetric()},
-            [tt.JsonlExporter(path)],
-            run_id="stuck",
-            hang_after_s=0.4,
-            heartbeat_interval_s=0.1,
-            dump_dir=tmp_path,
-        ) as telemetry:
+        with _watched(tmp_path, run_id="stuck") as telemetry:
             telemetry.step(0)
             with telemetry.phase("optimizer"):
                 release.wait(120)
@@ -184,13 +184,7 @@ def test_a_hang_that_clears_just_before_close_is_cleared_in_the_final_report(tmp
     reported = threading.Event()
 
     def train() -> None:
-        with tt.Telemetry(
-            {"loss": tt.SumMetric()},
-            [tt.JsonlExporter(path)],
-            hang_after_s=10.0,
-            heartbeat_interval_s=5.0,
-            dump_dir=tmp_path,
-        ) as telemetry:
+        with _watched(tmp_path, hang_after_s=10.0, heartbeat_interval_s=5.0) as telemetry:
             telemetry.step(0)
             with telemetry.phase("forward"):
                 reported.wait(120)
@@ -218,14 +212,7 @@ def test_a_planted_symlink_is_never_followed_and_two_hangs_in_one_step_get_two_f
     releases = [threading.Event(), threading.Event()]
 
     def train() -> None:
-        with tt.Telemetry(
-            {"loss": tt.SumMetric()},
-            [tt.JsonlExporter(path)],
-            run_id="planted",
-            hang_after_s=0.4,
-            heartbeat_interval_s=0.1,
-            dump_dir=tmp_path,
-        ) as telemetry:
+        with _watched(tmp_path, run_id="planted") as telemetry:
             telemetry.step(0)
             for release in releases:  # two hangs in step 1
                 with telemetry.phase("optimizer"):

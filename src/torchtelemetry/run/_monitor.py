@@ -22,6 +22,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar
 
 from torchtelemetry.report import UNKNOWN_PHASE, ReportValues
 from torchtelemetry.run._dumps import DumpFiles
@@ -54,8 +55,11 @@ class Judging:
 
 
 class _Watcher(ABC):
-    """Reads some ranks' heartbeats (`keys`: rank -> store key) into a ledger every interval, and
-    reports (`report`) what `check` finds."""
+    """Reads some ranks' heartbeats (`keys`: rank -> store key) into a ledger every interval, on a
+    thread named `thread_name`, and reports (`report`) what `check` finds. A rank never heard from
+    within `join_s` of the start is unwatched."""
+
+    thread_name: ClassVar[str]
 
     def __init__(
         self,
@@ -65,7 +69,6 @@ class _Watcher(ABC):
         *,
         join_s: float,
         report: Callable[[ReportValues], None],
-        name: str,
     ) -> None:
         self._link = link
         self._keys = keys
@@ -83,9 +86,12 @@ class _Watcher(ABC):
         """The hang the last report named (None: no hang reported, or it cleared)."""
         self.reads = 0
         """Reads of the heartbeats so far."""
+        name = self.thread_name
         self._ticker = Ticker(
             self.check, name=name, interval_s=judging.interval_s, what=name.replace("-", " ")
         )
+        self._reported: tuple[int, int] = (0, 0)
+        self._unwatched: set[int] = set()
 
     def start(self) -> _Watcher:
         self._ticker.start()
@@ -164,23 +170,9 @@ class _Watcher(ABC):
 
 
 class HangMonitor(_Watcher):
-    """The exporting rank's monitor of every rank's heartbeat (`keys`: rank -> store key); `report`
-    exports a hang report. A rank never heard from within `join_s` of the start is unwatched."""
+    """The exporting rank's monitor of every rank's heartbeat; `report` exports a hang report."""
 
-    def __init__(
-        self,
-        link: StoreLink,
-        keys: dict[int, str],
-        judging: Judging,
-        *,
-        join_s: float,
-        report: Callable[[ReportValues], None],
-    ) -> None:
-        super().__init__(
-            link, keys, judging, join_s=join_s, report=report, name="torchtelemetry-hang-monitor"
-        )
-        self._reported: tuple[int, int] = (0, 0)
-        self._unwatched: set[int] = set()
+    thread_name = "torchtelemetry-hang-monitor"
 
     def check(self) -> None:
         """Read every heartbeat; report a hang while one lasts, once when it clears, and the ranks
@@ -211,6 +203,8 @@ class Deputy(_Watcher):
     closed) while this rank (`publisher`'s) made no progress for `hang_after_s`, with this rank's
     stacks as evidence (`dumps`): they show where it waits for the leader."""
 
+    thread_name = "torchtelemetry-hang-deputy"
+
     def __init__(
         self,
         link: StoreLink,
@@ -222,8 +216,7 @@ class Deputy(_Watcher):
         dumps: DumpFiles,
         report: Callable[[ReportValues], None],
     ) -> None:
-        name = "torchtelemetry-hang-deputy"
-        super().__init__(link, {leader: key}, judging, join_s=0.0, report=report, name=name)
+        super().__init__(link, {leader: key}, judging, join_s=0.0, report=report)
         self._leader = leader
         self._publisher = publisher
         self._dumps = dumps
