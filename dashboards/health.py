@@ -51,21 +51,22 @@ def health_panels() -> list[dict[str, Any]]:
         ),
         timeseries(
             "Gradient all-reduce wait over ranks: min / median / max",
-            "Seconds per step each rank spent in DDP's gradient all-reduce (watch_gradient_sync): "
+            "Seconds per step each rank's backward waited for the gradient all-reduce after its last "
+            "gradient (watch_gradient_sync): "
             "the ranks that wait for a straggler there the longest; the straggler waits least.",
             "s",
             spread("torchtelemetry_train_sync_wait", "seconds"),
         ),
         timeseries(
             "Straggler score per phase",
-            "Slowest rank's time in the phase over the median rank's (the phase that holds the "
-            "gradient all-reduce less the wait there), the largest ratio of a rank's time to its own "
-            "best window, and the run's threshold from its window-to-window spread (at least 1.2). "
-            "In synchronous training the step time cannot show a straggler; its phase does. "
-            "RankStraggler fires above the threshold at a cost over 5 % of the step.",
+            "Slowest rank's time in the phase over the other ranks' median (the phase that holds the "
+            "gradient all-reduce less the wait there, not scored without it), the largest ratio of a "
+            "rank's time to its own best window, and the run's threshold from its window-to-window "
+            "spread (at least 1.2). In synchronous training the step time cannot show a straggler; "
+            "its phase does. RankStraggler fires above the threshold at a cost over 5 % of the step.",
             "none",
             targets(
-                (by(phase, "train/straggler/score"), "{{run}} {{phase}} vs median"),
+                (by(phase, "train/straggler/score"), "{{run}} {{phase}} vs others"),
                 (by(phase, "train/straggler/own_best_score"), "{{run}} {{phase}} vs own best"),
                 (by(phase, "train/straggler/threshold"), "{{run}} {{phase}} threshold"),
             ),
@@ -73,8 +74,8 @@ def health_panels() -> list[dict[str, Any]]:
         ),
         timeseries(
             "Straggler cost per phase",
-            "Percent of the step the other ranks wait for the slowest rank in each phase: the median "
-            "rank's share of the step there (its work only) times score - 1. RankStraggler and the "
+            "Percent of the step the other ranks wait for the slowest rank in each phase: its time "
+            "there less the others' median (their work only), over the step. RankStraggler and the "
             "stragglers' list count a rank from 5 %.",
             "percent",
             targets((by(phase, "train/straggler/cost"), "{{run}} {{phase}}")),
@@ -86,7 +87,7 @@ def health_panels() -> list[dict[str, Any]]:
             "rank furthest from its own best.",
             "none",
             targets(
-                (by(phase, "train/straggler/rank"), "{{run}} {{phase}} vs median"),
+                (by(phase, "train/straggler/rank"), "{{run}} {{phase}} vs others"),
                 (by(phase, "train/straggler/own_best_rank"), "{{run}} {{phase}} vs own best"),
             ),
         ),

@@ -5,13 +5,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
 from torchtelemetry._process import check_same_process, current_pid
-from torchtelemetry._run_parts import RunIdentity, assemble_run, startup_timeout_s
+from torchtelemetry._run_parts import assemble_run, startup_timeout_s
 from torchtelemetry._startup import (
     EveryRank,
     TelemetryStartupError,
@@ -30,7 +30,7 @@ from torchtelemetry.report import (
     restore_run_state,
     run_state,
 )
-from torchtelemetry.run import HangSettings, watch_hangs
+from torchtelemetry.run import HangSettings, RunIdentity, watch_hangs
 
 __all__ = ["RunIdentity", "Telemetry", "TelemetryConfig", "TelemetryStartupError"]
 
@@ -57,10 +57,10 @@ class Telemetry:
     flushes every exporter.
 
     Building a `Telemetry` is collective: build it on every rank, at the same point
-    (rank 0 of `group` exports: see `export_policy`). Every rank learns within `timeout_s` whether every
-    rank started; if one did not (a port in use, a missing extra, a rank that never
-    builds it), every rank raises, naming the rank and the cause
-    (`TelemetryStartupError` on the others). With `WORLD_SIZE` > 1 in the environment,
+    (rank 0 of `group` exports: see `export_policy`). Every rank that builds it learns within
+    `timeout_s` whether every rank started; if one did not (a port in use, a missing extra), every
+    rank raises, naming the rank and the cause (`TelemetryStartupError` on the others); a rank that
+    never builds it cannot raise, and the ranks that did name it. With `WORLD_SIZE` > 1 in the environment,
     call `torch.distributed.init_process_group()` first.
 
     Args:
@@ -130,6 +130,7 @@ class Telemetry:
         """The run exported (its id: see `run_identity`)."""
         self._identity = parts.identity
         self._run_id_suffix = parts.run_id_suffix
+        self._progress, self._goodput = parts.progress, parts.goodput
         self.is_exporting = parts.is_exporting
         """Whether this rank exports: rank 0 of the group (`export_policy`)."""
         self.hub = parts.hub
@@ -141,7 +142,7 @@ class Telemetry:
         self._windows = StepWindows(
             self._collector, self._publisher, self._signals, every=self.every, beat=beat
         )
-        self._closed = False
+        self._closed = self._raised = False
         agreed = every_rank.agreed
         if isinstance(agreed, RunIdentity) and agreed != self._identity:
             self._adopt_run(agreed)
@@ -164,8 +165,8 @@ class Telemetry:
         self.hub.adopt_run(self.run)
         if self._hang_watch is not None:
             self._hang_watch.adopt_run(self.run)
-        if self._signals is not None:
-            self._signals.adopt_run(self.run.run_id)
+        if self._progress is not None:
+            self._progress.adopt_run(self.run.run_id)
 
     @property
     def backpressure_waits(self) -> int:
@@ -228,33 +229,27 @@ class Telemetry:
             return contextlib.nullcontext()
         return self._signals.phase(name)
 
-    def watch_gradient_sync(
-        self,
-        model: torch.nn.Module,
-        *,
-        phase: str = "backward",
-        hook: Callable[[Any, Any], torch.futures.Future] | None = None,
-        state: Any = None,
-    ) -> None:
-        """Time the gradient all-reduce of `model`, a `DistributedDataParallel`, on every rank.
+    def watch_gradient_sync(self, model: torch.nn.Module, *, phase: str = "backward") -> None:
+        """Measure how long each rank's backward through `model` waits for the gradient collective.
 
-        Registers a DDP communication hook: DDP's own all-reduce, or `hook` (with `state`) timed
-        the same way. Exports `train/sync_wait` per rank, the seconds per step each rank waited
-        there for the others; the straggler scores take that wait out of `phase`, the declared
-        phase whose block holds the all-reduce (`loss.backward()`), so that the ranks that wait
-        are never named, only the one they wait for (docs/signals.md). Call it once, before
-        training, on every rank (DDP takes one communication hook). With `signals=False`, nothing.
+        `model` is the `DistributedDataParallel` or FSDP2 module (or the module it wraps). Nothing
+        of the training changes: no communication hook, a forward hook that marks the outputs'
+        gradients and two autograd-engine callbacks per backward, from the last gradient computed
+        to the end of the backward (DDP's all-reduce done). Exports `train/sync_wait` per rank; the
+        straggler scores take that wait out of `phase`, the declared phase whose block holds the
+        collective (`loss.backward()`), so that the ranks that wait are never named, only the one
+        they wait for. Without it a multi-rank run names nobody in "backward" (docs/signals.md). Call
+        it on every rank before training; `close()` removes the hook. With `signals=False`, nothing.
         """
         self._require_open("watch_gradient_sync")
         if self._signals is not None:
-            self._signals.watch_gradient_sync(model, phase, hook, state)
+            self._signals.watch_gradient_sync(model, phase)
 
     def checkpoint_saved(self, step: int) -> None:
         """Mark the checkpoint of `step` as durable (written and committed): for goodput, the
         training up to when `state_dict()` was taken for it reached a checkpoint."""
         self._require_open("checkpoint_saved")
-        if self._signals is not None:
-            self._signals.checkpoint_saved(step)
+        self._goodput.checkpoint_saved(step)
 
     def schedule_collection(self) -> None:
         """Schedule a collection of the steps since the last one now, without waiting for it.
@@ -291,7 +286,8 @@ class Telemetry:
         return self.hub.force_flush(timeout_s)
 
     def close(self, timeout_s: float = 30.0) -> None:
-        """Collect and export the last partial window, then close every exporter. Idempotent.
+        """Collect and export the last partial window (and goodput of a checkpoint marked after it),
+        then close every exporter; the progress file records that the run finished. Idempotent.
 
         After a failed collection (a rank died or diverged) nothing more is collected: close
         only releases the collector and flushes what was already exported. Afterwards `step`,
@@ -307,6 +303,7 @@ class Telemetry:
                 if self._windows.steps_in_window:
                     self._windows.schedule(final=True)
                 self._windows.drain(block=True)
+                self._publisher.amend(self._goodput.late_gauges())
         finally:
             self._closed = True
             if self._hang_watch is not None:  # its reports go through the hub: stop it first
@@ -317,6 +314,8 @@ class Telemetry:
             self._every_rank.release()
             if self._signals is not None:
                 self._signals.close()
+            if self._progress is not None:  # a failed collection or a with block that raised: not finished
+                self._progress.close(finished=self._windows.failure is None and not self._raised)
 
     def _require_open(self, op: str) -> None:
         check_same_process(self._pid, f"Telemetry.{op}")
@@ -339,7 +338,9 @@ class Telemetry:
 
     def __exit__(self, exc_type: object, exc: BaseException | None, traceback: object) -> None:
         """Close; when the block raised, its exception goes on and a failure of close (a collection
-        the other ranks did not join) is logged and noted on it instead of replacing it."""
+        the other ranks did not join) is logged and noted on it instead of replacing it, and the run
+        is not recorded as finished."""
+        self._raised = exc is not None
         try:
             self.close()
         except Exception as error:

@@ -21,7 +21,7 @@ from torchtelemetry.report._naming import (
     sanitize_path,
     validate_path,
 )
-from torchtelemetry.report._publisher import WindowPublisher, describe_with_signals
+from torchtelemetry.report._publisher import Submit, WindowPublisher, describe_with_signals
 from torchtelemetry.report._ranks import RankSeriesLimit
 from torchtelemetry.report._totals import RunningTotals, difference
 from torchtelemetry.report._values import HistogramValue, MetricDescriptor, ReportValue, ReportValues
@@ -33,20 +33,22 @@ from torchtelemetry.report.signals import (
     DEFAULT_PHASES,
     DEFAULT_SPIKE_SIGMA,
     DEFAULT_SPIKE_WINDOWS,
+    DEFAULT_SYNC_PHASE,
     DEFAULT_TOP_K,
     HANG_DESCRIPTORS,
     HEARTBEAT_LABELS,
     MIN_HISTORY,
     UNKNOWN_PHASE,
+    GoodputReading,
+    GoodputSource,
     HostTimer,
     PhaseTimer,
-    ProgressFile,
     SignalContext,
     SignalSet,
     WindowTiming,
     builtin_signals,
     check_phase_names,
-    progress_path,
+    goodput_gauges,
     signal_descriptors,
 )
 
@@ -55,6 +57,7 @@ __all__ = [
     "DEFAULT_PHASES",
     "DEFAULT_SPIKE_SIGMA",
     "DEFAULT_SPIKE_WINDOWS",
+    "DEFAULT_SYNC_PHASE",
     "DEFAULT_TOP_K",
     "MIN_HISTORY",
     "BETWEEN_PHASES",
@@ -65,8 +68,9 @@ __all__ = [
     "UNKNOWN_PHASE",
     "HostTimer",
     "PhaseTimer",
-    "ProgressFile",
-    "progress_path",
+    "GoodputReading",
+    "GoodputSource",
+    "goodput_gauges",
     "SignalContext",
     "SignalSet",
     "check_phase_names",
@@ -82,6 +86,7 @@ __all__ = [
     "RunningTotals",
     "ReportValue",
     "ReportValues",
+    "Submit",
     "WindowPublisher",
     "WindowTiming",
     "allocator_metrics",

@@ -5,13 +5,24 @@ the heartbeat and the hang monitor, goodput's lasting state, captures and traces
 `torchtelemetry.report.signals`.
 """
 
-# Hangs: each rank's heartbeat, the exporting rank's monitor, the next rank's deputy (docs/signals.md).
+from torchtelemetry.run._goodput import GoodputLedger
 from torchtelemetry.run._hangs import BeatLedger, Hang, RankBeat, Reading, find_hang, hang_values
 from torchtelemetry.run._heartbeat import Heartbeat
+from torchtelemetry.run._identity import RunIdentity, launcher_run_id, resolve_run_identity
+from torchtelemetry.run._progress import ProgressFile, ProgressRecord, RunProgress, progress_path
 from torchtelemetry.run._watch import HangSettings, HangWatch, watch_hangs
 
 __all__ = [
-    # Hangs
+    # identity and attempts, the progress file, goodput's lasting state
+    "GoodputLedger",
+    "ProgressFile",
+    "ProgressRecord",
+    "RunIdentity",
+    "RunProgress",
+    "launcher_run_id",
+    "progress_path",
+    "resolve_run_identity",
+    # hangs: each rank's heartbeat, the exporting rank's monitor, the next rank's deputy (docs/signals.md)
     "BeatLedger",
     "Hang",
     "HangSettings",

@@ -30,7 +30,7 @@ from torchtelemetry.report.signals._builtin import (
 )
 from torchtelemetry.report.signals._clock import EventClock, HostClock, HostTimer, PhaseClock, PhaseTimer
 from torchtelemetry.report.signals._data_wait import DATA_PHASE, DataWait
-from torchtelemetry.report.signals._goodput import Goodput
+from torchtelemetry.report.signals._goodput import Goodput, GoodputReading, GoodputSource, goodput_gauges
 from torchtelemetry.report.signals._hang import (
     BETWEEN_PHASES,
     CLOSED_PHASE,
@@ -51,11 +51,11 @@ from torchtelemetry.report.signals._nvml import (
 )
 from torchtelemetry.report.signals._peak_memory import PeakMemory
 from torchtelemetry.report.signals._phases import DEFAULT_PHASES, Phases, check_phase_names
-from torchtelemetry.report.signals._progress import ProgressFile, ProgressRecord, progress_path
 from torchtelemetry.report.signals._set import SignalSet
 from torchtelemetry.report.signals._spikes import MIN_HISTORY, Spikes
 from torchtelemetry.report.signals._step_time import StepTime
 from torchtelemetry.report.signals._stragglers import (
+    DEFAULT_SYNC_PHASE,
     MIN_COST,
     MIN_EXCESS,
     MIN_NOISE_WINDOWS,
@@ -85,6 +85,7 @@ __all__ = [
     "signal_descriptors",
     "DATA_PHASE",
     "DEFAULT_PHASES",
+    "DEFAULT_SYNC_PHASE",
     "MIN_COST",
     "MIN_EXCESS",
     "MIN_HISTORY",
@@ -97,6 +98,8 @@ __all__ = [
     "EventClock",
     "GpuHealth",
     "Goodput",
+    "GoodputReading",
+    "GoodputSource",
     "HostClock",
     "HostTimer",
     "MemoryHealth",
@@ -105,8 +108,6 @@ __all__ = [
     "PhaseClock",
     "PhaseTimer",
     "Phases",
-    "ProgressFile",
-    "ProgressRecord",
     "RankValues",
     "Signal",
     "SignalContext",
@@ -126,7 +127,7 @@ __all__ = [
     "lowest_rank",
     "memory_descriptors",
     "open_nvml",
-    "progress_path",
+    "goodput_gauges",
     "resident_bytes",
     "watched_metrics",
 ]

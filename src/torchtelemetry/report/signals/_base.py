@@ -23,7 +23,6 @@ from torchtelemetry.report._values import MetricDescriptor, ReportValue
 
 if TYPE_CHECKING:
     from torchtelemetry.report.signals._clock import HostTimer, PhaseTimer
-    from torchtelemetry.report.signals._progress import ProgressFile
 
 __all__ = [
     "RankValues",
@@ -107,20 +106,10 @@ class Signal:
         takes (the heartbeat reads where the thread is from them)."""
         return {}
 
-    def watch_gradient_sync(self, model: Any, phase: str, hook: Any, state: Any) -> bool:
-        """`Telemetry.watch_gradient_sync(model, phase=...)`: True if this signal times `model`'s
-        gradient all-reduce (it registers the hook), False if it only takes note of `phase`."""
+    def watch_gradient_sync(self, model: Any, phase: str) -> bool:
+        """`Telemetry.watch_gradient_sync(model, phase=...)`: True if this signal times the wait for
+        `model`'s gradient collective, False if it only takes note of `phase`."""
         return False
-
-    def checkpoint_saved(self, step: int) -> None:
-        """A checkpoint of step `step` is durable."""
-
-    def adopt_run(self, run_id: str) -> None:
-        """The run is (from now on) `run_id`."""
-
-    def run_progress(self) -> ProgressFile | None:
-        """The progress file a resumed run reads its run id and step from (None: none kept here)."""
-        return None
 
     def check(self, keyword: str, value: Any) -> None:
         """Raise, naming the signal, if `value` given as `keyword` cannot be recorded. Runs for every

@@ -9,7 +9,9 @@ on every device, exported per rank under its own name `train/data_wait`. Per win
 - over ranks, labelled `phase`, at any world size: `train/phases/{min,median,max}` (seconds),
   `train/phases/{min,max}_rank` (rank ids, as values) and `train/phases/share` (percent of the
   window's wall time the median rank spent in the phase; nested phases overlap);
-- the straggler scores of `_stragglers` (with the sync wait of `_sync_wait`).
+- the straggler scores of `_stragglers` (with the sync wait of `_sync_wait`; the phase that holds the
+  gradient collective, "backward" unless `watch_gradient_sync(phase=)` names another, is left
+  out of them in a multi-rank run that does not measure that wait).
 
 A phase that no rank entered in a window is left out of that window's report.
 """
@@ -114,14 +116,14 @@ class Phases(Signal):
         self._clock = clock
         self._timers = {name: PhaseTimer(clock, index, name) for index, name in enumerate(self.phases)}
         self._steps = 0
-        self.stragglers = StragglerScores(top_k)
+        self.stragglers = StragglerScores(top_k, warn=context.rank == 0)
 
     def timers(self) -> dict[str, PhaseTimer]:
         """The context manager of every declared phase."""
         return dict(self._timers)
 
-    def watch_gradient_sync(self, model: Any, phase: str, hook: Any, state: Any) -> bool:
-        """The wait in `phase`'s all-reduce is taken out of its straggler scores."""
+    def watch_gradient_sync(self, model: Any, phase: str) -> bool:
+        """`phase` holds the gradient collective: its straggler scores are taken less the wait."""
         self.stragglers.sync_phase = phase
         return False
 
@@ -184,7 +186,8 @@ class Phases(Signal):
             if timing.duration_s > 0 and timing.steps > 0:
                 stats["share"][name] = 100 * stats["median"][name] * timing.steps / timing.duration_s
         window.update({f"{PHASES}/{stat}": values for stat, values in stats.items() if values})
-        window.update(self.stragglers.score(times, stats["share"], finite_by_rank(window.get(SYNC_WAIT))))
+        step_s = timing.duration_s / timing.steps if timing.duration_s > 0 and timing.steps > 0 else 0.0
+        window.update(self.stragglers.score(times, step_s, finite_by_rank(window.get(SYNC_WAIT))))
 
     def state_dict(self) -> dict[str, Any]:
         return {"own_best": self.stragglers.state_dict()}

@@ -11,14 +11,12 @@ from torchtelemetry.report._values import MetricDescriptor, ReportValue
 from torchtelemetry.report.signals._base import Signal, WindowTiming
 from torchtelemetry.report.signals._clock import HostTimer, PhaseTimer
 from torchtelemetry.report.signals._data_wait import DATA_PHASE
-from torchtelemetry.report.signals._progress import ProgressFile
-from torchtelemetry.report.signals._sync_wait import CommHook
 
 __all__ = ["SignalSet"]
 
 
 class SignalSet:
-    """Routes `Telemetry.step()` keywords, `phase()` sections, checkpoints and windows to signals.
+    """Routes `Telemetry.step()` keywords, `phase()` sections and windows to signals.
 
     Signals derive in the order given: one that reads another's raw values (throughput reads the
     token count) comes after it. Names, keywords and metric paths must not repeat.
@@ -37,16 +35,6 @@ class SignalSet:
             raise ValueError(f"SignalSet: signal names, step keywords or phases {repeated} are used twice")
         self._by_keyword = {keyword: signal for signal in self.signals for keyword in signal.keywords}
         self._timers = dict(timers)
-
-    @property
-    def progress(self) -> ProgressFile | None:
-        """The progress file a resumed run reads (None without one)."""
-        return next((found for signal in self.signals if (found := signal.run_progress())), None)
-
-    def adopt_run(self, run_id: str) -> None:
-        """Tell every signal the run is `run_id` (goodput writes its progress file under it)."""
-        for signal in self.signals:
-            signal.adopt_run(run_id)
 
     @property
     def keywords(self) -> frozenset[str]:
@@ -111,16 +99,12 @@ class SignalSet:
         sections the training thread is inside."""
         return tuple(self._timers.values())
 
-    def watch_gradient_sync(self, model: Any, phase: str, hook: CommHook | None, state: Any) -> None:
-        """Time `model`'s gradient all-reduce (a DDP communication hook), held by phase `phase`."""
+    def watch_gradient_sync(self, model: Any, phase: str) -> None:
+        """Time the wait for `model`'s gradient collective, held by phase `phase`."""
         if phase == DATA_PHASE or phase not in self._timers:
             raise self._undeclared("Telemetry.watch_gradient_sync", phase)
-        if not any([signal.watch_gradient_sync(model, phase, hook, state) for signal in self.signals]):
-            raise ValueError("Telemetry.watch_gradient_sync: no signal here times the gradient all-reduce")
-
-    def checkpoint_saved(self, step: int) -> None:
-        for signal in self.signals:
-            signal.checkpoint_saved(step)
+        if not any([signal.watch_gradient_sync(model, phase) for signal in self.signals]):
+            raise ValueError("Telemetry.watch_gradient_sync: no signal here times the gradient collective")
 
     def flush(self, duration_s: float, *, final: bool = False) -> None:
         for signal in self.signals:
