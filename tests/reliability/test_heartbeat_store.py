@@ -76,6 +76,11 @@ def _five_in_a_row(rank: int, world_size: int, directory: str) -> dict[str, Any]
         listening = _listening() - before
         telemetry.close()
     return {
+        "threads": sorted(
+            thread.name
+            for thread in threading.enumerate()
+            if thread.name.startswith(("torchtelemetry-heartbeat", "torchtelemetry-hang"))
+        ),
         "left_listening": sorted(_listening() - before),
         "listening_while_open": sorted(listening),
         "addresses": addresses,
@@ -85,9 +90,11 @@ def _five_in_a_row(rank: int, world_size: int, directory: str) -> dict[str, Any]
 
 @pytest.mark.timeout(300)
 def test_the_store_listens_on_the_groups_interface_and_closes_with_each_telemetry(tmp_path: Path) -> None:
-    """Five Telemetry built and closed in one process used to leave five open, accepting ports."""
+    """Five Telemetry built and closed in one process used to leave five open, accepting ports; now
+    neither a port nor a thread of hang detection outlives `close()`."""
     exporting, other = run_ranks(_five_in_a_row, 2, str(tmp_path), timeout_s=240)
     assert exporting["left_listening"] == [] and other["left_listening"] == []
+    assert exporting["threads"] == [] and other["threads"] == []  # every heartbeat thread ended
     hosts = {host for host, _ in exporting["addresses"]}
     assert len(set(map(tuple, exporting["addresses"]))) == 5 and hosts == {"127.0.0.1"}
     assert exporting["refused"] == [True] * 5
