@@ -184,12 +184,10 @@ class AsyncMetricCollector:
         )
         if chosen == "device":
             self._bound_group = resolved  # the training's own group: no second communicator
-            return DeviceTransport(
-                storage.window, storage.buffers, resolved, self.max_pending, self.timeout_s
-            )
+            return DeviceTransport(storage.window, storage.local, resolved, self.max_pending, self.timeout_s)
         self._bound_group = self._dedicated_group(resolved)
         return HostTransport(
-            storage.window, storage.buffers, self._bound_group, self.max_pending, self.timeout_s
+            storage.window, storage.local, self._bound_group, self.max_pending, self.timeout_s
         )
 
     def _current_storage(self) -> BoundStorage:
@@ -198,6 +196,7 @@ class AsyncMetricCollector:
         storage = self._storage
         assert storage is not None
         if self._binding.stale:
+            storage.stage.close()  # what was staged lands in the states the rebuild copies
             rebuilt = BoundStorage.build(self._named, storage.window.world_size)
             if rebuilt.device != storage.device:
                 raise RuntimeError(
@@ -228,6 +227,8 @@ class AsyncMetricCollector:
         """
         if self._state != "bound":
             return
+        assert self._storage is not None
+        self._storage.stage.close()  # the metrics keep their storage, and update it at once from now on
         self._state = "unbound"
         deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.timeout_s)
         wait_ok = True
@@ -290,12 +291,20 @@ class AsyncMetricCollector:
                 "call collect_results() first"
             )
         storage = self._current_storage()
+        storage.stage.flush()
         assert self._transport is not None
         index = next(self._windows)
         finish = self._transport.schedule(index, index if step is None else step, storage.reset)
         if then is not None:
             finish = functools.partial(_then, finish, then)
         self._pending.append(_Window(index, executor.submit(finish), then is not None))
+
+    def apply_staged(self) -> None:
+        """Apply the metrics' updates staged since the last call (`Telemetry.step()` calls it every
+        step): a few tensor ops however many metrics were updated, no host sync. Reading a state
+        (`compute()`, `local`) and `schedule_collection()` apply them too."""
+        if self._storage is not None:
+            self._storage.stage.flush()
 
     def ready(self) -> bool:
         """True when the oldest scheduled window can be collected without waiting."""

@@ -11,6 +11,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from torchtelemetry.metric._accumulator import MetricAccumulator, same_identity, state_identity
+from torchtelemetry.metric._staging import UpdateStage
 from torchtelemetry.metric._tree import metric_leaves, named_accumulators
 from torchtelemetry.sync import BucketLayout, GroupLike, reduce_buffers, resolve_group
 
@@ -80,6 +81,8 @@ class _SyncViews:
     """Flat views of each accumulator's synchronized tensor, written in place by a sync."""
     identity: tuple[object, ...]
     """`state_identity` of the accumulators when built: the views hold while it is the same."""
+    stages: tuple[UpdateStage, ...]
+    """Where the accumulators' updates are staged: applied before the locals are read."""
     spec: Any
     leaves: tuple[Any, ...]
     """The PyTree's leaves, kept alive so that the ids in the cache key stay theirs."""
@@ -109,6 +112,7 @@ def _cache_views(
         locals=tuple(local for local, _ in flat),
         synced=tuple(synced for _, synced in flat),
         identity=state_identity(accs),
+        stages=tuple({id(stage): stage for acc in accs if (stage := acc.stage) is not None}.values()),
         spec=spec,
         leaves=tuple(leaves),
     )
@@ -129,6 +133,8 @@ def _unchanged(views: _SyncViews, accumulators: Iterable[MetricAccumulator]) -> 
 
 
 def _run_views(views: _SyncViews, group: GroupLike, async_op: bool) -> SyncHandle | None:
+    for stage in views.stages:
+        stage.flush()
     buffers = views.layout.pack(views.locals)
     works = reduce_buffers(views.layout, buffers, resolve_group(group, op="sync_metrics"), async_op=async_op)
     handle = SyncHandle(works, lambda: views.layout.unpack_into(buffers, views.synced))

@@ -3,6 +3,7 @@
 The allocator is read as `torch.cuda.memory_stats_as_nested_dict`: `torch.cuda.memory_stats` (and
 `max_memory_allocated`, which calls it) flattens and sorts the same dict in Python, which cost about
 0.5 ms of the training thread per call on an H200 host, three calls per window (bench/README.md).
+Every memory signal of a `Telemetry` shares one `AllocatorStats`, which reads once per window.
 """
 
 from __future__ import annotations
@@ -57,6 +58,9 @@ class AllocatorStats:
     `torch.cuda.reset_accumulated_memory_stats()`: the count restarted from 0, so the increase is
     the count itself (re-based, never negative). `memory_stats` and `mem_get_info` are the two
     CUDA calls; a test passes stand-ins to run the rest on a CPU.
+
+    Shared by the signals that read it (`PeakMemory`, `MemoryHealth`): each window's first reader
+    reads the allocator, the others get that reading (`read(reader)`).
     """
 
     def __init__(
@@ -70,9 +74,20 @@ class AllocatorStats:
         self._memory_stats = memory_stats
         self._mem_get_info = mem_get_info
         self._counts = {"num_alloc_retries": 0.0, "num_ooms": 0.0}
+        self._reading: AllocatorReading | None = None
+        self._readers: set[int] = set()
 
-    def read(self) -> AllocatorReading:
-        """The allocator now; retries and OOMs since the previous `read()`."""
+    def read(self, reader: object) -> AllocatorReading:
+        """The allocator's reading of this window: read now if `reader` already had the last one
+        (its next window) or none was made, else the last (a window's other readers). Retries and
+        OOMs are since the previous reading."""
+        if self._reading is None or id(reader) in self._readers:
+            self._reading = self._read()
+            self._readers = set()
+        self._readers.add(id(reader))
+        return self._reading
+
+    def _read(self) -> AllocatorReading:
         stats = self._memory_stats(self.device)
         return AllocatorReading(
             allocated=_all_pools(stats, "allocated_bytes", "current"),

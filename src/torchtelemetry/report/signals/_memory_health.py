@@ -95,7 +95,7 @@ class MemoryHealth(Signal):
     def flush(self, duration_s: float, *, final: bool = False) -> None:
         values = {"rss": float(resident_bytes())}
         if self.allocator is not None:
-            reading = self.allocator.read()
+            reading = self.allocator.read(self)
             values.update(
                 allocated=reading.allocated,
                 reserved=reading.reserved,

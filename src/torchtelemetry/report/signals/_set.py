@@ -37,6 +37,7 @@ class SignalSet:
             raise ValueError(f"SignalSet: signal names, step keywords or phases {repeated} are used twice")
         self._by_keyword = {keyword: signal for signal in self.signals for keyword in signal.keywords}
         self._timers = dict(timers)
+        self._flush_order = sorted(self.signals, key=lambda signal: signal.flush_reads_state)
 
     @property
     def keywords(self) -> frozenset[str]:
@@ -107,7 +108,10 @@ class SignalSet:
             raise ValueError("Telemetry.watch_gradient_sync: no signal here times the gradient all-reduce")
 
     def flush(self, duration_s: float, *, final: bool = False) -> None:
-        for signal in self.signals:
+        """Every signal hands its host values to the window's state: staged by the state's collector
+        and applied with the step's updates (one host row, one copy); the signals whose flush reads the
+        state go last, so that it is applied once."""
+        for signal in self._flush_order:
             signal.flush(duration_s, final=final)
 
     def host_values(self) -> dict[str, Any]:
