@@ -19,6 +19,7 @@ __all__ = [
     "ReduceOp",
     "same_identity",
     "state_identity",
+    "synced_identity",
 ]
 
 DEFAULT_STATE_DTYPE = torch.float64
@@ -29,6 +30,12 @@ def state_identity(accumulators: Iterable[MetricAccumulator]) -> tuple[object, .
     """Each accumulator and its local tensor, in order: the same objects (`same_identity`) until an
     accumulator is replaced or moved (`to()`, `adopt()`). For what a blocking call caches."""
     return tuple(item for accumulator in accumulators for item in (accumulator, accumulator._local))
+
+
+def synced_identity(accumulators: Iterable[MetricAccumulator]) -> tuple[object, ...]:
+    """Each accumulator's synchronized tensor, in order: the same objects until one is moved (`to()`)
+    or adopted (`adopt_synced()`) elsewhere."""
+    return tuple(accumulator._synced for accumulator in accumulators)
 
 
 def same_identity(first: tuple[object, ...], second: tuple[object, ...]) -> bool:
@@ -281,6 +288,13 @@ class MetricAccumulator:
         self._local = storage
         self._stage, self._at = staged if staged is not None else (None, 0)
 
+    def adopt_synced(self, storage: torch.Tensor) -> None:
+        """Keep the synchronized state in `storage` from now on (a view of the same shape and dtype,
+        e.g. a slice of a packed sync's buffer, which a sync then reduces in place); the current
+        values are copied into it."""
+        storage.copy_(self._synced)
+        self._synced = storage
+
     def reading(self, state: torch.Tensor) -> MetricAccumulator:
         """A twin of this accumulator whose local state and `value` are `state` (e.g. a collection
         window's reduced state), bound nowhere; this accumulator is left as it is."""
@@ -288,11 +302,6 @@ class MetricAccumulator:
         twin.reduce_op, twin._initial, twin._local, twin._synced = self.reduce_op, self._initial, state, state
         twin._binding, twin._stage, twin._at, twin._scalar = None, None, 0, state.dim() == 0
         return twin
-
-    def flat_views(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """1-D views of the local and the synchronized state (valid until `to()`), for packed syncs
-        (which call `apply_staged()` before reading them)."""
-        return self.local.view(-1), self._synced.view(-1)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The local state (a per-rank DTensor shard under a process group, see `rank_sharded`)."""
