@@ -64,7 +64,7 @@ def builtin_signals(
     phases after the data wait and the sync wait)."""
     watched = watched_metrics(leaves, nonfinite)
     # One reading of the CUDA allocator per window for every memory signal.
-    allocator = AllocatorStats(context.device) if context.device.type == "cuda" else None
+    allocator = AllocatorStats(context.device, background=True) if context.device.type == "cuda" else None
     signals: list[Signal] = [
         StepTime(context),
         DataWait(context),

@@ -54,9 +54,13 @@ class PeakMemory(Signal):
         if self.allocator is None:
             self.peak.extremum.update(resident_peak())
         else:
-            reading = self.allocator.read(self)
+            reading = self.allocator.read(self, now=final)
             self.peak.extremum.update(reading.peak_allocated)
             self.memory["max_active"].extremum.update(reading.peak_active)
             self.memory["max_reserved"].extremum.update(reading.peak_reserved)
             self.memory["alloc_retries"].total.update(reading.alloc_retries)
             self.memory["ooms"].total.update(reading.ooms)
+
+    def close(self) -> None:
+        if self.allocator is not None:
+            self.allocator.close()
