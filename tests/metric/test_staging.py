@@ -11,12 +11,12 @@ import threading
 
 import pytest
 import torch
-from torch.utils import _pytree as pytree
 
 import torchtelemetry as tt
 from tests.metric.examples import EXAMPLES, build, feed, staged
 from tests.metric.test_metrics import computed
 from tests.ops import OpCounter
+from tests.trees import pytree
 from torchtelemetry.collect import AsyncMetricCollector
 from torchtelemetry.metric import sync_metrics
 
