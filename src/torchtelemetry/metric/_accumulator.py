@@ -149,7 +149,7 @@ class MetricAccumulator:
     def update(self, value: torch.Tensor | float) -> None:
         """Fold `value` (already reduced to this accumulator's shape) into the local state."""
         stage = self._stage
-        if stage is not None and self._scalar and stage.stage.accepts(value):
+        if stage is not None and self._scalar and stage.accepts(value):
             stage.fold(self._at, value, self.reduce_op)
             return
         local = self._writable()
@@ -168,7 +168,7 @@ class MetricAccumulator:
         accumulator's reduce op (add, max or min), leaving every other entry as it is (NaN and Inf
         included). An `index` of fewer dims than the state folds into that whole slice."""
         stage = self._stage
-        if stage is not None and stage.stage.accepts(value):
+        if stage is not None and stage.accepts(value):
             offset = self._offset(index)
             if offset is not None:
                 stage.fold(offset, value, self.reduce_op)
@@ -193,7 +193,7 @@ class MetricAccumulator:
         if self.reduce_op is not ReduceOp.SUM:
             raise TypeError(f"add_product needs a SUM accumulator, got {self.reduce_op.name}")
         stage = self._stage
-        if stage is not None and self._scalar and stage.stage.accepts(value) and stage.stage.accepts(weight):
+        if stage is not None and self._scalar and stage.accepts(value) and stage.accepts(weight):
             stage.add_product(self._at, value, weight)
             return
         local = self._writable()
@@ -223,7 +223,7 @@ class MetricAccumulator:
         if (
             stage is not None
             and value.dtype in COUNTED_DTYPES
-            and stage.stage.accepts(value)
+            and stage.accepts(value)
             and (offset := self._offset(index)) is not None
         ):
             stage.count_nonfinite(offset, value)

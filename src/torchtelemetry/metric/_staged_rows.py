@@ -1,4 +1,5 @@
-"""`StagedRows`: the operands of staged updates, kept by position until a flush gathers them."""
+"""`StagedRows`: the staged entries of one buffer, their operands kept by position until a flush
+gathers them into float64 rows on the buffer's device."""
 
 from __future__ import annotations
 
@@ -15,52 +16,73 @@ _STAGED = torch.float64
 
 
 class StagedRows:
-    """Float64 operands staged by position, in `count` aligned rows: Python numbers on the host,
-    0-d tensors copied at the flush (one `_foreach_copy_` per dtype)."""
+    """Entries staged for one buffer: each its offset in the buffer and one operand per row (`count`
+    rows), a Python number (kept on the host) or a 0-d tensor (copied at the flush: one
+    `_foreach_copy_` per dtype into its float64 slot)."""
 
     def __init__(self, count: int, device: torch.device) -> None:
         self.count = count
         self.device = device
-        self.host: list[list[float]] = [[] for _ in range(count)]
+        self.offsets: list[int] = []
+        """Each entry's offset in the buffer."""
+        self._host: list[list[Any]] = [[] for _ in range(count)]
+        self._first = self._host[0]
         self._numbers = False
         self._tensors: dict[torch.dtype, tuple[list[int], list[torch.Tensor]]] = {}
         self.versions: list[tuple[torch.Tensor, int, int]] = []
         """(tensor, its version when staged, position): a tensor changed in place since is caught."""
         self._buffers: dict[int, tuple[torch.Tensor, torch.Tensor, Any, list[torch.Tensor]]] = {}
 
-    def put(self, row: int, operand: torch.Tensor | float) -> None:
-        """Stage `operand` at the next position of `row` (rows are filled in step)."""
-        position = len(self.host[row])
-        if type(operand) is float or type(operand) is int:
-            self.host[row].append(float(operand))
+    def add(self, offset: int, first: Any, second: Any = None) -> None:
+        """Stage an entry at buffer `offset`: `first` in row 0 and (two rows) `second` in row 1."""
+        position = len(self.offsets)
+        self.offsets.append(offset)
+        kind = type(first)
+        if kind is float or kind is int:
+            self._first.append(first)
             self._numbers = True
+        else:
+            self._first.append(0.0)
+            self._tensor(first, position)
+        if self.count == 1:
             return
-        assert isinstance(operand, torch.Tensor)
-        self.host[row].append(0.0)
+        kind = type(second)
+        if kind is float or kind is int:
+            self._host[1].append(second)
+            self._numbers = True
+        else:
+            self._host[1].append(0.0)
+            self._tensor(second, 1 << 32 | position)
+
+    def _tensor(self, operand: torch.Tensor, slot: int) -> None:
         group = self._tensors.get(operand.dtype)
         if group is None:
             group = self._tensors[operand.dtype] = ([], [])
-        group[0].append(row << 32 | position)
+        group[0].append(slot)
         group[1].append(operand)
-        self.versions.append((operand, operand._version, position))
+        self.versions.append((operand, operand._version, slot & 0xFFFFFFFF))
 
     def __len__(self) -> int:
-        return len(self.host[0])
+        return len(self.offsets)
 
     def changed(self) -> list[int]:
-        """Positions whose staged tensor was modified in place since it was staged."""
-        return [position for tensor, version, position in self.versions if tensor._version != version]
+        """Offsets of the entries whose staged tensor was modified in place since it was staged."""
+        return [
+            self.offsets[position]
+            for tensor, version, position in self.versions
+            if tensor._version != version
+        ]
 
     def gather(self) -> torch.Tensor:
         """The staged operands as a float64 tensor of (`count`, n) on the device ((n,) for one row)."""
-        n = len(self)
+        n = len(self.offsets)
         tensor, flat, host, views = self._buffer(n)
         if self._numbers:
-            numbers = [number for row in self.host for number in row]
+            numbers = array.array("d", self._first if self.count == 1 else self._first + self._host[1])
             if host is not None:  # the CPU: the tensor is this host memory
-                host[:] = array.array("d", numbers)
+                host[:] = numbers
             else:  # one copy, from pinned memory on CUDA (the caching host allocator keeps it until done)
-                staged = torch.tensor(numbers, dtype=_STAGED)
+                staged = torch.frombuffer(numbers, dtype=_STAGED)
                 flat.copy_(staged.pin_memory() if self.device.type == "cuda" else staged, non_blocking=True)
         for slots, operands in self._tensors.values():
             torch._foreach_copy_([views[(slot >> 32) * n + (slot & 0xFFFFFFFF)] for slot in slots], operands)
@@ -85,7 +107,8 @@ class StagedRows:
         return found
 
     def clear(self) -> None:
-        for row in self.host:
+        self.offsets.clear()
+        for row in self._host:
             row.clear()
         self._numbers = False
         self._tensors.clear()

@@ -63,6 +63,8 @@ class StagePart:
 
     def __init__(self, stage: UpdateStage, buffer: torch.Tensor, names: list[tuple[int, str]]) -> None:
         self.stage = stage
+        self.accepts = stage.accepts
+        """`UpdateStage.accepts` of the stage."""
         self.buffer = buffer
         self._names = sorted(names)
         self._constants: dict[tuple[torch.dtype, tuple[int, ...]], torch.Tensor] = {}
@@ -92,7 +94,7 @@ class StagePart:
             return
         self.stage.check_thread(self.pending)
         try:
-            changed = self.changed()
+            changed = sorted({self.name(offset) for offset in self.changed()})
             if changed:
                 raise RuntimeError(
                     f"metric states {changed}: a tensor given to update() was modified in place before "
@@ -103,11 +105,6 @@ class StagePart:
             self.apply()
         finally:
             self.clear()
-
-    def staged(self) -> None:
-        """One more entry staged: past `MAX_STAGED` the part is flushed now."""
-        if self.pending >= MAX_STAGED:
-            self.flush()
 
     def fold(self, offset: int, value: torch.Tensor | float, op: ReduceOp) -> None:
         raise NotImplementedError
@@ -122,8 +119,8 @@ class StagePart:
     def pending(self) -> int:
         raise NotImplementedError
 
-    def changed(self) -> list[str]:
-        """The states whose staged tensor was modified in place since it was staged."""
+    def changed(self) -> list[int]:
+        """Offsets of the entries whose staged tensor was modified in place since it was staged."""
         raise NotImplementedError
 
     def apply(self) -> None:
@@ -131,9 +128,6 @@ class StagePart:
 
     def clear(self) -> None:
         raise NotImplementedError
-
-    def _changed(self, rows: StagedRows, offsets: list[int]) -> list[str]:
-        return sorted({self.name(offsets[position]) for position in rows.changed()})
 
 
 class _Sums(StagePart):
@@ -143,44 +137,44 @@ class _Sums(StagePart):
     def __init__(self, stage: UpdateStage, buffer: torch.Tensor, names: list[tuple[int, str]]) -> None:
         super().__init__(stage, buffer, names)
         self._rows = StagedRows(2, buffer.device)
-        self._offsets: list[int] = []
-        self._counted: list[bool] = []
+        self._counted: list[int] = []
+        """Positions of the non-finite counts."""
 
     def fold(self, offset: int, value: torch.Tensor | float, op: ReduceOp) -> None:
-        self.add_product(offset, value, 1.0)
+        rows = self._rows
+        rows.add(offset, value, 1.0)
+        if len(rows) >= MAX_STAGED:
+            self.flush()
 
     def add_product(self, offset: int, value: torch.Tensor | float, weight: torch.Tensor | float) -> None:
-        self._stage(offset, value, weight, counted=False)
+        rows = self._rows
+        rows.add(offset, value, weight)
+        if len(rows) >= MAX_STAGED:
+            self.flush()
 
     def count_nonfinite(self, offset: int, value: torch.Tensor) -> None:
-        self._stage(offset, value, 0.0, counted=True)
-
-    def _stage(
-        self, offset: int, value: torch.Tensor | float, factor: torch.Tensor | float, counted: bool
-    ) -> None:
-        self._offsets.append(offset)
-        self._counted.append(counted)
-        self._rows.put(0, value)
-        self._rows.put(1, factor)
-        self.staged()
+        self._counted.append(len(self._rows))
+        self.add_product(offset, value, 0.0)
 
     @property
     def pending(self) -> int:
-        return len(self._offsets)
+        return len(self._rows)
 
-    def changed(self) -> list[str]:
-        return self._changed(self._rows, self._offsets)
+    def changed(self) -> list[int]:
+        return self._rows.changed()
 
     def apply(self) -> None:
         added = self._rows.gather().prod(0)
-        if any(self._counted):
-            counted = self.constant(tuple(self._counted), torch.bool)
+        if self._counted:
+            flags = [False] * len(self._rows)
+            for position in self._counted:
+                flags[position] = True
+            counted = self.constant(tuple(flags), torch.bool)
             added = torch.where(counted, added.ne(added), added)
-        self.buffer.index_add_(0, self.constant(tuple(self._offsets)), added)
+        self.buffer.index_add_(0, self.constant(tuple(self._rows.offsets)), added)
 
     def clear(self) -> None:
         self._rows.clear()
-        self._offsets.clear()
         self._counted.clear()
 
 
@@ -190,33 +184,30 @@ class _Extrema(StagePart):
 
     def __init__(self, stage: UpdateStage, buffer: torch.Tensor, names: list[tuple[int, str]]) -> None:
         super().__init__(stage, buffer, names)
-        self._lanes = {
-            "amax": (StagedRows(1, buffer.device), []),
-            "amin": (StagedRows(1, buffer.device), []),
-        }
+        self._maxima = StagedRows(1, buffer.device)
+        self._minima = StagedRows(1, buffer.device)
 
     def fold(self, offset: int, value: torch.Tensor | float, op: ReduceOp) -> None:
-        rows, offsets = self._lanes["amin" if op is ReduceOp.MIN else "amax"]
-        offsets.append(offset)
-        rows.put(0, value)
-        self.staged()
+        rows = self._minima if op is ReduceOp.MIN else self._maxima
+        rows.add(offset, value)
+        if len(rows) >= MAX_STAGED:
+            self.flush()
 
     @property
     def pending(self) -> int:
-        return sum(len(offsets) for _, offsets in self._lanes.values())
+        return len(self._maxima) + len(self._minima)
 
-    def changed(self) -> list[str]:
-        return [name for rows, offsets in self._lanes.values() for name in self._changed(rows, offsets)]
+    def changed(self) -> list[int]:
+        return self._maxima.changed() + self._minima.changed()
 
     def apply(self) -> None:
-        for reduce, (rows, offsets) in self._lanes.items():
-            if offsets:
-                self.buffer.scatter_reduce_(0, self.constant(tuple(offsets)), rows.gather(), reduce)
+        for reduce, rows in (("amax", self._maxima), ("amin", self._minima)):
+            if len(rows):
+                self.buffer.scatter_reduce_(0, self.constant(tuple(rows.offsets)), rows.gather(), reduce)
 
     def clear(self) -> None:
-        for rows, offsets in self._lanes.values():
-            rows.clear()
-            offsets.clear()
+        self._maxima.clear()
+        self._minima.clear()
 
 
 class UpdateStage:

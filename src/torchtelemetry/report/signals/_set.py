@@ -38,6 +38,8 @@ class SignalSet:
         self._by_keyword = {keyword: signal for signal in self.signals for keyword in signal.keywords}
         self._timers = dict(timers)
         self._flush_order = sorted(self.signals, key=lambda signal: signal.flush_reads_state)
+        self._stepped = [signal for signal in self.signals if type(signal).on_step is not Signal.on_step]
+        """The signals that take note of every step (the others' `on_step` does nothing)."""
 
     @property
     def keywords(self) -> frozenset[str]:
@@ -62,8 +64,8 @@ class SignalSet:
         """One step ended with `inputs` (keyword -> value, None for not given): every value is
         checked before any is recorded, so a bad one leaves the step unrecorded."""
         given = {keyword: value for keyword, value in inputs.items() if value is not None}
-        unknown = sorted(set(given) - set(self._by_keyword))
-        if unknown:
+        if not given.keys() <= self._by_keyword.keys():
+            unknown = sorted(given.keys() - self._by_keyword.keys())
             raise TypeError(
                 f"Telemetry.step: no signal takes {unknown} (signals take {sorted(self._by_keyword)})"
             )
@@ -71,7 +73,7 @@ class SignalSet:
             self._by_keyword[keyword].check(keyword, value)
         for keyword, value in given.items():
             self._by_keyword[keyword].record(keyword, value)
-        for signal in self.signals:
+        for signal in self._stepped:
             signal.on_step(step, step_time)
 
     def data_wait_timer(self) -> PhaseTimer | HostTimer:
