@@ -31,7 +31,7 @@ class StagedRows:
         self._tensors: dict[torch.dtype, tuple[list[int], list[torch.Tensor]]] = {}
         self.versions: list[tuple[torch.Tensor, int, int]] = []
         """(tensor, its version when staged, position): a tensor changed in place since is caught."""
-        self._buffers: dict[int, tuple[torch.Tensor, torch.Tensor, Any, list[torch.Tensor]]] = {}
+        self._buffers: dict[int, tuple[tuple[torch.Tensor, ...], torch.Tensor, Any, list[torch.Tensor]]] = {}
 
     def add(self, offset: int, first: Any, second: Any = None) -> None:
         """Stage an entry at buffer `offset`: `first` in row 0 and (two rows) `second` in row 1."""
@@ -73,10 +73,10 @@ class StagedRows:
             if tensor._version != version
         ]
 
-    def gather(self) -> torch.Tensor:
-        """The staged operands as a float64 tensor of (`count`, n) on the device ((n,) for one row)."""
+    def gather(self) -> tuple[torch.Tensor, ...]:
+        """The staged operands as float64 tensors of n entries on the device, one per row."""
         n = len(self.offsets)
-        tensor, flat, host, views = self._buffer(n)
+        rows, flat, host, views = self._buffer(n)
         if self._numbers:
             numbers = array.array("d", self._first if self.count == 1 else self._first + self._host[1])
             if host is not None:  # the CPU: the tensor is this host memory
@@ -86,21 +86,19 @@ class StagedRows:
                 flat.copy_(staged.pin_memory() if self.device.type == "cuda" else staged, non_blocking=True)
         for slots, operands in self._tensors.values():
             torch._foreach_copy_([views[(slot >> 32) * n + (slot & 0xFFFFFFFF)] for slot in slots], operands)
-        return tensor
+        return rows
 
-    def _buffer(self, n: int) -> tuple[torch.Tensor, torch.Tensor, Any, list[torch.Tensor]]:
-        """The rows' tensor for `n` positions, flat, (on the CPU) the host array it lives in and a
-        0-d view of every slot; made once per size."""
+    def _buffer(self, n: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor, Any, list[torch.Tensor]]:
+        """The rows for `n` positions (views of one flat tensor), that tensor, (on the CPU) the host
+        array it lives in and a 0-d view of every slot; made once per size."""
         found = self._buffers.get(n)
         if found is None:
-            shape = (self.count, n) if self.count > 1 else (n,)
             if self.device.type == "cpu":
                 host: Any = array.array("d", bytes(8 * self.count * n))
-                tensor = torch.frombuffer(host, dtype=_STAGED).view(shape)
+                flat = torch.frombuffer(host, dtype=_STAGED)
             else:
-                host, tensor = None, torch.zeros(shape, dtype=_STAGED, device=self.device)
-            flat = tensor.view(-1)
-            found = (tensor, flat, host, list(flat.unbind(0)))
+                host, flat = None, torch.zeros(self.count * n, dtype=_STAGED, device=self.device)
+            found = (tuple(flat.split(n)), flat, host, list(flat.unbind(0)))
             if len(self._buffers) >= CACHED_SIZES:
                 del self._buffers[next(iter(self._buffers))]
             self._buffers[n] = found

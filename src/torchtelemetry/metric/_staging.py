@@ -164,7 +164,8 @@ class _Sums(StagePart):
         return self._rows.changed()
 
     def apply(self) -> None:
-        added = self._rows.gather().prod(0)
+        values, factors = self._rows.gather()
+        added = values * factors
         if self._counted:
             flags = [False] * len(self._rows)
             for position in self._counted:
@@ -203,7 +204,8 @@ class _Extrema(StagePart):
     def apply(self) -> None:
         for reduce, rows in (("amax", self._maxima), ("amin", self._minima)):
             if len(rows):
-                self.buffer.scatter_reduce_(0, self.constant(tuple(rows.offsets)), rows.gather(), reduce)
+                (values,) = rows.gather()
+                self.buffer.scatter_reduce_(0, self.constant(tuple(rows.offsets)), values, reduce)
 
     def clear(self) -> None:
         self._maxima.clear()
