@@ -113,11 +113,14 @@ class WeightedMeanMetric(Metric):
     def update(self, value: Any, weight: Any = 1.0) -> None:
         """Add `value` with `weight` (a scalar, or a tensor of the same shape as `value`)."""
         weighted_sum, total_weight = self.weighted_sum, self.total_weight
-        # The common case (a loss and its token count) is checked in one expression; the rest takes
-        # the full prologue, which converts the inputs and says what is wrong with them.
-        if not (self._float_state and self._ready_scalars(value, weight, weighted_sum.device)):
+        # The common case (a loss and its token count: two 0-d operands) is checked in one
+        # expression; the rest takes the full prologue, which converts the inputs and says what is
+        # wrong with them.
+        scalars = self._float_state and self._ready_scalars(value, weight, weighted_sum.device)
+        if not scalars:
             value, weight = self._checked(value, weight)
-        if self._float_state and _scalar(value) and _scalar(weight):
+            scalars = self._float_state and not (value.dim() or weight.dim())
+        if scalars:
             # Two 0-d operands: the product and the weight, in the state dtype (no reduction).
             weighted_sum.add_product(value, weight)
             total_weight.update(weight)
@@ -150,11 +153,6 @@ class WeightedMeanMetric(Metric):
         elif mask is None:
             mask = weight_mask
         return torch.where(mask, value, 0), torch.where(mask, weight, 0)
-
-
-def _scalar(operand: Any) -> bool:
-    """A Python number or a 0-d tensor."""
-    return not isinstance(operand, torch.Tensor) or operand.dim() == 0
 
 
 def _any_negative(tensor: torch.Tensor) -> bool:
