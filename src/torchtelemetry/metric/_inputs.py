@@ -15,7 +15,7 @@ import torch
 if TYPE_CHECKING:
     from torchtelemetry.metric._accumulator import MetricAccumulator
 
-__all__ = ["NAN_POLICIES", "NanPolicy", "UpdateInputs", "nonfinite_count"]
+__all__ = ["NAN_POLICIES", "READY_DTYPES", "NanPolicy", "UpdateInputs", "nonfinite_count"]
 
 NanPolicy = Literal["error", "ignore", "propagate"]
 NAN_POLICIES: tuple[str, ...] = get_args(NanPolicy)
@@ -39,7 +39,7 @@ _WIDENED: dict[torch.dtype, torch.dtype | None] = {
 }
 # Real dtypes every op takes as they are: a tensor of one of them on the metric's device, outside
 # autograd, goes into the update unconverted.
-_READY = frozenset(
+READY_DTYPES = frozenset(
     {
         torch.bool,
         torch.uint8,
@@ -55,7 +55,7 @@ _READY = frozenset(
 )
 
 
-_INTEGRAL = frozenset(dtype for dtype in _READY if not dtype.is_floating_point)
+_INTEGRAL = frozenset(dtype for dtype in READY_DTYPES if not dtype.is_floating_point)
 """Ready dtypes no tensor of which can require a gradient."""
 _TENSOR = torch.Tensor
 _is_dynamo_compiling = torch.compiler.is_dynamo_compiling
@@ -113,14 +113,17 @@ class UpdateInputs:
             and not _is_dynamo_compiling()
             and threading.get_ident() == self._thread
             and self.nan_policy == "propagate"
-            and value.dtype in _READY
+            and value.dtype in READY_DTYPES
             and not (value.requires_grad or value.dim())
             and value.device == device
             and (
                 (kind is float or kind is int) and weight >= 0
                 if kind is not _TENSOR
                 else (
-                    ((dtype := weight.dtype) in _INTEGRAL or (dtype in _READY and not weight.requires_grad))
+                    (
+                        (dtype := weight.dtype) in _INTEGRAL
+                        or (dtype in READY_DTYPES and not weight.requires_grad)
+                    )
                     and not weight.dim()
                     and weight.device == device
                     and (not weight.is_cpu or weight.item() >= 0)
@@ -138,7 +141,7 @@ class UpdateInputs:
         common case: three attribute reads and no call)."""
         if not (
             isinstance(value, torch.Tensor)
-            and value.dtype in _READY
+            and value.dtype in READY_DTYPES
             and not value.requires_grad
             and value.device == (device or self.device)
         ):

@@ -27,25 +27,13 @@ from typing import Any
 
 import torch
 
+from torchtelemetry.metric._inputs import READY_DTYPES
 from torchtelemetry.metric._staged_rows import StagedRows
 from torchtelemetry.sync import BucketKey, ReduceOp
 
 __all__ = ["COUNTED_DTYPES", "STAGED_DTYPES", "StagePart", "UpdateStage"]
 
-STAGED_DTYPES = frozenset(
-    {
-        torch.bool,
-        torch.uint8,
-        torch.int8,
-        torch.int16,
-        torch.int32,
-        torch.int64,
-        torch.float16,
-        torch.bfloat16,
-        torch.float32,
-        torch.float64,
-    }
-)
+STAGED_DTYPES = READY_DTYPES
 """Dtypes of the 0-d tensors staged: each converts exactly to float64 (int64 up to 2**53, as a
 float64 state holds it)."""
 COUNTED_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
