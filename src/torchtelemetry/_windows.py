@@ -81,7 +81,9 @@ class StepWindows:
         self.drain(block=False)
         if self._steps_since_grid >= self._every:
             self._steps_since_grid = 0
-            self.schedule()
+            self.schedule()  # applies the step's staged updates before its snapshot
+        else:
+            self._collector.apply_staged()
 
     def flush_signals(self, *, final: bool = False) -> float:
         """Let the signals account for the time since they were last flushed; returns now."""

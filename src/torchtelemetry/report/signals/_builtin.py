@@ -8,6 +8,7 @@ import torch
 
 from torchtelemetry.metric import Metric, SumMetric
 from torchtelemetry.report._flops import ModelFlops
+from torchtelemetry.report._memory import AllocatorStats
 from torchtelemetry.report._ranks import RankSeriesLimit
 from torchtelemetry.report._values import MetricDescriptor
 from torchtelemetry.report.signals._base import Signal, SignalContext
@@ -62,18 +63,20 @@ def builtin_signals(
     a signal that reads another's window values comes after it (model FLOPs after the counts, the
     phases after the data wait and the sync wait)."""
     watched = watched_metrics(leaves, nonfinite)
+    # One reading of the CUDA allocator per window for every memory signal.
+    allocator = AllocatorStats(context.device, background=True) if context.device.type == "cuda" else None
     signals: list[Signal] = [
         StepTime(context),
         DataWait(context),
         Count(context, "tokens", "tokens", "Tokens trained on", "Token throughput"),
         Count(context, "samples", "samples", "Samples trained on", "Sample throughput"),
         LearningRate(context),
-        PeakMemory(context),
+        PeakMemory(context, allocator),
         SyncWait(context),
         Phases(context, phases, top_k=straggler_top_k),
         NonFiniteSentinel(context, watched),
         Spikes(context, tuple(watched), sigma=spike_sigma, windows=spike_windows),
-        MemoryHealth(context),
+        MemoryHealth(context, allocator),
         Goodput(context, goodput),
     ]
     if flops is not None:

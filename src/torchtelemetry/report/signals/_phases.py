@@ -74,13 +74,12 @@ class PhaseTimes(Metric):
 
     def add(self, seconds: Sequence[float], steps: int) -> None:
         """Add host seconds per phase (in declared order) covering `steps` steps to this rank's column
-        (no copy, no sync)."""
-        column = self.seconds.local[:, self.rank]
+        (host numbers, staged with the window's other host values when bound; no sync)."""
         for row, value in zip(self._rows, seconds, strict=True):
             if value:
-                column[row].add_(value)
+                self.seconds.add_at((row, self.rank), value)
         if steps:
-            self.steps.local[self.rank].add_(steps)
+            self.steps.add_at(self.rank, steps)
 
     def configuration(self) -> dict[str, Any]:
         """The phase names: ranks must declare the same ones (in any order)."""
@@ -158,7 +157,8 @@ class Phases(Signal):
 
     def flush(self, duration_s: float, *, final: bool = False) -> None:
         for seconds, steps in self._clock.take(self._steps, wait=final):
-            self.times.add(seconds, steps)
+            if self.phases:  # no phase: no window state to add to
+                self.times.add(seconds, steps)
         self._steps = 0
 
     def derive(self, window: dict[str, ReportValue], timing: WindowTiming) -> None:
