@@ -249,13 +249,16 @@ def hang_panels() -> list[dict[str, Any]]:
             "The rank furthest behind once a rank made no progress for hang_after_s, the step it "
             "stopped in, the ranks whose heartbeat stopped altogether (died), and the file its stacks "
             "were written to (train/hang/dump, label file). Rank and step keep naming the last hang "
-            "after it clears.",
+            "after it clears. Unwatched ranks never joined the heartbeat store; refused values are "
+            "heartbeats that failed their authenticator (forged, malformed or replayed).",
             "none",
             targets(
                 (by("", "train/hang/rank"), "rank"),
                 (by("", "train/hang/step"), "step"),
                 (by("", "train/hang/lost_ranks"), "lost ranks"),
                 (by(", file", "train/hang/dump"), "stacks of rank {{file}}"),
+                (by("", "train/hang/unwatched_ranks"), "unwatched ranks"),
+                (by("", "train/hang/rejected_values"), "refused values"),
             ),
             decimals=0,
         ),

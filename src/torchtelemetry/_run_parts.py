@@ -76,6 +76,8 @@ class RunParts:
     """Every name the run exports."""
     hub: ExportHub | NullHub
     """Rank 0's exporters, started and described; a `NullHub` on the other ranks."""
+    exporters: list[Exporter]
+    """The exporters given (started on rank 0 only): the next rank's route for a hang report."""
     publisher: WindowPublisher
     """Turns each collected window into the report the hub exports."""
     progress: RunProgress | None
@@ -118,7 +120,7 @@ def assemble_run(metrics: Any, exporters: Sequence[Exporter] | str, config: Tele
         leaves = user_leaves + list(signal_metrics.items())
         ranks = RankSeriesLimit(world_size, config.max_rank_series)
         descriptors = describe_with_signals(metrics, signals, ranks)
-        if config.hang_after_s is not None:  # the hang monitor's reports (`_hang_monitor`)
+        if config.hang_after_s is not None:  # the hang monitor's reports (`torchtelemetry.run`)
             descriptors += HANG_DESCRIPTORS
         if policy.exporting:
             hub = ExportHub(exporters, run=run, queue_size=config.queue_size)
@@ -149,6 +151,7 @@ def assemble_run(metrics: Any, exporters: Sequence[Exporter] | str, config: Tele
         signals,
         descriptors,
         hub,
+        list(exporters),
         publisher,
         progress,
         goodput,

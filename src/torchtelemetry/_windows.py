@@ -16,14 +16,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from torchtelemetry.collect import AsyncMetricCollector, CollectionError
-from torchtelemetry.report import (
-    COLLECT_PHASE,
-    NO_SECTIONS,
-    Heartbeat,
-    SectionLog,
-    SignalSet,
-    WindowPublisher,
-)
+from torchtelemetry.report import COLLECT_PHASE, NO_SECTIONS, SectionLog, SignalSet, WindowPublisher
+from torchtelemetry.run import Heartbeat
 
 __all__ = ["StepWindows"]
 
@@ -32,7 +26,9 @@ logger = logging.getLogger(__name__)
 
 class StepWindows:
     """One `Telemetry`'s windows, on the training thread: `stepped` after every step, `schedule` and
-    `drain` for the extra collections, `state` / `load` for checkpoints."""
+    `drain` for the extra collections, `state` / `load` for checkpoints, `closing` at close. It is
+    the one writer of the hang heartbeat `beat` (None: hang detection off): where the training
+    thread is, as these calls tell it."""
 
     def __init__(
         self,
@@ -41,6 +37,7 @@ class StepWindows:
         signals: SignalSet | None,
         *,
         every: int,
+        beat: Heartbeat | None,
         sections: SectionLog = NO_SECTIONS,
     ) -> None:
         """`sections`: the window's timeline for its trace (each step's end, each wait for a collection)."""
@@ -60,10 +57,9 @@ class StepWindows:
         self.failure: CollectionError | None = None
         """The collection that failed; nothing more is collected after it."""
         self._ignored_inputs = False
+        self._beat = beat
         self._sections = sections
         self._collect_kind = sections.kind(COLLECT_PHASE) if sections.keeps else 0
-        self.beat: Heartbeat | None = None
-        """The heartbeat, told when this thread waits for collections (phase "collect")."""
 
     def stepped(self, step: int, inputs: Mapping[str, Any]) -> None:
         """Step `step` ended (`inputs`: its `step()` keywords): collect what finished, schedule if due."""
@@ -83,12 +79,16 @@ class StepWindows:
         self._sections.stepped(step, now)
         self._last_step_clock = now
         self.last_step = step
+        if self._beat is not None:
+            self._beat.step = step + 1
         self.steps_in_window += 1
         self._steps_since_grid += 1
         self.drain(block=False)
         if self._steps_since_grid >= self._every:
             self._steps_since_grid = 0
-            self.schedule()
+            self.schedule()  # applies the step's staged updates before its snapshot
+        else:
+            self._collector.apply_staged()
 
     def flush_signals(self, *, final: bool = False) -> float:
         """Let the signals account for the time since they were last flushed; returns now."""
@@ -130,7 +130,7 @@ class StepWindows:
         if not (block and self._collector.pending):
             self._collect(block=block, limit=limit)
             return
-        beat = self.beat
+        beat = self._beat
         if beat is not None:
             beat.collecting = True
             beat.collections += 1
@@ -167,5 +167,12 @@ class StepWindows:
         """Restore what `state()` returned."""
         step = int(state.get("step", -1))
         self.last_step = None if step < 0 else step
+        if self._beat is not None:
+            self._beat.step = step + 1
         self.steps_in_window = int(state.get("steps_in_window", 0))
         self._steps_since_grid = int(state.get("steps_since_grid", self.steps_in_window))
+
+    def closing(self) -> None:
+        """The training thread left the loop: `close()` began (the heartbeat's phase "closed")."""
+        if self._beat is not None:
+            self._beat.closed = True

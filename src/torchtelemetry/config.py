@@ -86,12 +86,17 @@ class TelemetryConfig:
     """Reports buffered per exporter before the oldest is dropped."""
     hang_after_s: float | None = 300.0
     """A rank that made no progress (no step, no phase entered or left) for this long is hung: the
-    exporting rank exports `train/hang/*` naming the rank furthest behind, and every stuck rank dumps
-    its stacks to `dump_dir` (docs/signals.md, Hangs). None: no heartbeat."""
+    exporting rank exports `train/hang/*` naming the rank the others wait for, and every stuck rank
+    dumps its stacks to `dump_dir` (docs/signals.md, Hangs). None: no heartbeat."""
     heartbeat_interval_s: float = 1.0
     """How often each rank publishes where it is, and the exporting rank reads every rank's."""
+    heartbeat_port: int = 0
+    """The port the exporting rank hosts the heartbeat store on, on the process group's interface,
+    when the job has no TCP rendezvous store of its own to use (a `file://` init); 0: one the
+    kernel picks."""
     dump_dir: str | os.PathLike[str] | None = None
-    """Where a hung rank writes its stacks (and NCCL's flight recorder); None: the current directory."""
+    """Where a hung rank writes its stacks (and NCCL's flight recorder), at most 16 files per rank;
+    None: the current directory."""
     trace_ranks: int | None = None
     """Ranks each window sends OTLP spans of its steps from: the slowest, the fastest and one rotating
     through the world (docs/signals.md, Traces), to the `OTelExporter`'s traces endpoint. None: 3 when
@@ -122,6 +127,11 @@ class TelemetryConfig:
                 f"TelemetryConfig.hang_after_s ({self.hang_after_s}) must be at least twice "
                 f"heartbeat_interval_s ({self.heartbeat_interval_s}): a rank publishes where it is once "
                 "per interval, so a shorter bound would call a rank between two heartbeats hung"
+            )
+        if not (isinstance(self.heartbeat_port, int) and 0 <= self.heartbeat_port <= 65535):
+            raise ValueError(
+                "TelemetryConfig.heartbeat_port must be a port number from 0 to 65535, got "
+                f"{self.heartbeat_port!r}"
             )
         if self.trace_ranks is not None and (
             isinstance(self.trace_ranks, bool)

@@ -10,7 +10,6 @@ from typing import Any
 
 import torch
 
-from torchtelemetry._heartbeat import watch_hangs
 from torchtelemetry._process import check_same_process, current_pid
 from torchtelemetry._run_parts import assemble_run, startup_timeout_s
 from torchtelemetry._startup import (
@@ -31,7 +30,7 @@ from torchtelemetry.report import (
     restore_run_state,
     run_state,
 )
-from torchtelemetry.run import RunIdentity, checked_attempt
+from torchtelemetry.run import HangSettings, RunIdentity, checked_attempt, watch_hangs
 
 __all__ = ["RunIdentity", "Telemetry", "TelemetryConfig", "TelemetryStartupError"]
 
@@ -96,7 +95,17 @@ class Telemetry:
             every_rank = agree_on_start(
                 failure, timeout_s=timeout_s, proposal=None if failure is not None else parts.identity
             )
-            hang_watch = watch_hangs(self.config, parts, every_rank)
+            hang_watch = watch_hangs(
+                HangSettings.of(self.config),
+                every_rank,
+                timers=parts.signals.section_timers if parts.signals is not None else (),
+                group=self.config.group,
+                exporting=parts.is_exporting,
+                run=parts.run,
+                submit=parts.hub.submit,
+                latest_step=lambda: parts.publisher.latest_step,
+                exporters=parts.exporters,
+            )
             # Keyed by metric path, so errors (a layout mismatch across ranks) name metrics as the user does.
             collector = AsyncMetricCollector(
                 dict(parts.leaves),
@@ -130,11 +139,15 @@ class Telemetry:
         self._signals = parts.signals
         self._descriptors = parts.descriptors
         self._publisher = parts.publisher
+        beat = hang_watch.publisher.beat if hang_watch is not None else None
         self._windows = StepWindows(
-            self._collector, self._publisher, self._signals, every=self.every, sections=parts.traces.log
+            self._collector,
+            self._publisher,
+            self._signals,
+            every=self.every,
+            beat=beat,
+            sections=parts.traces.log,
         )
-        self._beat = self._hang_watch.beat if self._hang_watch is not None else None
-        self._windows.beat = self._beat
         self._closed = self._raised = False
         agreed = every_rank.agreed
         if isinstance(agreed, RunIdentity) and agreed != self._identity:
@@ -157,6 +170,8 @@ class Telemetry:
         )
         self.hub.adopt_run(self.run)
         self._traces.adopt_run(self.run.run_id)
+        if self._hang_watch is not None:
+            self._hang_watch.adopt_run(self.run)
         if self._progress is not None:
             self._progress.adopt_run(self.run.run_id)
 
@@ -191,8 +206,6 @@ class Telemetry:
         None counts as not given; a keyword no signal takes raises a `TypeError` naming those taken.
         """
         self._require_open("step")
-        if self._beat is not None:
-            self._beat.step = step + 1
         self._windows.stepped(step, inputs)
 
     @property
@@ -292,6 +305,7 @@ class Telemetry:
         check_same_process(self._pid, "Telemetry.close")
         if self._closed:
             return
+        self._windows.closing()
         try:
             if self._windows.failure is None:
                 if self._windows.steps_in_window:
@@ -397,5 +411,3 @@ class Telemetry:
         )
         self._windows.load(state)
         self._traces.resumed(saved_attempt)
-        if self._beat is not None and self._windows.last_step is not None:
-            self._beat.step = self._windows.last_step + 1

@@ -6,6 +6,8 @@ the heartbeat and the hang monitor, goodput's lasting state, captures and traces
 """
 
 from torchtelemetry.run._goodput import GoodputLedger
+from torchtelemetry.run._hangs import BeatLedger, Hang, RankBeat, Reading, find_hang, hang_values
+from torchtelemetry.run._heartbeat import Heartbeat
 from torchtelemetry.run._identity import RunIdentity, launcher_run_id, resolve_run_identity
 from torchtelemetry.run._progress import ProgressFile, ProgressRecord, RunProgress, progress_path
 from torchtelemetry.run._trace_ids import hex_span_id, hex_trace_id, span_id, trace_id
@@ -18,6 +20,7 @@ from torchtelemetry.run._traces import (
     RunTraces,
     checked_attempt,
 )
+from torchtelemetry.run._watch import HangSettings, HangWatch, watch_hangs
 
 __all__ = [
     # identity and attempts, the progress file, goodput's lasting state
@@ -42,4 +45,15 @@ __all__ = [
     "span_id",
     "trace_id",
     "window_spans",
+    # hangs: each rank's heartbeat, the exporting rank's monitor, the next rank's deputy (docs/signals.md)
+    "BeatLedger",
+    "Hang",
+    "HangSettings",
+    "HangWatch",
+    "Heartbeat",
+    "RankBeat",
+    "Reading",
+    "find_hang",
+    "hang_values",
+    "watch_hangs",
 ]

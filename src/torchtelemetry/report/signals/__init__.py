@@ -4,8 +4,8 @@ Step time, data wait, tokens and samples with their rates, model FLOPs, learning
 and for health: phases, the sync wait and straggler scores, the non-finite sentinel and spike scores, memory
 health, goodput and GPU health (NVML). Adding a signal is one module and its test, and a line in
 `builtin_signals`. docs/signals.md lists every name, unit and cost. Hangs are not a window's
-signal (a hang stops the windows): `_hang` holds where the training thread is (`Heartbeat`) and
-the names and logic of the hang report the exporting rank's monitor exports.
+signal (a hang stops the windows): `torchtelemetry.run` watches them; `_hang` holds the names of
+the hang report and the phase labels the heartbeat reserves.
 """
 
 from __future__ import annotations
@@ -40,13 +40,11 @@ from torchtelemetry.report.signals._data_wait import DATA_PHASE, DataWait
 from torchtelemetry.report.signals._goodput import Goodput, GoodputReading, GoodputSource, goodput_gauges
 from torchtelemetry.report.signals._hang import (
     BETWEEN_PHASES,
+    CLOSED_PHASE,
     COLLECT_PHASE,
     HANG_DESCRIPTORS,
-    Hang,
-    Heartbeat,
-    RankBeat,
-    find_hang,
-    hang_values,
+    HEARTBEAT_LABELS,
+    UNKNOWN_PHASE,
 )
 from torchtelemetry.report.signals._learning_rate import LearningRate
 from torchtelemetry.report.signals._memory_health import MemoryHealth, memory_descriptors, resident_bytes
@@ -136,13 +134,11 @@ __all__ = [
     "sample_ranks",
     "section_kinds",
     "BETWEEN_PHASES",
+    "CLOSED_PHASE",
     "COLLECT_PHASE",
     "HANG_DESCRIPTORS",
-    "Hang",
-    "Heartbeat",
-    "RankBeat",
-    "find_hang",
-    "hang_values",
+    "HEARTBEAT_LABELS",
+    "UNKNOWN_PHASE",
     "DEFAULT_SPIKE_SIGMA",
     "DEFAULT_SPIKE_WINDOWS",
     "DEFAULT_TOP_K",

@@ -83,6 +83,9 @@ class Signal:
     """Short name, the key of this signal's `host_values` and state."""
     keywords: tuple[str, ...] = ()
     """`Telemetry.step()` keywords this signal takes."""
+    flush_reads_state: ClassVar[bool] = False
+    """Whether `flush` reads the window's state (derives a state from another): such a signal is
+    flushed after every other, so that the host values they staged are applied in one go."""
 
     def __init__(self, context: SignalContext) -> None:
         self.context = context
@@ -169,12 +172,9 @@ class RankValues(Metric):
         )
 
     def write(self, index: int, value: float) -> None:
-        """Fold host `value` into this rank's slot of quantity `index` (one kernel, no copy)."""
-        slot = self.values.local[index, self.rank]
-        if self.op is ReduceOp.MAX:
-            slot.clamp_(min=value)
-        else:
-            slot.clamp_(max=value)
+        """Fold host `value` into this rank's slot of quantity `index` (staged with the window's other
+        host values when bound: no op of its own)."""
+        self.values.update_at((index, self.rank), value)
 
     def configuration(self) -> dict[str, Any]:
         """The quantities: ranks must hold the same ones, in the same order."""

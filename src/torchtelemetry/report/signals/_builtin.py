@@ -8,6 +8,7 @@ import torch
 
 from torchtelemetry.metric import Metric, SumMetric
 from torchtelemetry.report._flops import ModelFlops
+from torchtelemetry.report._memory import AllocatorStats
 from torchtelemetry.report._ranks import RankSeriesLimit
 from torchtelemetry.report._values import MetricDescriptor
 from torchtelemetry.report.signals._base import Signal, SignalContext
@@ -69,19 +70,21 @@ def builtin_signals(
     trace sampling and the phases after the data wait and the sync wait, the trace sampling before
     the phases, which drop their values per rank above `max_rank_series`)."""
     watched = watched_metrics(leaves, nonfinite)
+    # One reading of the CUDA allocator per window for every memory signal.
+    allocator = AllocatorStats(context.device, background=True) if context.device.type == "cuda" else None
     signals: list[Signal] = [
         StepTime(context),
         DataWait(context, timeline),
         Count(context, "tokens", "tokens", "Tokens trained on", "Token throughput"),
         Count(context, "samples", "samples", "Samples trained on", "Sample throughput"),
         LearningRate(context),
-        PeakMemory(context),
+        PeakMemory(context, allocator),
         SyncWait(context, timeline),
         *([TraceSampling(context, traces, trace_ranks)] if traces is not None and trace_ranks else []),
         Phases(context, phases, top_k=straggler_top_k, log=timeline),
         NonFiniteSentinel(context, watched),
         Spikes(context, tuple(watched), sigma=spike_sigma, windows=spike_windows),
-        MemoryHealth(context),
+        MemoryHealth(context, allocator),
         Goodput(context, goodput),
     ]
     if flops is not None:

@@ -37,6 +37,7 @@ from torchtelemetry.report.signals._base import (
 )
 from torchtelemetry.report.signals._clock import EventClock, HostClock, PhaseClock, PhaseTimer
 from torchtelemetry.report.signals._data_wait import DATA_PHASE, DATA_WAIT
+from torchtelemetry.report.signals._hang import HEARTBEAT_LABELS
 from torchtelemetry.report.signals._stragglers import StragglerScores
 from torchtelemetry.report.signals._sync_wait import SYNC_WAIT
 from torchtelemetry.report.signals._timeline import NO_SECTIONS, SectionLog
@@ -74,13 +75,12 @@ class PhaseTimes(Metric):
 
     def add(self, seconds: Sequence[float], steps: int) -> None:
         """Add host seconds per phase (in declared order) covering `steps` steps to this rank's column
-        (no copy, no sync)."""
-        column = self.seconds.local[:, self.rank]
+        (host numbers, staged with the window's other host values when bound; no sync)."""
         for row, value in zip(self._rows, seconds, strict=True):
             if value:
-                column[row].add_(value)
+                self.seconds.add_at((row, self.rank), value)
         if steps:
-            self.steps.local[self.rank].add_(steps)
+            self.steps.add_at(self.rank, steps)
 
     def configuration(self) -> dict[str, Any]:
         """The phase names: ranks must declare the same ones (in any order)."""
@@ -160,7 +160,8 @@ class Phases(Signal):
 
     def flush(self, duration_s: float, *, final: bool = False) -> None:
         for seconds, steps in self._clock.take(self._steps, wait=final):
-            self.times.add(seconds, steps)
+            if self.phases:  # no phase: no window state to add to
+                self.times.add(seconds, steps)
         self._steps = 0
 
     def derive(self, window: dict[str, ReportValue], timing: WindowTiming) -> None:
@@ -202,7 +203,8 @@ class Phases(Signal):
 
 
 def check_phase_names(phases: Sequence[str]) -> tuple[str, ...]:
-    """`phases` as a tuple, each a legal single path segment, none twice, not the data phase."""
+    """`phases` as a tuple, each a legal single path segment, none twice, not the data phase nor a
+    label of the heartbeat's own (`HEARTBEAT_LABELS`)."""
     if isinstance(phases, str):
         raise TypeError(f"TelemetryConfig.phases must be a sequence of names, got the string {phases!r}")
     names = tuple(phases)
@@ -217,6 +219,14 @@ def check_phase_names(phases: Sequence[str]) -> tuple[str, ...]:
         raise ValueError(
             f"TelemetryConfig.phases: {DATA_PHASE!r} is the data wait, timed by Telemetry.data_wait() "
             "(also as phase('data')); leave it out"
+        )
+    reserved = sorted(set(names) & set(HEARTBEAT_LABELS))
+    if reserved:
+        raise ValueError(
+            f"TelemetryConfig.phases: {reserved} are labels of the hang heartbeat's own "
+            f"({', '.join(HEARTBEAT_LABELS)}: not in a phase, waiting for a window's collection, "
+            "closed, unknown), so a hang report could not tell your phase from them; rename it "
+            "(e.g. 'collect_rollouts')"
         )
     if len(set(names)) != len(names):
         raise ValueError(f"TelemetryConfig.phases: names repeat in {names}")
