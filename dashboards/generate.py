@@ -223,10 +223,11 @@ def builtin_panels() -> list[dict[str, Any]]:
             spread(step_time, "seconds"),
         ),
         timeseries(
-            "Step time: median and 99th percentile of every rank's steps",
-            "From the step-time histogram (every step of every rank). Its exemplars, the dots, are the "
-            "slowest rank's slowest step of each window: one opens that step's trace (the spans of its "
-            "phases, data wait and all-reduce wait) in the trace store (docs/stack.md, Traces).",
+            "Step time: median and 99th percentile, exemplars open the slowest rank's steps",
+            "From the step-time histogram (the exporting rank's steps; in synchronous training every "
+            "rank's take as long). Its exemplars, the dots, are the slowest rank's slowest step of each "
+            "window: one opens that step's trace (the spans of its phases, data wait and all-reduce "
+            "wait) in the trace store (docs/stack.md, Traces).",
             "s",
             targets(
                 *(

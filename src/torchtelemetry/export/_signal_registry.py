@@ -85,7 +85,7 @@ _MAPPED: dict[str, list[dict[str, str]]] = {
         _megatron(
             "megatron.training.step_duration_ms",
             "ms",
-            "the same shape, a histogram of each step's duration; ours in seconds, every rank's steps",
+            "the same shape, a histogram of each step's duration; ours in seconds, the exporting rank's",
         )
     ],
     "train/step_time": [

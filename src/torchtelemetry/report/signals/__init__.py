@@ -72,12 +72,7 @@ from torchtelemetry.report.signals._span_names import (
     span_names,
 )
 from torchtelemetry.report.signals._spikes import MIN_HISTORY, Spikes
-from torchtelemetry.report.signals._step_time import (
-    STEP_TIME_BOUNDS,
-    STEP_TIME_HISTOGRAM,
-    StepTime,
-    StepTimeHistogram,
-)
+from torchtelemetry.report.signals._step_time import STEP_TIME_BOUNDS, STEP_TIME_HISTOGRAM, StepTime
 from torchtelemetry.report.signals._stragglers import (
     DEFAULT_SYNC_PHASE,
     MIN_COST,
@@ -126,7 +121,6 @@ __all__ = [
     "LateSections",
     "Section",
     "SectionLog",
-    "StepTimeHistogram",
     "TraceSample",
     "TraceSampling",
     "TraceSink",

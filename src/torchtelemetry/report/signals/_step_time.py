@@ -5,18 +5,18 @@
 values at any world size (the lowest rank on ties). In synchronous training every rank waits for
 the slowest, so step times agree; stragglers show in the phases (`_phases`, `_stragglers`).
 
-`train/step_time/histogram` counts every step of every rank by its time (buckets `STEP_TIME_BOUNDS`,
-summed over ranks): one series per exporting group, the step-time series that carries the exemplar
-linking to the slowest rank's trace (`_trace_sampling`).
+`train/step_time/histogram` counts the exporting rank's steps by their time (buckets
+`STEP_TIME_BOUNDS`; in synchronous training they take as long as every rank's): one series per
+exporting group, host-only (nothing rides the window's collective), the step-time series that
+carries the exemplar linking to the slowest rank's trace (`_trace_sampling`).
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
 
-from torchtelemetry.metric import HistogramMetric, Metric, MetricKind, PerRankMetric
-from torchtelemetry.report._values import MetricDescriptor, ReportValue
+from torchtelemetry.metric import Metric, MetricKind, PerRankMetric
+from torchtelemetry.report._values import HistogramValue, MetricDescriptor, ReportValue
 from torchtelemetry.report.signals._base import (
     Signal,
     SignalContext,
@@ -26,7 +26,7 @@ from torchtelemetry.report.signals._base import (
     lowest_rank,
 )
 
-__all__ = ["STEP_TIME", "STEP_TIME_BOUNDS", "STEP_TIME_HISTOGRAM", "StepTime", "StepTimeHistogram"]
+__all__ = ["STEP_TIME", "STEP_TIME_BOUNDS", "STEP_TIME_HISTOGRAM", "StepTime"]
 
 STEP_TIME = "train/step_time"
 STEP_TIME_HISTOGRAM = "train/step_time/histogram"
@@ -35,23 +35,6 @@ STEP_TIME_BOUNDS = (
     *(1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 600.0),
 )
 """Upper bounds (seconds) of the step-time histogram's buckets: 1 ms to 10 minutes."""
-
-
-class StepTimeHistogram(HistogramMetric):
-    """Step times by bucket, every rank adding its own steps (SUM over ranks)."""
-
-    def __init__(self) -> None:
-        super().__init__(
-            STEP_TIME_BOUNDS, unit="seconds", description="Host wall time of each training step, every rank's"
-        )
-
-    def add_counted(self, counts: Sequence[int], total: float) -> None:
-        """Add steps already counted by bucket on the host, `total` their seconds (no copy, no sync)."""
-        for index, count in enumerate(counts):
-            if count:
-                self.counts.add_at(index, count)
-        self.sum.update(total)
-        self.count.update(sum(counts))
 
 
 class StepTime(Signal):
@@ -67,13 +50,13 @@ class StepTime(Signal):
             unit="seconds",
             description="Mean host wall time of a training step, per rank",
         ).to(context.device)
-        self.histogram = StepTimeHistogram().to(context.device)
         self._total = 0.0
         self._count = 0
         self._buckets = [0] * (len(STEP_TIME_BOUNDS) + 1)
+        self._bucketed_s = 0.0
 
     def metrics(self) -> dict[str, Metric]:
-        return {STEP_TIME: self.metric, STEP_TIME_HISTOGRAM: self.histogram}
+        return {STEP_TIME: self.metric}
 
     def descriptors(self) -> list[MetricDescriptor]:
         return [
@@ -83,7 +66,10 @@ class StepTime(Signal):
                 for stat in ("min", "max")
             ),
             MetricDescriptor(
-                STEP_TIME_HISTOGRAM, MetricKind.HISTOGRAM, "seconds", self.histogram.description
+                STEP_TIME_HISTOGRAM,
+                MetricKind.HISTOGRAM,
+                "seconds",
+                "Host wall time of each training step of the exporting rank",
             ),
         ]
 
@@ -92,15 +78,26 @@ class StepTime(Signal):
             self._total += step_time
             self._count += 1
             self._buckets[bisect.bisect_left(STEP_TIME_BOUNDS, step_time)] += 1
+            self._bucketed_s += step_time
+
+    def host_values(self) -> HistogramValue | None:
+        """The window's steps by bucket (none: no step of the window had a previous one to time from)."""
+        counts, self._buckets = self._buckets, [0] * len(self._buckets)
+        seconds, self._bucketed_s = self._bucketed_s, 0.0
+        steps = sum(counts)
+        if not steps:
+            return None
+        return HistogramValue(STEP_TIME_BOUNDS, tuple(map(float, counts)), seconds, float(steps))
 
     def flush(self, duration_s: float, *, final: bool = False) -> None:
         if self._count:
             self.metric.update_total(self._total, float(self._count))  # numbers in the kernels: no copy
-            self.histogram.add_counted(self._buckets, self._total)
         self._total, self._count = 0.0, 0
-        self._buckets = [0] * len(self._buckets)
 
     def derive(self, window: dict[str, ReportValue], timing: WindowTiming) -> None:
+        histogram = timing.host.get(self.name)
+        if histogram is not None:
+            window[STEP_TIME_HISTOGRAM] = histogram
         by_rank = finite_by_rank(window.get(STEP_TIME))
         if not by_rank:  # the first window of a run of one step: no step had a previous one to time from
             window.pop(STEP_TIME, None)
