@@ -14,8 +14,6 @@ from torchtelemetry.run._trace_ids import hex_span_id, hex_trace_id, span_id, tr
 from torchtelemetry.run._trace_spans import TracedWindow, window_spans
 from torchtelemetry.run._traces import (
     DEFAULT_TRACE_RANKS,
-    LATE_WAIT_S,
-    QUEUED_WINDOWS,
     TRACES_THREAD,
     RunTraces,
     checked_attempt,
@@ -35,8 +33,6 @@ __all__ = [
     # traces: spans of the sampled ranks' steps, their ids
     "DEFAULT_TRACE_RANKS",
     "checked_attempt",
-    "LATE_WAIT_S",
-    "QUEUED_WINDOWS",
     "TRACES_THREAD",
     "RunTraces",
     "TracedWindow",

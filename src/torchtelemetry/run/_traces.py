@@ -100,8 +100,6 @@ class RunTraces:
         self._closed = False
         self._dropped = self._failed = 0
         self._anchor_stream: Any = None
-        self.sent_spans = 0
-        """Spans this rank sent (acknowledged by the receiver)."""
 
     # -- the training thread ---------------------------------------------------------------
 
@@ -211,7 +209,6 @@ class RunTraces:
             )
         spans = window_spans(window, self._rank, extra)
         if self._sender.send(spans, RunInfo(run_id=window.run_id, world_size=self._world_size)):
-            self.sent_spans += len(spans)
             return
         self._failed += 1
         if self._failed == 1:
