@@ -124,6 +124,67 @@ def _on_off_cost(what: str, windows: int, rounds: int, off: Callable[[], Any], o
     print(f"| on / off | {on_step / off_step:.3f}x | {on_phase / off_phase:.3f}x |")
 
 
+def _empty_sections_cost(endpoint: str, windows: int) -> None:
+    """ns of an empty section (`phase("forward")`, `phase("backward")`, `phase("optimizer")`,
+    `data_wait()`) and of a `step()` that schedules no window, traces off and on: two telemetries
+    side by side, their windows interleaved (each window: 10 steps of the four sections, timed in
+    thread CPU around each step's four and around each step() but the one that schedules: the
+    traces thread's sending, on the other core or between, is not the training thread's cost),
+    median over the windows."""
+    telemetries = {
+        trace_ranks: tt.Telemetry(
+            {"loss": tt.SumMetric()},
+            [tt.OTelExporter(endpoint=endpoint)],
+            every=EVERY,
+            hang_after_s=None,
+            trace_ranks=trace_ranks,
+        )
+        for trace_ranks in (0, 3)
+    }
+    timers = {
+        key: [
+            telemetry.data_wait(),
+            *(telemetry.phase(name) for name in ("forward", "backward", "optimizer")),
+        ]
+        for key, telemetry in telemetries.items()
+    }
+    sections: dict[int, list[float]] = {0: [], 3: []}
+    steps: dict[int, list[float]] = {0: [], 3: []}
+    clock = time.thread_time_ns
+    try:
+        for window in range(windows + 5):
+            for key, telemetry in telemetries.items():
+                data, forward, backward, optimizer = timers[key]
+                in_sections = in_steps = 0
+                for step in range(window * EVERY, (window + 1) * EVERY):
+                    started = clock()
+                    with data:
+                        pass
+                    with forward:
+                        pass
+                    with backward:
+                        pass
+                    with optimizer:
+                        pass
+                    in_sections += clock() - started
+                    started = clock()
+                    telemetry.step(step)
+                    if step % EVERY != EVERY - 1:  # not the step() that schedules the window
+                        in_steps += clock() - started
+                if window >= 5:
+                    sections[key].append(in_sections / (4 * EVERY))
+                    steps[key].append(in_steps / (EVERY - 1) / 1e3)
+    finally:
+        for telemetry in telemetries.values():
+            telemetry.close()
+    medians = {key: (statistics.median(sections[key]), statistics.median(steps[key])) for key in sections}
+    print("| traces | empty section (ns) | step() without a window (µs) |")
+    print("|---|---|---|")
+    for label, key in (("off", 0), ("on", 3)):
+        print(f"| {label} | {medians[key][0]:.0f} | {medians[key][1]:.2f} |")
+    print(f"| on / off | {medians[3][0] / medians[0][0]:.3f}x | {medians[3][1] / medians[0][1]:.3f}x |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--metrics", default="100,1000,10000", help="comma-separated numbers of metrics")
@@ -151,7 +212,8 @@ def main() -> None:
 
             _on_off_cost("traces", args.windows, args.rounds, lambda: traced(0), lambda: traced(3))
             spans = len(receiver.spans())
-        print(f"({spans} spans received from the rounds with traces on)")
+            print(f"({spans} spans received from the rounds with traces on)\n")
+            _empty_sections_cost(receiver.metrics_endpoint, 40 * args.windows)
         return
     sizes = [int(size) for size in args.metrics.split(",")]
     figures = {size: _per_window(size, args.windows) for size in sizes}

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from torchtelemetry.collect import AsyncMetricCollector, CollectionError
-from torchtelemetry.report import COLLECT_PHASE, NO_SECTIONS, SectionLog, SignalSet, WindowPublisher
+from torchtelemetry.report import COLLECT_PHASE, SectionLog, SignalSet, WindowPublisher
 from torchtelemetry.run import Heartbeat
 
 __all__ = ["StepWindows"]
@@ -38,9 +38,10 @@ class StepWindows:
         *,
         every: int,
         beat: Heartbeat | None,
-        sections: SectionLog = NO_SECTIONS,
+        sections: SectionLog | None = None,
     ) -> None:
-        """`sections`: the window's timeline for its trace (each step's end, each wait for a collection)."""
+        """`sections`: the window's timeline for its trace (each step's end, each wait for a
+        collection); None: traces are off."""
         self._collector = collector
         self._publisher = publisher
         self._signals = signals
@@ -59,7 +60,7 @@ class StepWindows:
         self._ignored_inputs = False
         self._beat = beat
         self._sections = sections
-        self._collect_kind = sections.kind(COLLECT_PHASE) if sections.keeps else 0
+        self._collect_kind = sections.kind(COLLECT_PHASE) if sections is not None else 0
 
     def stepped(self, step: int, inputs: Mapping[str, Any]) -> None:
         """Step `step` ended (`inputs`: its `step()` keywords): collect what finished, schedule if due."""
@@ -76,7 +77,8 @@ class StepWindows:
                 "recorded (logged once)",
                 given,
             )
-        self._sections.stepped(step, now)
+        if self._sections is not None:
+            self._sections.stepped(step, now)
         self._last_step_clock = now
         self.last_step = step
         if self._beat is not None:
@@ -140,7 +142,8 @@ class StepWindows:
         finally:
             if beat is not None:
                 beat.collecting = False
-            self._sections.record(self._collect_kind, started, time.perf_counter())
+            if self._sections is not None:
+                self._sections.record(self._collect_kind, started, time.perf_counter())
 
     def _collect(self, *, block: bool, limit: int | None) -> None:
         collected = 0

@@ -146,7 +146,7 @@ class Telemetry:
             self._signals,
             every=self.every,
             beat=beat,
-            sections=parts.traces.log,
+            sections=parts.traces.log if parts.traces.log.keeps else None,
         )
         self._closed = self._raised = False
         agreed = every_rank.agreed

@@ -13,10 +13,10 @@ from torchtelemetry.report.signals import (
     DataWait,
     EventClock,
     HostAnchor,
-    HostClock,
     PhaseTimer,
     SectionLog,
     SyncWait,
+    TracedHostClock,
     section_kinds,
 )
 
@@ -60,9 +60,9 @@ def test_the_log_is_bounded_and_says_when_a_window_lost_sections() -> None:
     assert not nothing.keeps and nothing.seal() is None and nothing.late() is None
 
 
-def test_the_host_timers_hand_the_times_they_take_to_the_log() -> None:
+def test_the_traced_host_timers_hand_the_times_they_take_to_the_log() -> None:
     log = SectionLog(KINDS)
-    clock = HostClock(2, log)
+    clock = TracedHostClock(2, log)
     forward, backward = PhaseTimer(clock, 0, "forward"), PhaseTimer(clock, 1, "backward")
     data = DataWait(context(), log)
     for step in range(3):

@@ -35,6 +35,8 @@ from torchtelemetry.report.signals._clock import (
     HostTimer,
     PhaseClock,
     PhaseTimer,
+    TracedHostClock,
+    TracedHostTimer,
 )
 from torchtelemetry.report.signals._data_wait import DATA_PHASE, DataWait
 from torchtelemetry.report.signals._goodput import Goodput, GoodputReading, GoodputSource, goodput_gauges
@@ -118,6 +120,8 @@ __all__ = [
     "STEP_TIME_HISTOGRAM",
     "SYNC_WAIT_SECTION",
     "HostAnchor",
+    "TracedHostClock",
+    "TracedHostTimer",
     "LateSections",
     "Section",
     "SectionLog",

@@ -7,9 +7,10 @@ each batch's events to complete and reads their elapsed times, so a window carri
 read by the time it was scheduled, usually those of the window before (`take(wait=True)` waits for
 all of them: at a checkpoint and at close).
 
-Both hand each section's times to the window's `SectionLog` for its trace: the host clock the two
-times it takes anyway, the event clock's reader the events' times placed on the host timeline by a
-`HostAnchor` (a no-op log, the default, keeps nothing).
+With traces on, each section's times also go to the window's `SectionLog`: the traced host clock
+(and timer) hand over the two times they take anyway, the event clock's reader the events' times
+placed on the host timeline by a `HostAnchor` (traces off: the plain clock and timer, and a log
+that keeps nothing).
 """
 
 from __future__ import annotations
@@ -25,7 +26,16 @@ import torch
 
 from torchtelemetry.report.signals._timeline import NO_SECTIONS, LateSections, SectionLog
 
-__all__ = ["EventClock", "HostAnchor", "HostClock", "HostTimer", "PhaseClock", "PhaseTimer"]
+__all__ = [
+    "EventClock",
+    "HostAnchor",
+    "HostClock",
+    "HostTimer",
+    "PhaseClock",
+    "PhaseTimer",
+    "TracedHostClock",
+    "TracedHostTimer",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -88,20 +98,12 @@ class HostTimer:
     inside itself is counted once; the data wait). Entered only on the thread that built it; the
     heartbeat reads `state()`, as a `PhaseTimer`'s."""
 
-    __slots__ = ("_depth", "_kind", "_log", "_record", "_started", "_thread", "name")
+    __slots__ = ("_depth", "_record", "_started", "_thread", "name")
 
     def __init__(
-        self,
-        record: Callable[[float], None],
-        name: str = "data",
-        op: str = "Telemetry.data_wait()",
-        *,
-        log: SectionLog = NO_SECTIONS,
-        kind: int = 0,
+        self, record: Callable[[float], None], name: str = "data", op: str = "Telemetry.data_wait()"
     ) -> None:
         self._record = record
-        self._log = log
-        self._kind = kind
         self._started = 0.0
         self._depth = 0
         self._thread = TrainingThread(op)
@@ -117,13 +119,38 @@ class HostTimer:
     def __exit__(self, *exc: object) -> None:
         self._depth -= 1
         if not self._depth:
-            ended = time.perf_counter()
-            self._record(ended - self._started)
-            self._log.record(self._kind, self._started, ended)
+            self._record(time.perf_counter() - self._started)
 
     def state(self) -> tuple[int, float]:
         """(How deep the thread is inside this block, when it last entered it), read from any thread."""
         return self._depth, self._started
+
+
+class TracedHostTimer(HostTimer):
+    """A `HostTimer` that also hands each block's two times to the window's timeline `log` as a
+    section of `kind` (traces on; off, the timer is a plain `HostTimer` and costs nothing more)."""
+
+    __slots__ = ("_kind", "_log")
+
+    def __init__(
+        self,
+        record: Callable[[float], None],
+        name: str,
+        op: str = "Telemetry.data_wait()",
+        *,
+        log: SectionLog,
+        kind: int,
+    ) -> None:
+        super().__init__(record, name, op)
+        self._log = log
+        self._kind = kind
+
+    def __exit__(self, *exc: object) -> None:
+        self._depth -= 1
+        if not self._depth:
+            ended = time.perf_counter()
+            self._record(ended - self._started)
+            self._log.record(self._kind, self._started, ended)
 
 
 class TrainingThread:
@@ -149,20 +176,16 @@ class TrainingThread:
 
 
 class HostClock:
-    """`time.perf_counter()`: what the host spent in each section (CPU training); each section's
-    times also go to `log` (a phase's index is its kind there)."""
+    """`time.perf_counter()`: what the host spent in each section (CPU training)."""
 
-    def __init__(self, phases: int, log: SectionLog = NO_SECTIONS) -> None:
+    def __init__(self, phases: int) -> None:
         self._seconds = [0.0] * phases
-        self._log = log
 
     def start(self) -> float:
         return time.perf_counter()
 
     def stop(self, index: int, started: float) -> None:
-        ended = time.perf_counter()
-        self._seconds[index] += ended - started
-        self._log.record(index, started, ended)
+        self._seconds[index] += time.perf_counter() - started
 
     def entered_at(self, started: float) -> float:
         return started
@@ -173,6 +196,20 @@ class HostClock:
 
     def close(self) -> None:
         """Nothing to release: a host clock holds no thread and no event."""
+
+
+class TracedHostClock(HostClock):
+    """A `HostClock` that also hands each section's two times to the window's timeline `log` (a
+    phase's index is its kind there): traces on; off, the clock is a plain `HostClock`."""
+
+    def __init__(self, phases: int, log: SectionLog) -> None:
+        super().__init__(phases)
+        self._log = log
+
+    def stop(self, index: int, started: float) -> None:
+        ended = time.perf_counter()
+        self._seconds[index] += ended - started
+        self._log.record(index, started, ended)
 
 
 class EventClock:

@@ -17,7 +17,7 @@ import torch
 from torchtelemetry.metric import Metric, MetricKind, PerRankMetric
 from torchtelemetry.report._values import MetricDescriptor, ReportValue
 from torchtelemetry.report.signals._base import Signal, SignalContext, WindowTiming
-from torchtelemetry.report.signals._clock import HostTimer
+from torchtelemetry.report.signals._clock import HostTimer, TracedHostTimer
 from torchtelemetry.report.signals._timeline import NO_SECTIONS, SectionLog
 
 __all__ = ["DATA_PHASE", "DATA_WAIT", "DATA_WAIT_SHARE", "DataWait", "check_seconds"]
@@ -48,8 +48,11 @@ class DataWait(Signal):
         self._seconds = 0.0
         self._steps = 0
         self._seen = False
-        kind = log.kind(DATA_PHASE) if log.keeps else 0
-        self._timer = HostTimer(self.record_wait, DATA_PHASE, log=log, kind=kind)
+        self._timer = (
+            TracedHostTimer(self.record_wait, DATA_PHASE, log=log, kind=log.kind(DATA_PHASE))
+            if log.keeps
+            else HostTimer(self.record_wait, DATA_PHASE)
+        )
 
     def timers(self) -> dict[str, HostTimer]:
         return {DATA_PHASE: self._timer}

@@ -35,7 +35,13 @@ from torchtelemetry.report.signals._base import (
     lowest_rank,
     median,
 )
-from torchtelemetry.report.signals._clock import EventClock, HostClock, PhaseClock, PhaseTimer
+from torchtelemetry.report.signals._clock import (
+    EventClock,
+    HostClock,
+    PhaseClock,
+    PhaseTimer,
+    TracedHostClock,
+)
 from torchtelemetry.report.signals._data_wait import DATA_PHASE, DATA_WAIT
 from torchtelemetry.report.signals._hang import HEARTBEAT_LABELS
 from torchtelemetry.report.signals._stragglers import StragglerScores
@@ -113,7 +119,9 @@ class Phases(Signal):
             clock = (
                 EventClock(len(self.phases), context.device, log=log)
                 if context.device.type == "cuda"
-                else HostClock(len(self.phases), log)
+                else TracedHostClock(len(self.phases), log)
+                if log.keeps
+                else HostClock(len(self.phases))
             )
         self._clock = clock
         self._timers = {name: PhaseTimer(clock, index, name) for index, name in enumerate(self.phases)}
