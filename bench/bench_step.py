@@ -20,25 +20,42 @@ round's median window, and the ratio on/off.
 
     PYTHONPATH=src .venv/bin/python -m bench.bench_step --traces [--windows 40] [--rounds 5]
 
-The traces' cost (issue 47): the same loop and figures, an `OTelExporter` pushing to a local OTLP
-receiver in both, traces on (`trace_ranks=3`: a world of one is sampled every window, its traces
-thread sends every window's spans) and off (`trace_ranks=0`), heartbeat off, rounds interleaved.
+The traces' cost (issue 47): the same loop and figures, an `OTelExporter` pushing to a real OTLP
+receiver in a process of its own in both, traces on (`trace_ranks=3`: a world of one is sampled
+every window, its traces thread builds and sends every window's spans) and off (`trace_ranks=0`),
+heartbeat off, rounds interleaved. Then the training thread's own code alone: an empty section with
+the plain timers and the traced ones, and a step's end written to the window's timeline.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
+import socket
 import statistics
+import subprocess
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
-from tests.receivers import OtlpHttpReceiver
+from tests.distributed import free_port
 
 import torchtelemetry as tt
+from torchtelemetry.report.signals import (
+    HostClock,
+    HostTimer,
+    PhaseTimer,
+    SectionLog,
+    TracedHostClock,
+    TracedHostTimer,
+    section_kinds,
+)
 
+REPO = Path(__file__).resolve().parents[1]
 _KINDS = (tt.WeightedMeanMetric, tt.SumMetric, tt.MaxMetric, tt.MinMetric)
 EVERY = 10
 
@@ -124,65 +141,70 @@ def _on_off_cost(what: str, windows: int, rounds: int, off: Callable[[], Any], o
     print(f"| on / off | {on_step / off_step:.3f}x | {on_phase / off_phase:.3f}x |")
 
 
-def _empty_sections_cost(endpoint: str, windows: int) -> None:
-    """ns of an empty section (`phase("forward")`, `phase("backward")`, `phase("optimizer")`,
-    `data_wait()`) and of a `step()` that schedules no window, traces off and on: two telemetries
-    side by side, their windows interleaved (each window: 10 steps of the four sections, timed in
-    thread CPU around each step's four and around each step() but the one that schedules: the
-    traces thread's sending, on the other core or between, is not the training thread's cost),
-    median over the windows."""
-    telemetries = {
-        trace_ranks: tt.Telemetry(
-            {"loss": tt.SumMetric()},
-            [tt.OTelExporter(endpoint=endpoint)],
-            every=EVERY,
-            hang_after_s=None,
-            trace_ranks=trace_ranks,
-        )
-        for trace_ranks in (0, 3)
+def _timers_cost(rounds: int) -> None:
+    """What traces add to the training thread's own code, alone (no thread beside it): ns of an empty
+    section with the plain timers (traces off) and the traced ones (on), and of a step's end written to
+    the window's timeline; thread CPU, median of `rounds` x 200 batches of 1,000, the variants
+    interleaved, the timeline sealed after each batch (as a window's schedule does)."""
+    log = SectionLog(section_kinds(("forward",)))
+    plain_phase = PhaseTimer(HostClock(1), 0, "forward")
+    traced_phase = PhaseTimer(TracedHostClock(1, log), 0, "forward")
+    plain_data = HostTimer(lambda seconds: None)
+    traced_data = TracedHostTimer(lambda seconds: None, "data", log=log, kind=log.kind("data"))
+
+    def sections(timer: Any) -> None:
+        for _ in range(1000):
+            with timer:
+                pass
+
+    def steps(record: bool) -> None:
+        for step in range(1000):
+            if record:
+                log.stepped(step, 0.0)
+
+    variants = {
+        "phase(), off": functools.partial(sections, plain_phase),
+        "phase(), on": functools.partial(sections, traced_phase),
+        "data_wait(), off": functools.partial(sections, plain_data),
+        "data_wait(), on": functools.partial(sections, traced_data),
+        "a step's end, off": functools.partial(steps, False),
+        "a step's end, on": functools.partial(steps, True),
     }
-    timers = {
-        key: [
-            telemetry.data_wait(),
-            *(telemetry.phase(name) for name in ("forward", "backward", "optimizer")),
-        ]
-        for key, telemetry in telemetries.items()
-    }
-    sections: dict[int, list[float]] = {0: [], 3: []}
-    steps: dict[int, list[float]] = {0: [], 3: []}
-    clock = time.thread_time_ns
+    found: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(rounds * 200):
+        for name, run in variants.items():
+            started = time.thread_time_ns()
+            run()
+            found[name].append((time.thread_time_ns() - started) / 1000)
+            log.seal()
+    print("| training thread, alone | off (ns) | on (ns) | on - off (ns) | on / off |")
+    print("|---|---|---|---|---|")
+    for what in ("phase()", "data_wait()", "a step's end"):
+        off, on = (statistics.median(found[f"{what}, {key}"]) for key in ("off", "on"))
+        print(f"| {what} | {off:.0f} | {on:.0f} | {on - off:+.0f} | {on / off:.3f}x |")
+
+
+@contextlib.contextmanager
+def _receiver_process() -> Iterator[str]:
+    """A real OTLP/HTTP receiver in a process of its own (its decoding takes no GIL from this one);
+    yields its metrics endpoint."""
+    port = free_port()
+    code = (
+        "import sys; from tests.receivers import OtlpHttpReceiver; "
+        f"receiver = OtlpHttpReceiver({port}); receiver.start(); sys.stdin.read(); receiver.stop()"
+    )
+    process = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, cwd=REPO)
     try:
-        for window in range(windows + 5):
-            for key, telemetry in telemetries.items():
-                data, forward, backward, optimizer = timers[key]
-                in_sections = in_steps = 0
-                for step in range(window * EVERY, (window + 1) * EVERY):
-                    started = clock()
-                    with data:
-                        pass
-                    with forward:
-                        pass
-                    with backward:
-                        pass
-                    with optimizer:
-                        pass
-                    in_sections += clock() - started
-                    started = clock()
-                    telemetry.step(step)
-                    if step % EVERY != EVERY - 1:  # not the step() that schedules the window
-                        in_steps += clock() - started
-                if window >= 5:
-                    sections[key].append(in_sections / (4 * EVERY))
-                    steps[key].append(in_steps / (EVERY - 1) / 1e3)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+                break
+            time.sleep(0.1)
+        yield f"http://127.0.0.1:{port}/v1/metrics"
     finally:
-        for telemetry in telemetries.values():
-            telemetry.close()
-    medians = {key: (statistics.median(sections[key]), statistics.median(steps[key])) for key in sections}
-    print("| traces | empty section (ns) | step() without a window (µs) |")
-    print("|---|---|---|")
-    for label, key in (("off", 0), ("on", 3)):
-        print(f"| {label} | {medians[key][0]:.0f} | {medians[key][1]:.2f} |")
-    print(f"| on / off | {medians[3][0] / medians[0][0]:.3f}x | {medians[3][1] / medians[0][1]:.3f}x |")
+        assert process.stdin is not None
+        process.stdin.close()
+        process.wait(timeout=30)
 
 
 def main() -> None:
@@ -204,16 +226,15 @@ def main() -> None:
         )
         return
     if args.traces:
-        with OtlpHttpReceiver() as receiver:
+        with _receiver_process() as endpoint:
 
             def traced(trace_ranks: int) -> tuple[float, float]:
-                exporter = tt.OTelExporter(endpoint=receiver.metrics_endpoint)
+                exporter = tt.OTelExporter(endpoint=endpoint)
                 return _sections_window(args.windows, [exporter], hang_after_s=None, trace_ranks=trace_ranks)
 
             _on_off_cost("traces", args.windows, args.rounds, lambda: traced(0), lambda: traced(3))
-            spans = len(receiver.spans())
-            print(f"({spans} spans received from the rounds with traces on)\n")
-            _empty_sections_cost(receiver.metrics_endpoint, 40 * args.windows)
+        print()
+        _timers_cost(args.rounds)
         return
     sizes = [int(size) for size in args.metrics.split(",")]
     figures = {size: _per_window(size, args.windows) for size in sizes}
