@@ -7,7 +7,9 @@
    Per window: the ranks that sent spans, their spans and the bytes of their requests (the
    uncompressed protobuf body the receiver decoded; the SDK sends it as is unless compression is
    set). Those do not grow with the world: at most `trace_ranks` ranks send a window's spans.
-2. What does grow: every rank decides each window's sampled ranks from the reduced per-rank times
+2. The traces thread's CPU per window of a sampled rank: building the spans and sending them
+   (the receiver in this process: its decoding is not counted, this thread's time is).
+3. What does grow: every rank decides each window's sampled ranks from the reduced per-rank times
    (`sample_ranks`, on its publishing thread, off the training thread) and, on the exporting rank,
    derives the exemplar. Timed here on synthetic windows of 1,024 and 16,384 ranks with four timed
    phases (three and the data wait), median of 21 windows.
@@ -27,7 +29,9 @@ from tests.receivers import OtlpHttpReceiver
 from torch.nn.parallel import DistributedDataParallel
 
 import torchtelemetry as tt
-from torchtelemetry.report import sample_ranks
+from torchtelemetry.export import RunInfo
+from torchtelemetry.report import SectionLog, sample_ranks, section_kinds
+from torchtelemetry.run import TracedWindow, window_spans
 
 DELAY_S = 0.05
 
@@ -81,6 +85,32 @@ def _sent(ranks: int, steps: int, every: int) -> None:
     print(f"\nspans per sampled rank and window (median): {per_rank:.0f} ({every} steps)")
 
 
+def _building(endpoint: str, steps: int) -> tuple[float, float]:
+    """Median ms of thread CPU to build one window's spans of `steps` steps of five sections (the
+    traces thread's `window_spans`), and to send them (`OtlpSpanSender.send`: the SDK's spans,
+    its OTLP encoding and the HTTP request), over 21 windows."""
+    kinds = section_kinds(("forward", "backward", "optimizer"))
+    built, sent = [], []
+    sender = tt.OTelExporter(endpoint=endpoint).span_sender()
+    for window in range(21):
+        log = SectionLog(kinds, since=0.0)
+        for step in range(steps):
+            for kind in (3, 0, 1, 4, 2):  # data, forward, backward, its sync wait, optimizer
+                log.record(kind, step + 0.1 * kind, step + 0.1 * kind + 0.05)
+            log.stepped(window * steps + step, step + 0.9)
+        sealed = log.seal()
+        assert sealed is not None
+        traced = TracedWindow(sealed, "bench", 0, 4, 1.7e9)
+        started = time.thread_time()
+        spans = window_spans(traced, 0)
+        middle = time.thread_time()
+        assert sender.send(spans, RunInfo(run_id="bench"))
+        built.append(middle - started)
+        sent.append(time.thread_time() - middle)
+    sender.shutdown()
+    return statistics.median(built) * 1e3, statistics.median(sent) * 1e3
+
+
 def _deciding(world_size: int) -> float:
     """Median ms per window of `sample_ranks` over `world_size` ranks and four phases."""
     generator = torch.Generator().manual_seed(0)
@@ -108,6 +138,12 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     _sent(args.ranks, args.steps, args.every)
+    with OtlpHttpReceiver() as receiver:
+        built, sent = _building(receiver.metrics_endpoint, args.every)
+    print(
+        f"\nthe traces thread, per window of {args.every} steps ({6 * args.every} spans): "
+        f"{built:.2f} ms of CPU to build them, {sent:.2f} ms to send them"
+    )
     print("\n| ranks | deciding a window's traced ranks, per rank (ms, publishing thread) |")
     print("|---|---|")
     for world_size in (4, 1024, 16384):
