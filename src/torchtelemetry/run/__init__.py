@@ -5,6 +5,8 @@ the heartbeat and the hang monitor, goodput's lasting state, captures and traces
 `torchtelemetry.report.signals`.
 """
 
+from torchtelemetry.run._capture import CaptureRun, CaptureSettings
+from torchtelemetry.run._dumps import HangCaptures, flight_recorder_on
 from torchtelemetry.run._goodput import GoodputLedger
 from torchtelemetry.run._hangs import BeatLedger, Hang, RankBeat, Reading, find_hang, hang_values
 from torchtelemetry.run._heartbeat import Heartbeat
@@ -33,4 +35,9 @@ __all__ = [
     "find_hang",
     "hang_values",
     "watch_hangs",
+    # captures: the evidence of a verdict on the rank it names (docs/signals.md, Captures)
+    "CaptureRun",
+    "CaptureSettings",
+    "HangCaptures",
+    "flight_recorder_on",
 ]

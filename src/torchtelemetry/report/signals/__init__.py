@@ -5,7 +5,8 @@ and for health: phases, the sync wait and straggler scores, the non-finite senti
 health, goodput and GPU health (NVML). Adding a signal is one module and its test, and a line in
 `builtin_signals`. docs/signals.md lists every name, unit and cost. Hangs are not a window's
 signal (a hang stops the windows): `torchtelemetry.run` watches them; `_hang` holds the names of
-the hang report and the phase labels the heartbeat reserves.
+the hang report and the phase labels the heartbeat reserves. `_captures` carries the run's capture
+orders and outcomes in the window.
 """
 
 from __future__ import annotations
@@ -27,6 +28,19 @@ from torchtelemetry.report.signals._builtin import (
     builtin_signals,
     cuda_only_descriptors,
     signal_descriptors,
+)
+from torchtelemetry.report.signals._captures import (
+    CAPTURE_DESCRIPTORS,
+    CAPTURE_REASONS,
+    CAPTURE_TRIGGERS,
+    CaptureOrder,
+    CaptureOutcomes,
+    CaptureReport,
+    Captures,
+    CaptureSource,
+    CaptureWindow,
+    Verdict,
+    check_capture_reason,
 )
 from torchtelemetry.report.signals._clock import EventClock, HostClock, HostTimer, PhaseClock, PhaseTimer
 from torchtelemetry.report.signals._data_wait import DATA_PHASE, DataWait
@@ -67,6 +81,17 @@ from torchtelemetry.report.signals._sync_wait import SYNC_WAIT, SyncWait
 from torchtelemetry.report.signals._throughput import Count, ModelFlopsSignal, check_count
 
 __all__ = [
+    "CAPTURE_DESCRIPTORS",
+    "CAPTURE_REASONS",
+    "CAPTURE_TRIGGERS",
+    "CaptureOrder",
+    "CaptureOutcomes",
+    "CaptureReport",
+    "CaptureSource",
+    "CaptureWindow",
+    "Captures",
+    "Verdict",
+    "check_capture_reason",
     "BETWEEN_PHASES",
     "CLOSED_PHASE",
     "COLLECT_PHASE",
