@@ -252,3 +252,32 @@ def test_an_unwritable_dump_dir_fails_the_capture_once_and_training_goes_on(tmp_
     assert last["train/capture/count"]["request"] == 2 and last["train/capture/count"]["failed"] == 2
     assert len(results[0]["warnings"]) == 1 and len(results[1]["warnings"]) == 1  # one each, per capture
     assert "could not write" in results[0]["warnings"][0]
+
+
+def test_a_profiler_already_running_is_left_alone_and_the_capture_fails_once(tmp_path: Path) -> None:
+    """A rank where the user profiles (torch.profiler is one per process) does not start a second one:
+    the user's profile keeps every op, the capture counts as failed, training goes on."""
+    warnings = _warnings()
+    model = torch.nn.Linear(8, 8)
+    loss_metric = tt.WeightedMeanMetric()
+    with (
+        tt.Telemetry(
+            {"train": {"loss": loss_metric}}, every=2, run_id="mine", dump_dir=tmp_path
+        ) as telemetry,
+        torch.profiler.profile() as users,
+    ):
+        for step in range(STEPS):
+            loss = model(torch.randn(4, 8)).pow(2).mean()
+            loss_metric.update(loss.detach(), 4)
+            if step in REQUESTS:
+                telemetry.request_capture(0)
+            telemetry.step(step)
+    assert sum(event.name == "aten::addmm" for event in users.events()) == STEPS
+    assert telemetry.latest["train/capture/count"]["failed"] == 2
+    assert telemetry.latest["train/capture/file"] == {}
+    captures = _captures(tmp_path)  # each keeps the stacks written when it began
+    assert len(captures) == 2 and "torchtelemetry-capture-mine-rank0-step7-request" in captures
+    for name in captures:
+        assert [path.name for path in (tmp_path / name).iterdir()] == ["stacks.txt"]
+    failures = [warning for warning in warnings if "a profiler is already running" in warning]
+    assert len(failures) == 2
