@@ -23,6 +23,7 @@ import torch
 
 from torchtelemetry.config import TelemetryConfig
 from torchtelemetry.report import (
+    IDLE,
     CaptureOrder,
     CaptureOutcomes,
     CaptureReport,
@@ -121,6 +122,9 @@ class CaptureRun:
         rank's order, counts and hang capture); a `final` flush (a checkpoint, close) waits, bounded,
         for files still being written."""
         self._final = final
+        desk = self._desk
+        if not self._written and self.hang.failed == self._hang_failed and (desk is None or desk.idle):
+            return IDLE  # between captures
         if final:
             for session, _ in self._written:
                 session.wait(WRITE_WAIT_S)
@@ -140,7 +144,7 @@ class CaptureRun:
         """The window scheduled after `step`: its index, and the orders carried by windows up to
         `index - max_pending`, which begin here (not at the last window: no step follows it)."""
         index, self._windows = self._windows, self._windows + 1
-        if self._final:
+        if self._final or not self._inbox:
             return index, ()
         with self._lock:
             due = sorted(n for n in self._inbox if n <= index - self._max_pending)

@@ -89,6 +89,11 @@ class CaptureDesk:
         self.ordered += 1
         self._queue.append(order)
 
+    @property
+    def idle(self) -> bool:
+        """Nothing to send (read without the lock: what arrives meanwhile leaves with a later window)."""
+        return not (self._counts or self._hangs or (self._queue and not self._roles))
+
     def take(self) -> CaptureWindow:
         """What the next window carries from this rank: the counts since the last window, a hang
         capture, and an order if one waits and the last one settled."""

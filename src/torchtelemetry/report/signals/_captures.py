@@ -41,6 +41,7 @@ __all__ = [
     "CaptureSource",
     "CaptureWindow",
     "Captures",
+    "IDLE",
     "Verdict",
     "check_capture_reason",
 ]
@@ -164,6 +165,10 @@ class CaptureWindow:
     outcomes: CaptureOutcomes = CaptureOutcomes()
 
 
+IDLE = CaptureWindow()
+"""What a rank with nothing to carry stages (writes nothing: no op at all)."""
+
+
 class CaptureSource(Protocol):
     """The run's captures (`torchtelemetry.run.CaptureRun`), as this signal drives them."""
 
@@ -211,6 +216,8 @@ class CaptureSlots(Metric):
 
     def write(self, part: CaptureWindow) -> None:
         """Add this rank's `part` to its slots (staged host values, no op of its own)."""
+        if part is IDLE:
+            return
         outcomes = part.outcomes
         values = dict(enumerate((outcomes.settled, outcomes.failed, outcomes.missing), self._OUTCOMES.start))
         values |= dict(enumerate((part.counts.get(label, 0) for label in COUNTED), self._COUNTS.start))
@@ -232,6 +239,8 @@ class CaptureSlots(Metric):
     @classmethod
     def read(cls, slots: Mapping[str, float]) -> CaptureWindow:
         """The `CaptureWindow` of a reduced window's slots (by index)."""
+        if not any(slots.values()):  # between captures: nothing carried
+            return CaptureWindow(None, dict.fromkeys(COUNTED, 0))
         value = [int(slots.get(str(index), 0.0)) for index in range(cls._HANG.stop)]
         counts = dict(zip(COUNTED, value[cls._COUNTS], strict=True))
         hang_rank, hang_step = value[cls._HANG]
