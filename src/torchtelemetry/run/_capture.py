@@ -109,7 +109,7 @@ class CaptureRun:
         """The capture under way is of this rank (not as a reference)."""
         self._written: list[tuple[CaptureSession, bool]] = []
         self._hang_failed = 0
-        self._warmed = False
+        self._warming: threading.Thread | None = None
         self._memory = self._cuda and settings.memory_history and _record_memory_history(True)
 
     def _directory(self, rank: int, step: int, reason: str) -> str:
@@ -220,9 +220,11 @@ class CaptureRun:
         if order is not None:
             with self._lock:
                 self._inbox[index] = order
-            if self.rank in (order.rank, order.reference) and not self._warmed:
-                self._warmed = True
-                warm_profiler()
+            if self.rank in (order.rank, order.reference) and self._warming is None:
+                self._warming = threading.Thread(
+                    target=warm_profiler, name="torchtelemetry-capture-warmup", daemon=True
+                )
+                self._warming.start()
         if self._desk is not None:
             self._desk.settled(carried.outcomes)
             self._desk.judge(verdicts)
@@ -261,6 +263,8 @@ class CaptureRun:
         allocator's history recording this started."""
         if self._session is not None:
             self._end()
+        if self._warming is not None:
+            self._warming.join(WRITE_WAIT_S)
         for session, _ in self._written:
             if not session.wait(WRITE_WAIT_S):
                 logger.warning(

@@ -157,7 +157,7 @@ class CaptureLedger:
 
     def state_dict(self) -> dict[str, Any]:
         with self._lock:
-            return {"latest": self._latest, "files": list(self._files)}
+            return {"latest": list(self._latest) if self._latest else None, "files": list(self._files)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         with self._lock:

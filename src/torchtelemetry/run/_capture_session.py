@@ -44,7 +44,7 @@ MEMORY_FILE = "memory.pickle"
 
 def warm_profiler() -> None:
     """Import what the profiler's first start imports (about 3 s of `torch._inductor` on a CPU host),
-    so that the training thread does not: called off it, when an order names this rank."""
+    so that the training thread does not: on a thread of its own, when an order names this rank."""
     try:
         import torch._inductor.config  # noqa: F401
     except Exception as error:  # an install without inductor: the profiler starts without it
