@@ -128,8 +128,7 @@ class CaptureRun:
         if final:
             for session, _ in self._written:
                 session.wait(WRITE_WAIT_S)
-        settled = [(session, named) for session, named in self._written if session.done.is_set()]
-        self._written = [entry for entry in self._written if not entry[0].done.is_set()]
+        settled, self._written = _partition(self._written)
         failed = self.hang.failed - self._hang_failed
         self._hang_failed += failed
         outcomes = CaptureOutcomes(
@@ -272,6 +271,17 @@ class CaptureRun:
                 )
         if self._memory:
             _record_memory_history(False)
+
+
+def _partition(
+    written: list[tuple[CaptureSession, bool]],
+) -> tuple[list[tuple[CaptureSession, bool]], list[tuple[CaptureSession, bool]]]:
+    """(The captures whose files are written or failed, those still being written), each read once."""
+    ended: list[tuple[CaptureSession, bool]] = []
+    writing: list[tuple[CaptureSession, bool]] = []
+    for entry in written:
+        (ended if entry[0].done.is_set() else writing).append(entry)
+    return ended, writing
 
 
 def _record_memory_history(on: bool) -> bool:

@@ -21,9 +21,9 @@ import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
+from torch.profiler import ProfilerAction, ProfilerActivity, profile
 
 from torchtelemetry.run._dumps import (
     NCCL_FILE,
@@ -51,9 +51,8 @@ def warm_profiler() -> None:
         logger.info("Telemetry: torch._inductor could not be imported ahead of a capture: %s", error)
 
 
-def _record(step: int) -> Any:
-    from torch.profiler import ProfilerAction
-
+def _record(step: int) -> ProfilerAction:
+    """The profiler's schedule: every step recorded (and marked `ProfilerStep#<n>`)."""
     return ProfilerAction.RECORD
 
 
@@ -79,9 +78,8 @@ class CaptureSession:
 
     def __init__(self, spec: CaptureSpec) -> None:
         self.spec = spec
-        self._profiler: Any = None
+        self._profiler: profile | None = None
         self._steps = 0
-        self._writer: threading.Thread | None = None
         self.done = threading.Event()
         self.ok = False
         """Every file it was to hold was written."""
@@ -98,12 +96,10 @@ class CaptureSession:
         if torch._C._autograd._profiler_enabled():
             return self._failed("a profiler is already running on this rank; it is left alone")
         try:
-            from torch.profiler import ProfilerActivity, profile
-
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if spec.cuda else [])
             self._profiler = profile(
                 activities=activities,
-                schedule=_record,  # every step recorded, each marked (ProfilerStep#n)
+                schedule=_record,
                 record_shapes=True,
                 with_stack=True,
             )
@@ -114,31 +110,38 @@ class CaptureSession:
         return True
 
     def stepped(self) -> bool:
-        """A step ended; True once the capture holds its `steps` steps."""
+        """A step ended; True once the capture holds its `steps` steps (or the profiler failed)."""
         self._steps += 1
         if self._steps >= self.spec.steps:
             return True
-        self._profiler.step()
+        try:
+            self._profiler.step()
+        except Exception as error:
+            self._failed(f"the profiler failed at a step ({type(error).__name__}: {error})")
+            return True
         return False
 
     def finish(self) -> None:
-        """Stop the profiler and write the files on the writer thread."""
+        """Stop the profiler and, unless the capture failed, write the files on the writer thread."""
         profiler, self._profiler = self._profiler, None
         try:
             profiler.stop()
         except Exception as error:
-            self._failed(f"the profiler did not stop ({type(error).__name__}: {error})")
+            if not self.done.is_set():
+                self._failed(f"the profiler did not stop ({type(error).__name__}: {error})")
             return
-        self._writer = threading.Thread(
+        if self.done.is_set():  # it failed at a step: nothing to write
+            return
+        writer = threading.Thread(
             target=self._write, args=(profiler,), name="torchtelemetry-capture-writer", daemon=True
         )
-        self._writer.start()
+        writer.start()
 
     def wait(self, timeout_s: float) -> bool:
         """Wait up to `timeout_s` for the files; False if they are still being written."""
         return self.done.wait(timeout_s)
 
-    def _write(self, profiler: Any) -> None:
+    def _write(self, profiler: profile) -> None:
         directory = self.spec.directory
         try:
             self._write_trace(profiler)
@@ -154,7 +157,7 @@ class CaptureSession:
         self.ok = True
         self.done.set()
 
-    def _write_trace(self, profiler: Any) -> None:
+    def _write_trace(self, profiler: profile) -> None:
         """The profiler writes its own file (by name, through a temporary it renames): into a
         directory of its own, made here, and the result is linked into place."""
         directory = self.spec.directory
