@@ -75,7 +75,11 @@ CAPTURE_DESCRIPTORS = (
     MetricDescriptor(CAPTURE_RANK, MetricKind.GAUGE, "", "Rank of the latest capture"),
     MetricDescriptor(CAPTURE_STEP, MetricKind.GAUGE, "", "Step the latest capture began after"),
     MetricDescriptor(
-        CAPTURE_FILE, MetricKind.GAUGE, "", "1 per capture written, labelled with its directory", "file"
+        CAPTURE_FILE,
+        MetricKind.GAUGE,
+        "",
+        "1 per capture, labelled with the directory of the rank it named",
+        "file",
     ),
 )
 """Every name the captures export (on the exporting rank)."""
@@ -121,7 +125,7 @@ class CaptureOrder:
 
 @dataclass(frozen=True, slots=True)
 class CaptureReport:
-    """What a report says of the captures (the exporting rank's)."""
+    """What a report says of the captures (every rank's the same)."""
 
     counts: Mapping[str, int]
     """Per `CAPTURE_REASONS` label, verdicts and failures since the last report (empty: not counted here)."""
