@@ -99,10 +99,11 @@ class TelemetryConfig:
     """Where captures and a hung rank's stacks (and NCCL's flight recorder) are written; None: the
     current directory. Give every rank the same: the exporting rank names the directories in it."""
     capture_on: Sequence[str] = CAPTURE_TRIGGERS
-    """The verdicts that capture evidence on the rank they name and one reference rank: "straggler"
-    (`train/straggler/top_rank`), "nonfinite" (the first rank of a non-finite value), "hang" (a stuck
-    rank's stacks), and "request" alone for `Telemetry.request_capture` only (allowed whenever this is
-    not empty); empty: no captures (docs/signals.md, Captures)."""
+    """The verdicts that capture evidence (a profile of the next `capture_steps` steps, every thread's
+    stacks) on the rank they name: "straggler" (`train/straggler/top_rank`, with the median rank of
+    its phase as reference), "nonfinite" (the first rank of a non-finite value), "hang" (a stuck
+    rank's stacks); "request" alone: `Telemetry.request_capture` only (allowed whenever this is not
+    empty); empty: no captures (docs/signals.md, Captures)."""
     capture_steps: int = 5
     """Steps a capture profiles."""
     max_captures: int = 8
