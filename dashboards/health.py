@@ -104,11 +104,13 @@ def health_panels() -> list[dict[str, Any]]:
             decimals=2,
         ),
         stat(
-            "Fastest and slowest rank per phase",
-            "The ranks holding the shortest and the longest time per step in each phase.",
+            "Fastest, median and slowest rank per phase",
+            "The ranks holding the shortest, the median and the longest time per step in each phase "
+            "(a straggler's capture takes the median rank of its phase as reference).",
             "none",
             targets(
                 (by(phase, "train/phases/min_rank"), "{{phase}} fastest"),
+                (by(phase, "train/phases/median_rank"), "{{phase}} median"),
                 (by(phase, "train/phases/max_rank"), "{{phase}} slowest"),
             ),
             decimals=0,
@@ -235,6 +237,7 @@ def health_panels() -> list[dict[str, Any]]:
             decimals=0,
         ),
         *hang_panels(),
+        *capture_panels(),
         row("Your metrics: every gauge, counter and histogram of the run's metric tree"),
     ]
 
@@ -275,5 +278,36 @@ def hang_panels() -> list[dict[str, Any]]:
                     "{{run}} stopped in {{phase}}",
                 ),
             ),
+        ),
+    ]
+
+
+def capture_panels() -> list[dict[str, Any]]:
+    """The Captures row: where the evidence of each verdict naming a rank is (docs/signals.md,
+    Captures; the alerts that name a rank give its capture's directory too)."""
+    return [
+        row("Captures: the profile, stacks and memory of the rank a verdict named"),
+        stat(
+            "Capture: latest rank, step, directories",
+            "The rank the latest capture named (a straggler, the first non-finite value, a hang, your "
+            "request) and the step it began after; one series per capture, labelled with the "
+            "directory of the rank it named in dump_dir (train/capture/file, label file), from the "
+            "window it began with; a reference rank's directory is the same name with its rank and "
+            "-reference.",
+            "none",
+            targets(
+                (by("", "train/capture/rank"), "rank"),
+                (by("", "train/capture/step"), "step"),
+                (by(", file", "train/capture/file"), "{{file}}"),
+            ),
+            decimals=0,
+        ),
+        timeseries(
+            "Captures per interval, by reason",
+            "Verdicts that triggered a capture (straggler, nonfinite, hang, request; past "
+            "max_captures they are counted, not captured) and captures that failed (failed: an "
+            "unwritable dump_dir, a name already taken, a profiler already running, a full disk).",
+            "short",
+            targets((increase_by(", reason", "train/capture/count"), "{{run}} {{reason}}")),
         ),
     ]

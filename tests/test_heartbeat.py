@@ -172,9 +172,17 @@ def test_a_stuck_phase_is_reported_once_dumped_and_cleared_when_it_moves_again(t
         finish.set()
         thread.join(60)
     assert not failures
-    (dump,) = tmp_path.glob("torchtelemetry-hang-*")  # one file, however many heartbeats saw the hang
-    assert dump.name == "torchtelemetry-hang-stuck-rank0-step1-1.txt"
+    # The stacks are the hang's capture, one however many heartbeats saw the hang, named by the report.
+    (capture,) = tmp_path.glob("torchtelemetry-capture-*")
+    assert capture.name == "torchtelemetry-capture-stuck-rank0-step1-hang"
+    assert [path.name for path in capture.iterdir()] == ["stacks.txt"] and not list(tmp_path.glob("*.txt"))
+    dump = capture / "stacks.txt"
     assert "in phase 'optimizer'" in dump.read_text() and "in train" in dump.read_text()
+    assert hung["train/hang/dump"] == {str(dump): 0.0}
+    assert hung["train/capture/file"] == {str(capture): 1.0}
+    assert (hung["train/capture/rank"], hung["train/capture/step"]) == (0, 1)
+    windows = [report for report in _reports(path) if "train/capture/count" in report]
+    assert windows[-1]["train/capture/count"]["hang"] == 1  # counted with the next window
 
 
 def test_a_hang_that_clears_just_before_close_is_cleared_in_the_final_report(tmp_path: Path) -> None:
@@ -201,18 +209,23 @@ def test_a_hang_that_clears_just_before_close_is_cleared_in_the_final_report(tmp
     assert last["train/hang/seconds"] == 0 and last["train/hang/phase"] == {}
 
 
-def test_a_planted_symlink_is_never_followed_and_two_hangs_in_one_step_get_two_files(tmp_path: Path) -> None:
+@pytest.mark.parametrize("capture_on", [(), ("hang",)])
+def test_a_planted_symlink_is_never_followed_and_two_hangs_in_one_step_get_two_files(
+    tmp_path: Path, capture_on: tuple[str, ...]
+) -> None:
     """Stack files are opened O_CREAT|O_EXCL|O_NOFOLLOW, 0600: the name a symlink took is skipped
     (its target untouched), a second hang in the same step gets its own file, and each report names
-    the file that exists."""
+    the file that exists. With hang captures, a symlink planted at the capture directory's name is
+    never followed either: the stacks go to stack files, and the capture counts as failed."""
     path = tmp_path / "metrics.jsonl"
     victim = tmp_path / "victim.txt"
     victim.write_text("keep me")
     (tmp_path / "torchtelemetry-hang-planted-rank0-step1-1.txt").symlink_to(victim)
+    (tmp_path / "torchtelemetry-capture-planted-rank0-step1-hang").symlink_to(tmp_path)
     releases = [threading.Event(), threading.Event()]
 
     def train() -> None:
-        with _watched(tmp_path, run_id="planted") as telemetry:
+        with _watched(tmp_path, run_id="planted", capture_on=capture_on) as telemetry:
             telemetry.step(0)
             for release in releases:  # two hangs in step 1
                 with telemetry.phase("optimizer"):
@@ -239,6 +252,9 @@ def test_a_planted_symlink_is_never_followed_and_two_hangs_in_one_step_get_two_f
     for file in files:
         assert Path(file).stat().st_mode & 0o777 == 0o600
         assert "in phase 'optimizer'" in Path(file).read_text()
+    windows = [report for report in _reports(path) if "train/capture/count" in report]
+    failed = windows[-1]["train/capture/count"]["failed"] if capture_on else 0.0
+    assert failed == (2.0 if capture_on else 0.0)  # each hang's capture directory, with the next window
 
 
 @pytest.mark.parametrize("reserved", ["none", "collect", "closed", "unknown"])

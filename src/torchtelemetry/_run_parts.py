@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from torchtelemetry._startup import ExportPolicy, export_policy
 from torchtelemetry.config import TelemetryConfig
@@ -21,7 +22,6 @@ from torchtelemetry.export import (
     Exporter,
     ExportHub,
     NullHub,
-    OTelExporter,
     RunInfo,
     exporters_from_spec,
 )
@@ -40,14 +40,17 @@ from torchtelemetry.report import (
     describe_with_signals,
 )
 from torchtelemetry.run import (
-    DEFAULT_TRACE_RANKS,
+    CaptureRun,
+    CaptureSettings,
     GoodputLedger,
     ProgressFile,
     RunIdentity,
     RunProgress,
     RunTraces,
+    flight_recorder_on,
     progress_path,
     resolve_run_identity,
+    run_traces,
 )
 from torchtelemetry.sync import group_rank, group_world_size, resolve_group
 
@@ -84,8 +87,14 @@ class RunParts:
     """The run's progress file (`TelemetryConfig.progress_file`), written by the exporting rank."""
     goodput: GoodputLedger
     """Goodput's lasting state (the goodput signal exports it)."""
+    captures: CaptureRun | None
+    """This rank's captures (None: `capture_on` empty, or no signals); the captures signal drives them."""
     traces: RunTraces
     """This rank's traces: the timeline the timers write, and the spans of sampled windows."""
+
+    def submit_hang(self, step: int, values: ReportValues) -> None:
+        """Export a hang report, with the captures' values once the rank it names wrote a capture."""
+        self.hub.submit(step, values if self.captures is None else self.captures.hang_reported(values))
 
     def close(self) -> None:
         """Release what set-up started: the exporters (ports, threads), the signals' threads and the
@@ -109,13 +118,14 @@ def assemble_run(metrics: Any, exporters: Sequence[Exporter] | str, config: Tele
     run, identity, progress = _run_of(config, policy, world_size)
     goodput = GoodputLedger(progress)
     hub: ExportHub | NullHub = NullHub()
-    signals = None
+    signals = captures = None
     if isinstance(exporters, str):
         exporters = exporters_from_spec(exporters)
     rank = group_rank(resolved)
-    traces = _run_traces(config, exporters, rank, world_size, policy.exporting, run.run_id, device)
+    traces = run_traces(config, exporters, rank, world_size, policy.exporting, run.run_id, device)
     try:
-        signals = _builtin_signals(config, world_size, goodput, user_leaves, rank, device, traces)
+        captures = _captures(config, resolved, policy.exporting, device, run.run_id)
+        signals = _builtin_signals(config, world_size, goodput, user_leaves, rank, device, captures, traces)
         signal_metrics = signals.metrics() if signals is not None else {}
         leaves = user_leaves + list(signal_metrics.items())
         ranks = RankSeriesLimit(world_size, config.max_rank_series)
@@ -138,6 +148,8 @@ def assemble_run(metrics: Any, exporters: Sequence[Exporter] | str, config: Tele
         traces.close()
         if signals is not None:
             signals.close()
+        elif captures is not None:
+            captures.close()
         if progress is not None:
             progress.close(finished=False)
         raise
@@ -155,6 +167,7 @@ def assemble_run(metrics: Any, exporters: Sequence[Exporter] | str, config: Tele
         publisher,
         progress,
         goodput,
+        captures,
         traces,
     )
 
@@ -195,37 +208,26 @@ def startup_timeout_s(config: TelemetryConfig | None, fields: Mapping[str, Any])
     return float(timeout_s) if isinstance(timeout_s, (int, float)) and timeout_s > 0 else 300.0
 
 
-def _run_traces(
+def _captures(
     config: TelemetryConfig,
-    exporters: Sequence[Exporter],
-    rank: int,
-    world_size: int,
+    resolved: dist.ProcessGroup | None,
     exporting: bool,
-    run_id: str,
     device: torch.device,
-) -> RunTraces:
-    """This rank's traces, sent to the first `OTelExporter`'s traces endpoint (`trace_ranks`)."""
-    otel = [exporter for exporter in exporters if isinstance(exporter, OTelExporter)]
-    trace_ranks = config.trace_ranks
-    if trace_ranks is None:
-        trace_ranks = DEFAULT_TRACE_RANKS if otel and config.signals else 0
-    elif trace_ranks and not (otel and config.signals):
-        raise ValueError(
-            f"TelemetryConfig.trace_ranks={trace_ranks}: spans are built from the built-in signals' "
-            "timers and sent to an OTelExporter's traces endpoint, and "
-            + ("exporters has no OTelExporter" if not otel else "signals=False")
-            + "; add tt.OTelExporter() (and keep signals on), or set trace_ranks=0"
-        )
-    sender = otel[0].span_sender() if trace_ranks else None
-    return RunTraces(
-        config.phases,
-        rank=rank,
-        world_size=world_size,
+    run_id: str,
+) -> CaptureRun | None:
+    settings = CaptureSettings.of(config)
+    if settings is None:
+        return None
+    backend = None if resolved is None else str(dist.get_backend(resolved))
+    return CaptureRun(
+        settings,
+        rank=group_rank(resolved),
+        world_size=group_world_size(resolved),
         exporting=exporting,
-        run_id=run_id,
-        sender=sender,
-        trace_ranks=trace_ranks,
+        max_pending=config.max_pending,
         device=device,
+        run_id=run_id,
+        flight_recorder=flight_recorder_on(backend),
     )
 
 
@@ -236,6 +238,7 @@ def _builtin_signals(
     user_leaves: list[tuple[str, Metric]],
     rank: int,
     device: torch.device,
+    captures: CaptureRun | None,
     traces: RunTraces,
 ) -> SignalSet | None:
     if not config.signals:
@@ -255,6 +258,7 @@ def _builtin_signals(
             spike_windows=config.spike_windows,
             goodput=goodput,
             nvml=config.nvml,
+            captures=captures,
             trace_ranks=traces.trace_ranks,
             traces=traces,
             timeline=traces.log,

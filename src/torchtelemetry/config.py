@@ -11,6 +11,7 @@ from typing import Any
 
 from torchtelemetry.collect import DEFAULT_MAX_PENDING, DEFAULT_TIMEOUT_S, check_collection_limits
 from torchtelemetry.report import (
+    CAPTURE_TRIGGERS,
     DEFAULT_PHASES,
     DEFAULT_SPIKE_SIGMA,
     DEFAULT_SPIKE_WINDOWS,
@@ -95,8 +96,21 @@ class TelemetryConfig:
     when the job has no TCP rendezvous store of its own to use (a `file://` init); 0: one the
     kernel picks."""
     dump_dir: str | os.PathLike[str] | None = None
-    """Where a hung rank writes its stacks (and NCCL's flight recorder), at most 16 files per rank;
-    None: the current directory."""
+    """Where captures and a hung rank's stacks (and NCCL's flight recorder) are written; None: the
+    current directory. Give every rank the same: the exporting rank names the directories in it."""
+    capture_on: Sequence[str] = CAPTURE_TRIGGERS
+    """The verdicts that capture evidence (a profile of the next `capture_steps` steps, every thread's
+    stacks) on the rank they name: "straggler" (`train/straggler/top_rank`, with the median rank of
+    its phase as reference), "nonfinite" (the first rank of a non-finite value), "hang" (a stuck
+    rank's stacks); "request" alone: `Telemetry.request_capture` only (allowed whenever this is not
+    empty); empty: no captures (docs/signals.md, Captures)."""
+    capture_steps: int = 5
+    """Steps a capture profiles."""
+    max_captures: int = 8
+    """Captures per run at most; later triggers are counted, not captured."""
+    memory_history: bool = False
+    """On CUDA, record the allocator's history (a stack per allocation and free: CPU time on every
+    one) so that captures hold its memory snapshot (`memory.pickle`)."""
     trace_ranks: int | None = None
     """Ranks each window sends OTLP spans of its steps from: the slowest, the fastest and one rotating
     through the world (docs/signals.md, Traces), to the `OTelExporter`'s traces endpoint. None: 3 when
@@ -141,6 +155,7 @@ class TelemetryConfig:
             raise ValueError(
                 f"TelemetryConfig.trace_ranks must be None or an integer >= 0, got {self.trace_ranks!r}"
             )
+        self._check_captures()
         if self.straggler_top_k < 1:
             raise ValueError(
                 f"TelemetryConfig.straggler_top_k must be at least 1, got {self.straggler_top_k}"
@@ -156,6 +171,18 @@ class TelemetryConfig:
                 "TelemetryConfig.flops_per_token and flops_per_sample are both set; give FLOPs per token "
                 "or per sample, not both"
             )
+
+    def _check_captures(self) -> None:
+        choices = (*CAPTURE_TRIGGERS, "request")
+        if isinstance(self.capture_on, str) or not set(self.capture_on) <= set(choices):
+            raise ValueError(
+                f"TelemetryConfig.capture_on must be a sequence of {choices} (empty: no captures), got "
+                f"{self.capture_on!r}"
+            )
+        for key in ("capture_steps", "max_captures"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"TelemetryConfig.{key} must be an integer of at least 1, got {value!r}")
 
     def replace(self, **fields: Any) -> TelemetryConfig:
         """A copy with `fields` changed; unknown names raise a TypeError listing the valid ones."""

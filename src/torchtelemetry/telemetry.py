@@ -102,9 +102,10 @@ class Telemetry:
                 group=self.config.group,
                 exporting=parts.is_exporting,
                 run=parts.run,
-                submit=parts.hub.submit,
+                submit=parts.submit_hang,
                 latest_step=lambda: parts.publisher.latest_step,
                 exporters=parts.exporters,
+                captures=parts.captures.hang if parts.captures is not None else None,
             )
             # Keyed by metric path, so errors (a layout mismatch across ranks) name metrics as the user does.
             collector = AsyncMetricCollector(
@@ -132,6 +133,7 @@ class Telemetry:
         self._run_id_suffix = parts.run_id_suffix
         self._progress, self._goodput = parts.progress, parts.goodput
         self._traces = parts.traces
+        self._captures = parts.captures
         self.is_exporting = parts.is_exporting
         """Whether this rank exports: rank 0 of the group (`export_policy`)."""
         self.hub = parts.hub
@@ -172,6 +174,8 @@ class Telemetry:
         self._traces.adopt_run(self.run.run_id)
         if self._hang_watch is not None:
             self._hang_watch.adopt_run(self.run)
+        if self._captures is not None:
+            self._captures.adopt_run(self.run.run_id)
         if self._progress is not None:
             self._progress.adopt_run(self.run.run_id)
 
@@ -258,6 +262,24 @@ class Telemetry:
         self._require_open("checkpoint_saved")
         self._goodput.checkpoint_saved(step)
         self._traces.checkpoint_saved(step)
+
+    def request_capture(self, rank: int, *, reason: str = "request") -> None:
+        """Capture `rank`'s evidence over the next `capture_steps` steps (its profile, every thread's
+        stacks, on CUDA its memory snapshot and NCCL's flight record) in `dump_dir`, in a directory
+        ending in `reason` (a-z, 0-9, _). Call it on the exporting rank alone (`is_exporting`), from
+        any thread there (a callback); the request rides the next window to every rank, counted in
+        `train/capture/count{reason="request"}` and within `max_captures` (docs/signals.md, Captures).
+        Raises a `RuntimeError` where captures are off or on another rank, a `ValueError` on a bad
+        rank or reason."""
+        check_same_process(self._pid, "Telemetry.request_capture")
+        if self._closed or self._captures is None:
+            why = (
+                "telemetry is closed"
+                if self._closed
+                else "captures are off (capture_on=(), or signals=False)"
+            )
+            raise RuntimeError(f"Telemetry.request_capture: {why}")
+        self._captures.request(rank, reason)
 
     def schedule_collection(self) -> None:
         """Schedule a collection of the steps since the last one now, without waiting for it.

@@ -71,11 +71,11 @@ def health_series(world_size: int) -> int:
     """The health signals' share of docs/scale.md's formula (on CPU, nothing non-finite seen)."""
     phased = len(PHASES) + 1  # and the data wait
     per_rank = len(PHASES) * world_size if world_size <= MAX_RANK_SERIES else 0
-    # min, median, max, min_rank, max_rank, share, four straggler scores and the straggler cost
-    # per phase (no threshold before a run's 4th window, no straggler named); a non-finite and a
-    # spike counter per watched metric; RSS and its rank; goodput, productive and wall time,
-    # restarts and recomputed steps
-    return per_rank + 11 * phased + 2 * WATCHED + 2 + 5
+    # min, median, max, min_rank, median_rank, max_rank, share, four straggler scores and the
+    # straggler cost per phase (no threshold before a run's 4th window, no straggler named); a
+    # non-finite and a spike counter per watched metric; RSS and its rank; goodput, productive and
+    # wall time, restarts and recomputed steps
+    return per_rank + 12 * phased + 2 * WATCHED + 2 + 5
 
 
 def budget(world_size: int, backend: str) -> int:

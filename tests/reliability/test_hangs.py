@@ -196,9 +196,13 @@ def _series(name: str, value: float, **labels: str) -> str:
     return f"torchtelemetry_train_hang_{name}{{{shown}}} {value}"
 
 
+def _capture(tmp_path: Path, rank: int) -> Path:
+    """The hang capture of `rank`, stuck at STOP_STEP (its stacks: `stacks.txt`)."""
+    return tmp_path / f"torchtelemetry-capture-hang-rank{rank}-step{STOP_STEP}-hang"
+
+
 def _stack_file(tmp_path: Path, rank: int) -> str:
-    (path,) = tmp_path.glob(f"torchtelemetry-hang-hang-rank{rank}-step{STOP_STEP}-1.txt")
-    return path.read_text()
+    return (_capture(tmp_path, rank) / "stacks.txt").read_text()
 
 
 @pytest.mark.timeout(300)
@@ -212,7 +216,9 @@ def test_a_rank_stuck_in_forward_is_named_while_the_others_wait_in_the_all_reduc
     assert values["train/hang/phase"] == {"forward": 1.0}
     assert values["train/hang/lost_ranks"] == 0
     (dump,) = values["train/hang/dump"]
-    assert Path(dump) == tmp_path / f"torchtelemetry-hang-hang-rank2-step{STOP_STEP}-1.txt"
+    assert Path(dump) == _capture(tmp_path, 2) / "stacks.txt"  # the stacks are the hang's capture
+    assert values["train/capture/file"] == {str(_capture(tmp_path, 2)): 1.0}
+    assert (values["train/capture/rank"], values["train/capture/step"]) == (2, STOP_STEP)
     assert "_block_in_forward" in Path(dump).read_text()
     # The ranks that wait found themselves stuck too: in backward, where DDP's all-reduce is.
     for rank in (0, 1):
@@ -255,7 +261,7 @@ def test_a_rank_that_left_the_loop_is_named_closed_for_the_whole_hang_and_logged
         (2, STOP_STEP, "closed")
     }
     (dump,) = values["train/hang/dump"]
-    assert Path(dump).name == f"torchtelemetry-hang-hang-rank2-step{STOP_STEP}-1.txt"
+    assert Path(dump) == _capture(tmp_path, 2) / "stacks.txt"
     assert "in phase 'closed'" in Path(dump).read_text() and "in close" in Path(dump).read_text()
     log = (tmp_path / "rank0.log").read_text()
     assert log.count("Telemetry: hang:") == 1, log
@@ -323,12 +329,14 @@ def test_a_run_that_only_slows_down_reports_no_hang(tmp_path: Path) -> None:
     assert reads > 0  # the monitor was watching
     reports = [json.loads(line)["values"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert reports and not any(name.startswith("train/hang/") for values in reports for name in values)
-    assert not list(tmp_path.glob("torchtelemetry-hang-*"))
+    assert not list(tmp_path.glob("torchtelemetry-hang-*")) and not list(
+        tmp_path.glob("torchtelemetry-capture-*")
+    )
 
 
 def _stuck_alone(rank: int, world_size: int, directory: str) -> tuple[str, list[str]]:
     """No run id given: every rank starts with one of its own, then takes rank 0's. Rank 1 is stuck
-    in forward until its stack file is written."""
+    in forward until its hang capture is written."""
     telemetry = tt.Telemetry(
         {"loss": tt.SumMetric()},
         hang_after_s=HANG_AFTER_S,
@@ -340,20 +348,21 @@ def _stuck_alone(rank: int, world_size: int, directory: str) -> tuple[str, list[
         with telemetry.phase("forward"):
             deadline = time.monotonic() + DEADLINE_S
             while (
-                not list(Path(directory).glob("torchtelemetry-hang-*-rank1-*"))
+                not list(Path(directory).glob("torchtelemetry-capture-*-rank1-*/stacks.txt"))
                 and time.monotonic() < deadline
             ):
                 time.sleep(INTERVAL_S)
     telemetry.step(1)
     run_id = telemetry.run.run_id
     telemetry.close()
-    return run_id, sorted(path.name for path in Path(directory).glob("torchtelemetry-hang-*-rank1-*"))
+    captures = Path(directory).glob("torchtelemetry-capture-*-rank1-*")
+    return run_id, sorted(path.name for path in captures)
 
 
 @pytest.mark.timeout(300)
-def test_every_rank_names_its_stack_files_with_the_run_id_the_ranks_agreed_on(tmp_path: Path) -> None:
+def test_every_rank_names_its_hang_capture_with_the_run_id_the_ranks_agreed_on(tmp_path: Path) -> None:
     env = {"TORCHTELEMETRY_RUN_ID": "", "TORCHELASTIC_RUN_ID": "", "SLURM_JOB_ID": ""}
     (run_id, files), (same, _) = run_ranks(_stuck_alone, 2, str(tmp_path), env=env, timeout_s=240)
     assert run_id == same
-    assert files == [f"torchtelemetry-hang-{run_id}-rank1-step1-1.txt"]
-    assert f"run {run_id} rank 1" in (tmp_path / files[0]).read_text()
+    assert files == [f"torchtelemetry-capture-{run_id}-rank1-step1-hang"]
+    assert f"run {run_id} rank 1" in (tmp_path / files[0] / "stacks.txt").read_text()

@@ -5,6 +5,8 @@ the heartbeat and the hang monitor, goodput's lasting state, captures and traces
 `torchtelemetry.report.signals`.
 """
 
+from torchtelemetry.run._capture import CaptureRun, CaptureSettings
+from torchtelemetry.run._dumps import HangCaptures, flight_recorder_on
 from torchtelemetry.run._goodput import GoodputLedger
 from torchtelemetry.run._hangs import BeatLedger, Hang, RankBeat, Reading, find_hang, hang_values
 from torchtelemetry.run._heartbeat import Heartbeat
@@ -17,6 +19,7 @@ from torchtelemetry.run._traces import (
     TRACES_THREAD,
     RunTraces,
     checked_attempt,
+    run_traces,
 )
 from torchtelemetry.run._watch import HangSettings, HangWatch, watch_hangs
 
@@ -33,6 +36,7 @@ __all__ = [
     # traces: spans of the sampled ranks' steps, their ids
     "DEFAULT_TRACE_RANKS",
     "checked_attempt",
+    "run_traces",
     "TRACES_THREAD",
     "RunTraces",
     "TracedWindow",
@@ -52,4 +56,9 @@ __all__ = [
     "find_hang",
     "hang_values",
     "watch_hangs",
+    # captures: the evidence of a verdict on the rank it names (docs/signals.md, Captures)
+    "CaptureRun",
+    "CaptureSettings",
+    "HangCaptures",
+    "flight_recorder_on",
 ]

@@ -31,8 +31,23 @@ from torchtelemetry.report import (
     ReportValue,
 )
 
-__all__ = ["STALE_INTERVALS", "BeatLedger", "Hang", "RankBeat", "Reading", "find_hang", "hang_values"]
+__all__ = [
+    "HANG_DUMP",
+    "HANG_RANK",
+    "HANG_STEP",
+    "STALE_INTERVALS",
+    "BeatLedger",
+    "Hang",
+    "RankBeat",
+    "Reading",
+    "find_hang",
+    "hang_values",
+]
 
+
+HANG_RANK = "train/hang/rank"
+HANG_STEP = "train/hang/step"
+HANG_DUMP = "train/hang/dump"
 
 STALE_INTERVALS = 2
 """A heartbeat unchanged for this many intervals is stale (its rank did not publish), and a rank
@@ -201,17 +216,17 @@ def hang_values(
         return {
             "train/hang/seconds": 0.0,
             "train/hang/phase": {},
-            "train/hang/dump": {},
+            HANG_DUMP: {},
             "train/hang/lost_ranks": float(lost_ranks),
             **counts,
         }
     behind = hang.behind
     return {
         "train/hang/seconds": behind.stalled_s,
-        "train/hang/rank": float(behind.rank),
-        "train/hang/step": float(behind.step),
+        HANG_RANK: float(behind.rank),
+        HANG_STEP: float(behind.step),
         "train/hang/phase": {behind.phase: 1.0},
-        "train/hang/dump": {behind.dump: float(behind.rank)} if behind.dump else {},
+        HANG_DUMP: {behind.dump: float(behind.rank)} if behind.dump else {},
         "train/hang/lost_ranks": float(hang.lost_ranks),
         **counts,
     }

@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 
-from torchtelemetry.export import OtlpSpanSender, RunInfo
+from torchtelemetry.config import TelemetryConfig
+from torchtelemetry.export import Exporter, OTelExporter, OtlpSpanSender, RunInfo
 from torchtelemetry.report import (
     CHECKPOINT_SECTION,
     STEP_SPAN,
@@ -257,3 +258,38 @@ def checked_attempt(saved: Any) -> int:
             "pass the state Telemetry.state_dict() returned"
         )
     return saved
+
+
+def run_traces(
+    config: TelemetryConfig,
+    exporters: Sequence[Exporter],
+    rank: int,
+    world_size: int,
+    exporting: bool,
+    run_id: str,
+    device: torch.device,
+) -> RunTraces:
+    """This rank's traces, sent to the first `OTelExporter`'s traces endpoint (`config.trace_ranks`:
+    None is `DEFAULT_TRACE_RANKS` with an `OTelExporter` and the signals, else 0; more than 0
+    without them raises a `ValueError` naming the key)."""
+    otel = [exporter for exporter in exporters if isinstance(exporter, OTelExporter)]
+    trace_ranks = config.trace_ranks
+    if trace_ranks is None:
+        trace_ranks = DEFAULT_TRACE_RANKS if otel and config.signals else 0
+    elif trace_ranks and not (otel and config.signals):
+        raise ValueError(
+            f"TelemetryConfig.trace_ranks={trace_ranks}: spans are built from the built-in signals' "
+            "timers and sent to an OTelExporter's traces endpoint, and "
+            + ("exporters has no OTelExporter" if not otel else "signals=False")
+            + "; add tt.OTelExporter() (and keep signals on), or set trace_ranks=0"
+        )
+    return RunTraces(
+        config.phases,
+        rank=rank,
+        world_size=world_size,
+        exporting=exporting,
+        run_id=run_id,
+        sender=otel[0].span_sender() if trace_ranks else None,
+        trace_ranks=trace_ranks,
+        device=device,
+    )

@@ -12,7 +12,6 @@ exporting rank. `close()` stops them all and releases the store (a hosted store'
 from __future__ import annotations
 
 import logging
-import os
 import secrets
 import time
 from collections.abc import Callable, Sequence
@@ -27,7 +26,7 @@ from torchtelemetry.config import TelemetryConfig
 from torchtelemetry.export import Exporter, RunInfo
 from torchtelemetry.report import ReportValues
 from torchtelemetry.run._deputy_route import DeputyRoute
-from torchtelemetry.run._dumps import DumpFiles
+from torchtelemetry.run._dumps import DumpFiles, HangCaptures, dump_directory, flight_recorder_on
 from torchtelemetry.run._heartbeat import Heartbeat, HeartbeatPublisher, SectionTimer
 from torchtelemetry.run._monitor import Deputy, HangMonitor, Judging
 from torchtelemetry.run._store import (
@@ -68,7 +67,7 @@ class HangSettings:
             interval_s=config.heartbeat_interval_s,
             timeout_s=config.timeout_s,
             port=config.heartbeat_port,
-            dump_dir=Path(config.dump_dir) if config.dump_dir is not None else Path.cwd(),
+            dump_dir=dump_directory(config.dump_dir),
             phases=tuple(config.phases),
         )
 
@@ -169,12 +168,14 @@ def watch_hangs(
     submit: Callable[[int, ReportValues], None],
     latest_step: Callable[[], int | None],
     exporters: Sequence[Exporter],
+    captures: HangCaptures | None = None,
 ) -> HangWatch | None:
     """Start this rank's heartbeat (its phases and data wait read from `timers`), publisher and
     watcher (collective over the start-up group, see the module); None without `settings`
     (`hang_after_s=None`) or a store (one warning). The exporting rank's monitor exports through
     `submit` at `latest_step()`; the next rank reports through its `DeputyRoute` over `exporters`.
-    The façade hands the heartbeat (`HangWatch.publisher.beat`) to its one writer."""
+    A stuck rank's stacks go to a hang capture directory while `captures` allows (docs/signals.md,
+    Captures). The façade hands the heartbeat (`HangWatch.publisher.beat`) to its one writer."""
     if settings is None:
         return None
     resolved = resolve_group(group, op="Telemetry")
@@ -191,7 +192,7 @@ def watch_hangs(
     if links is None:
         return None
     backend = dist.get_backend(resolved) if resolved is not None else None
-    dumps = DumpFiles(settings.dump_dir, rank, flight_recorder=_flight_recorder_on(backend))
+    dumps = DumpFiles(settings.dump_dir, rank, flight_recorder=flight_recorder_on(backend), captures=captures)
     judging = Judging(offer.secret, settings.phases, settings.hang_after_s, settings.interval_s)
     publisher = HeartbeatPublisher(
         Heartbeat(timers),
@@ -279,9 +280,3 @@ def _joined(offer: _Offer, settings: HangSettings, rank: int, *, watching: bool)
         links.close(0.0)
         return None
     return links
-
-
-def _flight_recorder_on(backend: str | None) -> bool:
-    """NCCL's flight recorder is on (`TORCH_NCCL_TRACE_BUFFER_SIZE` > 0): dump it with the stacks."""
-    size = os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE", "0") or "0"
-    return backend == "nccl" and size.isdigit() and int(size) > 0

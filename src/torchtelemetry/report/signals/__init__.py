@@ -5,7 +5,8 @@ and for health: phases, the sync wait and straggler scores, the non-finite senti
 health, goodput and GPU health (NVML). Adding a signal is one module and its test, and a line in
 `builtin_signals`. docs/signals.md lists every name, unit and cost. Hangs are not a window's
 signal (a hang stops the windows): `torchtelemetry.run` watches them; `_hang` holds the names of
-the hang report and the phase labels the heartbeat reserves.
+the hang report and the phase labels the heartbeat reserves. `_captures` carries the run's capture
+orders and outcomes in the window.
 """
 
 from __future__ import annotations
@@ -28,9 +29,22 @@ from torchtelemetry.report.signals._builtin import (
     cuda_only_descriptors,
     signal_descriptors,
 )
+from torchtelemetry.report.signals._captures import (
+    CAPTURE_DESCRIPTORS,
+    CAPTURE_REASONS,
+    CAPTURE_TRIGGERS,
+    IDLE,
+    CaptureOrder,
+    CaptureOutcomes,
+    CaptureReport,
+    Captures,
+    CaptureSource,
+    CaptureWindow,
+    Verdict,
+    check_capture_reason,
+)
 from torchtelemetry.report.signals._clock import (
     EventClock,
-    HostAnchor,
     HostClock,
     HostTimer,
     PhaseClock,
@@ -90,6 +104,7 @@ from torchtelemetry.report.signals._timeline import (
     CHECKPOINT_SECTION,
     NO_SECTIONS,
     SYNC_WAIT_SECTION,
+    HostAnchor,
     LateSections,
     Section,
     SectionLog,
@@ -131,6 +146,18 @@ __all__ = [
     "WindowSections",
     "sample_ranks",
     "section_kinds",
+    "CAPTURE_DESCRIPTORS",
+    "CAPTURE_REASONS",
+    "CAPTURE_TRIGGERS",
+    "CaptureOrder",
+    "CaptureOutcomes",
+    "CaptureReport",
+    "CaptureSource",
+    "CaptureWindow",
+    "IDLE",
+    "Captures",
+    "Verdict",
+    "check_capture_reason",
     "BETWEEN_PHASES",
     "CLOSED_PHASE",
     "COLLECT_PHASE",

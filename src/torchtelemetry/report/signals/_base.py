@@ -33,6 +33,7 @@ __all__ = [
     "highest_rank",
     "lowest_rank",
     "median",
+    "median_rank",
 ]
 
 
@@ -203,3 +204,10 @@ def lowest_rank(values: Mapping[int, float]) -> int:
 
 def median(values: Mapping[int, float]) -> float:
     return statistics.median(values.values())
+
+
+def median_rank(values: Mapping[int, float]) -> int:
+    """The rank holding the lower median value (ordered by value, then rank): of two ranks, the
+    one with the smaller value."""
+    ordered = sorted(values, key=lambda rank: (values[rank], rank))
+    return ordered[(len(ordered) - 1) // 2]

@@ -24,11 +24,10 @@ from typing import Any, Protocol
 
 import torch
 
-from torchtelemetry.report.signals._timeline import NO_SECTIONS, LateSections, SectionLog
+from torchtelemetry.report.signals._timeline import NO_SECTIONS, HostAnchor, LateSections, SectionLog
 
 __all__ = [
     "EventClock",
-    "HostAnchor",
     "HostClock",
     "HostTimer",
     "PhaseClock",
@@ -330,25 +329,3 @@ class EventClock:
             self._batches.append(None)
             self._changed.notify_all()
         self._reader.join(timeout=60.0)
-
-
-class HostAnchor:
-    """Places completed timing events of one device on the host's `perf_counter` timeline: `event` is
-    recorded now on `stream` (an idle one, so it completes at once; None: the current stream) and
-    waited for, and the host time it completed at is noted. Off the training thread only: it waits."""
-
-    __slots__ = ("event", "host_time")
-
-    def __init__(self, event: Any, stream: Any = None) -> None:
-        before = time.perf_counter()
-        if stream is None:
-            event.record()
-        else:
-            event.record(stream)
-        event.synchronize()
-        self.host_time = (before + time.perf_counter()) / 2
-        self.event = event
-
-    def place(self, event: Any) -> float:
-        """The host time at which `event` (completed, recorded before the anchor) was reached."""
-        return self.host_time - event.elapsed_time(self.event) / 1000

@@ -7,8 +7,9 @@ on every device, exported per rank under its own name `train/data_wait`. Per win
 
 - `train/phase/<name>`: seconds per step, one series per rank (up to `max_rank_series` ranks);
 - over ranks, labelled `phase`, at any world size: `train/phases/{min,median,max}` (seconds),
-  `train/phases/{min,max}_rank` (rank ids, as values) and `train/phases/share` (percent of the
-  window's wall time the median rank spent in the phase; nested phases overlap);
+  `train/phases/{min,median,max}_rank` (rank ids, as values; the median's is the lower median's)
+  and `train/phases/share` (percent of the window's wall time the median rank spent in the phase;
+  nested phases overlap);
 - the straggler scores of `_stragglers` (with the sync wait of `_sync_wait`; the phase that holds the
   gradient collective, "backward" unless `watch_gradient_sync(phase=)` names another, is left
   out of them in a multi-rank run that does not measure that wait).
@@ -34,6 +35,7 @@ from torchtelemetry.report.signals._base import (
     highest_rank,
     lowest_rank,
     median,
+    median_rank,
 )
 from torchtelemetry.report.signals._clock import (
     EventClock,
@@ -48,12 +50,13 @@ from torchtelemetry.report.signals._stragglers import StragglerScores
 from torchtelemetry.report.signals._sync_wait import SYNC_WAIT
 from torchtelemetry.report.signals._timeline import NO_SECTIONS, SectionLog
 
-__all__ = ["DEFAULT_PHASES", "PhaseTimes", "Phases", "check_phase_names"]
+__all__ = ["DEFAULT_PHASES", "MEDIAN_RANK", "PhaseTimes", "Phases", "check_phase_names"]
 
 DEFAULT_PHASES = ("forward", "backward", "optimizer")
 """`TelemetryConfig.phases` by default; a phase no rank enters costs its state, never a series."""
 PHASE = "train/phase"
 PHASES = "train/phases"
+MEDIAN_RANK = f"{PHASES}/median_rank"
 
 
 class PhaseTimes(Metric):
@@ -158,7 +161,8 @@ class Phases(Signal):
             for stat in ("min", "median", "max")
         ]
         out += [
-            by_phase(f"{stat}_rank", "", f"Rank with the {stat} seconds per step") for stat in ("min", "max")
+            by_phase(f"{stat}_rank", "", f"Rank with the {stat} seconds per step")
+            for stat in ("min", "median", "max")
         ]
         out.append(by_phase("share", "percent", "Percent of the window's wall time the median rank spent"))
         return out + self.stragglers.descriptors()
@@ -187,13 +191,14 @@ class Phases(Signal):
         if not times:
             return
         stats: dict[str, dict[str, float]] = {
-            stat: {} for stat in ("min", "median", "max", "min_rank", "max_rank", "share")
+            stat: {} for stat in ("min", "median", "max", "min_rank", "median_rank", "max_rank", "share")
         }
         for name, by_rank in times.items():
             low, high = lowest_rank(by_rank), highest_rank(by_rank)
             stats["min"][name], stats["min_rank"][name] = by_rank[low], float(low)
             stats["max"][name], stats["max_rank"][name] = by_rank[high], float(high)
             stats["median"][name] = median(by_rank)
+            stats["median_rank"][name] = float(median_rank(by_rank))
             if timing.duration_s > 0 and timing.steps > 0:
                 stats["share"][name] = 100 * stats["median"][name] * timing.steps / timing.duration_s
         window.update({f"{PHASES}/{stat}": values for stat, values in stats.items() if values})

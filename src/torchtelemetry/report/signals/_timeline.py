@@ -26,6 +26,7 @@ __all__ = [
     "CHECKPOINT_SECTION",
     "DEFAULT_MAX_STEPS",
     "DEFAULT_SECTIONS",
+    "HostAnchor",
     "LateSections",
     "NO_SECTIONS",
     "SYNC_WAIT_SECTION",
@@ -210,6 +211,28 @@ class SectionLog:
         for section in later:
             self.record(*section)
         return sealed
+
+
+class HostAnchor:
+    """Places completed timing events of one device on the host's `perf_counter` timeline: `event` is
+    recorded now on `stream` (an idle one, so it completes at once; None: the current stream) and
+    waited for, and the host time it completed at is noted. Off the training thread only: it waits."""
+
+    __slots__ = ("event", "host_time")
+
+    def __init__(self, event: Any, stream: Any = None) -> None:
+        before = time.perf_counter()
+        if stream is None:
+            event.record()
+        else:
+            event.record(stream)
+        event.synchronize()
+        self.host_time = (before + time.perf_counter()) / 2
+        self.event = event
+
+    def place(self, event: Any) -> float:
+        """The host time at which `event` (completed, recorded before the anchor) was reached."""
+        return self.host_time - event.elapsed_time(self.event) / 1000
 
 
 NO_SECTIONS = SectionLog(capacity=0)
