@@ -227,5 +227,7 @@ def _builtin_signals(
             spike_windows=config.spike_windows,
             progress_file=progress,
             nvml=config.nvml,
+            every=config.every,
+            max_layer_series=config.max_layer_series,
         )
     )

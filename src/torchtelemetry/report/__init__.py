@@ -28,6 +28,8 @@ from torchtelemetry.report._values import HistogramValue, MetricDescriptor, Repo
 from torchtelemetry.report.signals import (
     COLLECT_PHASE,
     DATA_PHASE,
+    DEFAULT_LAYER_STATS,
+    DEFAULT_MAX_LAYER_SERIES,
     DEFAULT_PHASES,
     DEFAULT_SPIKE_SIGMA,
     DEFAULT_SPIKE_WINDOWS,
@@ -52,6 +54,8 @@ from torchtelemetry.report.signals import (
 
 __all__ = [
     "DATA_PHASE",
+    "DEFAULT_LAYER_STATS",
+    "DEFAULT_MAX_LAYER_SERIES",
     "DEFAULT_PHASES",
     "DEFAULT_SPIKE_SIGMA",
     "DEFAULT_SPIKE_WINDOWS",

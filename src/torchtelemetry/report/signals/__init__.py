@@ -1,11 +1,12 @@
 """Built-in training signals, one small object each (`Signal`), routed by a `SignalSet`.
 
 Step time, data wait, tokens and samples with their rates, model FLOPs, learning rate, peak memory;
-and for health: phases, the sync wait and straggler scores, the non-finite sentinel and spike scores, memory
-health, goodput and GPU health (NVML). Adding a signal is one module and its test, and a line in
-`builtin_signals`. docs/signals.md lists every name, unit and cost. Hangs are not a window's
-signal (a hang stops the windows): `_hang` holds where the training thread is (`Heartbeat`) and
-the names and logic of the hang report the exporting rank's monitor exports.
+and for health: phases, the sync wait and straggler scores, the non-finite sentinel and spike
+scores, memory health, goodput, GPU health (NVML), and per layer (`watch_layers`) the norms and
+where a NaN was born. Adding a signal is one module and its test, and a line in `builtin_signals`.
+docs/signals.md lists every name, unit and cost. Hangs are not a window's signal (a hang stops the
+windows): `_hang` holds where the training thread is (`Heartbeat`) and the names and logic of the
+hang report the exporting rank's monitor exports.
 """
 
 from __future__ import annotations
@@ -40,6 +41,14 @@ from torchtelemetry.report.signals._hang import (
     RankBeat,
     find_hang,
     hang_values,
+)
+from torchtelemetry.report.signals._layer_model import ROOT_LAYER, copies
+from torchtelemetry.report.signals._layers import (
+    DEFAULT_LAYER_STATS,
+    DEFAULT_MAX_LAYER_SERIES,
+    LAYER_STATS,
+    LayerState,
+    LayerStatistics,
 )
 from torchtelemetry.report.signals._learning_rate import LearningRate
 from torchtelemetry.report.signals._memory_health import MemoryHealth, memory_descriptors, resident_bytes
@@ -81,6 +90,13 @@ __all__ = [
     "DEFAULT_SPIKE_WINDOWS",
     "DEFAULT_TOP_K",
     "Count",
+    "DEFAULT_LAYER_STATS",
+    "DEFAULT_MAX_LAYER_SERIES",
+    "LAYER_STATS",
+    "LayerState",
+    "LayerStatistics",
+    "ROOT_LAYER",
+    "copies",
     "DataWait",
     "LearningRate",
     "ModelFlopsSignal",

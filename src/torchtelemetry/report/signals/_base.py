@@ -112,6 +112,13 @@ class Signal:
         gradient all-reduce (it registers the hook), False if it only takes note of `phase`."""
         return False
 
+    def watch_layers(
+        self, model: Any, *, layers: Sequence[str] | None, stats: Sequence[str], every: int | None, group: Any
+    ) -> bool:
+        """`Telemetry.watch_layers(model, ...)` (the window reduced over `group`): True if this signal
+        watches `model`'s layers (it hooks them), False if it takes no note."""
+        return False
+
     def checkpoint_saved(self, step: int) -> None:
         """A checkpoint of step `step` is durable."""
 

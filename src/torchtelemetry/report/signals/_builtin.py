@@ -15,6 +15,7 @@ from torchtelemetry.report.signals._base import Signal, SignalContext
 from torchtelemetry.report.signals._data_wait import DataWait
 from torchtelemetry.report.signals._goodput import Goodput
 from torchtelemetry.report.signals._hang import HANG_DESCRIPTORS
+from torchtelemetry.report.signals._layers import DEFAULT_MAX_LAYER_SERIES, LayerStatistics
 from torchtelemetry.report.signals._learning_rate import LearningRate
 from torchtelemetry.report.signals._memory_health import MemoryHealth
 from torchtelemetry.report.signals._nonfinite import NonFiniteSentinel, watched_metrics
@@ -57,6 +58,8 @@ def builtin_signals(
     run_id: str = "",
     progress_file: str | os.PathLike[str] | None = None,
     nvml: bool = False,
+    every: int = 10,
+    max_layer_series: int = DEFAULT_MAX_LAYER_SERIES,
 ) -> list[Signal]:
     """Every built-in signal of one `Telemetry` (its `TelemetryConfig` fields of the same names;
     `leaves` are the user's metrics, `flops` from `ModelFlops.resolve`), in the order they derive:
@@ -76,6 +79,7 @@ def builtin_signals(
         Spikes(context, tuple(watched), sigma=spike_sigma, windows=spike_windows),
         MemoryHealth(context),
         Goodput(context, run_id=run_id, progress_file=progress_file),
+        LayerStatistics(context, every=every, max_layer_series=max_layer_series),
     ]
     if flops is not None:
         signals.insert(4, ModelFlopsSignal(context, flops))

@@ -117,6 +117,17 @@ class SignalSet:
         if not any([signal.watch_gradient_sync(model, phase, hook, state) for signal in self.signals]):
             raise ValueError("Telemetry.watch_gradient_sync: no signal here times the gradient all-reduce")
 
+    def watch_layers(
+        self, model: Any, *, layers: Sequence[str] | None, stats: Sequence[str], every: int | None, group: Any
+    ) -> None:
+        """Watch `model`'s layers (`Telemetry.watch_layers`)."""
+        watched = [
+            signal.watch_layers(model, layers=layers, stats=stats, every=every, group=group)
+            for signal in self.signals
+        ]
+        if not any(watched):
+            raise ValueError("Telemetry.watch_layers: no signal here watches layers")
+
     def checkpoint_saved(self, step: int) -> None:
         for signal in self.signals:
             signal.checkpoint_saved(step)

@@ -1,0 +1,189 @@
+"""Where a NaN was born: device-side checks of each watched layer's output and gradients.
+
+A forward hook sums each watched layer's output, and a hook on each of its parameters sums the
+gradient as it is accumulated (the rank's own gradient, before DDP's all-reduce or FSDP's
+reduce-scatter), in float64 on the device into a probe of one slot per layer and per parameter: the
+sum is non-finite exactly when an entry is (float64 holds any sum of float32 values without
+overflow). The first check of a slot in a step is one kernel (`sum(out=)`), the next ones two. Once
+per step `fold()` turns the probe into each layer's first non-finite step, O(1) kernels; nothing
+reads a device value on the host, and no hook changes a gradient or an output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils import _pytree as pytree
+from torch.utils.weak import WeakIdKeyDictionary
+
+from torchtelemetry.metric import DEFAULT_STATE_DTYPE
+
+__all__ = ["LayerChecks", "LayerParameter", "is_dtensor", "local_part"]
+
+
+def _dtensor_type() -> type | None:
+    if not dist.is_available():
+        return None
+    from torch.distributed.tensor import DTensor
+
+    return DTensor
+
+
+_DTENSOR = _dtensor_type()
+
+
+def is_dtensor(tensor: torch.Tensor) -> bool:
+    return _DTENSOR is not None and isinstance(tensor, _DTENSOR)
+
+
+def local_part(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of `tensor`, detached (a DTensor's local tensor: no communication)."""
+    if is_dtensor(tensor):
+        tensor = tensor.to_local()
+    return tensor.detach()
+
+
+@dataclass(frozen=True, slots=True)
+class LayerParameter:
+    """One parameter of a watched layer: held by `owner` as `attr` (read there when needed, as FSDP
+    swaps the object between its sharded and unsharded forms)."""
+
+    layer: int
+    owner: nn.Module
+    attr: str
+    path: str
+    """Its path in the model, for messages."""
+
+    def current(self) -> torch.Tensor | None:
+        return self.owner._parameters.get(self.attr)
+
+
+_ALL_DIMS = [tuple(range(dims)) for dims in range(64)]
+"""Every dim of a tensor of each rank (`sum(out=)` takes dims; an empty tuple sums a 0-d tensor)."""
+
+
+class LayerChecks:
+    """Device-side checks of every watched layer's output (forward hook) and of its parameters'
+    gradients (as each is accumulated) into a probe of one float64 slot per layer and per parameter
+    (see the module). `swapped`: the model's modules swap their parameters (FSDP2), so the hooks
+    follow each owner's current ones before its forward. `fold()` once per step; `remove()` takes
+    every hook out."""
+
+    def __init__(
+        self,
+        modules: Sequence[nn.Module],
+        parameters: Sequence[LayerParameter],
+        device: torch.device,
+        *,
+        swapped: bool,
+    ) -> None:
+        self._layers = len(modules)
+        size = self._layers + len(parameters)
+        self.probe = torch.zeros(size, dtype=DEFAULT_STATE_DTYPE, device=device)
+        self._slots = list(self.probe.unbind(0))
+        self._written = bytearray(size)
+        self._any_written = False
+        self._per_layer = torch.zeros(2, self._layers, dtype=DEFAULT_STATE_DTYPE, device=device)
+        self._codes = torch.zeros(2, self._layers, dtype=DEFAULT_STATE_DTYPE, device=device)
+        self.layer_of = torch.tensor([p.layer for p in parameters], dtype=torch.long, device=device)
+        self.forward_order: dict[int, int] = {}
+        """Layer index -> place in the order the layers' outputs were first checked."""
+        self.backward_order: dict[int, int] = {}
+        """Layer index -> place in the order the layers' gradients were first checked."""
+        self._parameters = list(parameters)
+        self._slots_of: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        """Parameter object -> its probe slots (a parameter two layers hold has two)."""
+        self._handles: list[Any] = []
+        for index, module in enumerate(modules):
+            self._handles.append(module.register_forward_hook(self._output_check(index)))
+        for slot, parameter in enumerate(parameters, start=self._layers):
+            self._hook_gradient(parameter.current(), slot, parameter.layer)
+        if swapped:  # FSDP2 computes with unsharded parameters it swaps in before a forward: hook those
+            for owner in {id(p.owner): p.owner for p in parameters}.values():
+                self._handles.append(owner.register_forward_pre_hook(self._hook_current(owner)))
+
+    def _output_check(self, layer: int) -> Callable[..., None]:
+        def check(module: nn.Module, args: Any, output: Any) -> None:
+            if layer not in self.forward_order:
+                self.forward_order[layer] = len(self.forward_order)
+            if isinstance(output, torch.Tensor):
+                self._probe(layer, output)
+                return
+            for leaf in pytree.tree_leaves(output):
+                if isinstance(leaf, torch.Tensor):
+                    self._probe(layer, leaf)
+
+        return check
+
+    def _hook_current(self, owner: nn.Module) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            for slot, parameter in enumerate(self._parameters, start=self._layers):
+                if parameter.owner is owner:
+                    self._hook_gradient(parameter.current(), slot, parameter.layer)
+
+        return hook
+
+    def _hook_gradient(self, tensor: torch.Tensor | None, slot: int, layer: int) -> None:
+        if tensor is None or not tensor.requires_grad:
+            return
+        slots = self._slots_of.get(tensor)
+        if slots is None:
+            slots = self._slots_of[tensor] = []
+            self._handles.append(tensor.register_post_accumulate_grad_hook(self._gradient_check(slots)))
+        if (slot, layer) not in slots:
+            slots.append((slot, layer))
+
+    def _gradient_check(self, slots: list[tuple[int, int]]) -> Callable[[torch.Tensor], None]:
+        def check(parameter: torch.Tensor) -> None:
+            gradient = parameter.grad
+            if gradient is None:
+                return
+            for slot, layer in slots:
+                if layer not in self.backward_order:
+                    self.backward_order[layer] = len(self.backward_order)
+                self._probe(slot, gradient)
+
+        return check
+
+    def _probe(self, slot: int, tensor: torch.Tensor) -> None:
+        """Sum `tensor` in float64 into probe slot `slot` (one kernel the first time in a step)."""
+        if not (tensor.is_floating_point() or tensor.is_complex()):
+            return
+        local = local_part(tensor)
+        if local.is_complex():
+            local = torch.view_as_real(local)
+        elif local.dtype.itemsize == 1:
+            local = local.float()  # float8 has no reductions
+        if self._written[slot]:
+            self._slots[slot].add_(local.sum(dtype=DEFAULT_STATE_DTYPE))
+        else:
+            torch.sum(local, dim=_ALL_DIMS[local.dim()], dtype=DEFAULT_STATE_DTYPE, out=self._slots[slot])
+            self._written[slot] = 1
+            self._any_written = True
+
+    def fold(self, code: float, first: torch.Tensor) -> None:
+        """Fold this step's probe into `first` (layers x (forward, backward), MIN): `code` where a
+        layer's output or one of its gradients was non-finite; then start the next step's probe."""
+        if not self._any_written:
+            return
+        layers, per_layer = self._layers, self._per_layer
+        forward, gradients = self.probe[:layers], self.probe[layers:]
+        torch.sub(forward, forward, out=per_layer[0])  # NaN exactly where the sum is not finite
+        per_layer[1].zero_()
+        per_layer[1].index_add_(0, self.layer_of, gradients - gradients)
+        self._codes.fill_(code)
+        self._codes.masked_fill_(per_layer == 0, float("inf"))
+        torch.minimum(first, self._codes.T, out=first)
+        self.probe.zero_()
+        self._written = bytearray(len(self._written))
+        self._any_written = False
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
