@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 import torchtelemetry as tt
-from tests.distributed import run_ranks
+from tests.distributed import RankFailed, run_ranks
 
 NAN = float("nan")
 WINDOW = 2
@@ -229,3 +229,30 @@ def test_the_windows_collectives_are_the_same_with_and_without_watching_layers()
         assert steady_watched == steady_without > 0
         # The one-off check that every rank holds the new layout (as bind() checks the first one).
         assert first_watched == first_without + 1
+
+
+def _different_layers(rank: int, world_size: int) -> None:
+    model = nn.parallel.DistributedDataParallel(_model())
+    telemetry = _telemetry()
+    telemetry.watch_layers(model, layers=["0", "1"] if rank == 0 else ["0", "3"])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        for step in range(WINDOW):
+            model(torch.randn(8, 6)).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            telemetry.step(step)
+    finally:
+        telemetry.close()
+
+
+@pytest.mark.timeout(180)
+def test_ranks_watching_other_layers_raise_naming_the_layers_at_the_next_window() -> None:
+    with pytest.raises(RankFailed) as failed:
+        run_ranks(_different_layers, 2, timeout_s=150)
+    for rank in (0, 1):
+        assert "LayoutMismatchError" in failed.value.errors[rank]
+        assert (
+            "'train/layer/window' has layers=['0', '1'] on rank 0 but layers=['0', '3'] on rank 1"
+            in (failed.value.errors[rank])
+        )

@@ -51,6 +51,8 @@ def copies(tensor: torch.Tensor, group_size: int) -> int | None:
 class Measurement:
     """Host facts of one measurement of the norms, by layer name."""
 
+    layers: frozenset[str]
+    """The layers measured."""
     without_gradient: frozenset[str]
     """Layers none of whose parameters had a gradient."""
     partial: frozenset[str]
@@ -208,6 +210,7 @@ class WatchedLayers:
         if parameters is not None:
             self._write(parameters, values, value_weights)
         return Measurement(
+            layers=frozenset(self.names),
             without_gradient=frozenset(self.names) - {self.names[index] for index in with_gradient},
             partial=frozenset(self.names[index] for index in partial),
         )

@@ -263,8 +263,9 @@ class LayerStatistics(Signal):
             norms[stat] = {
                 name: math.sqrt(sums.get(index, 0.0))
                 for index, name in enumerate(layers.names)
-                if name not in left_out
+                if name in measurement.layers and name not in left_out
             }
+        norms = {stat: values for stat, values in norms.items() if values}
         if len(layers.names) <= self._max_series:
             for stat, values in norms.items():
                 window[LAYER_STATS[stat]] = values
@@ -291,7 +292,11 @@ class LayerStatistics(Signal):
             "steps": self._steps,
             "measurement": None
             if measured is None
-            else {"without_gradient": sorted(measured.without_gradient), "partial": sorted(measured.partial)},
+            else {
+                "layers": sorted(measured.layers),
+                "without_gradient": sorted(measured.without_gradient),
+                "partial": sorted(measured.partial),
+            },
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -300,7 +305,11 @@ class LayerStatistics(Signal):
         self._measurement = (
             None
             if measured is None
-            else Measurement(frozenset(measured["without_gradient"]), frozenset(measured["partial"]))
+            else Measurement(
+                frozenset(measured["layers"]),
+                frozenset(measured["without_gradient"]),
+                frozenset(measured["partial"]),
+            )
         )
         saved = state.get("first", {})
         with self._lock:
