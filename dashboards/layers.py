@@ -1,6 +1,6 @@
-"""The panels of the training dashboard's Layers row (docs/signals.md, Per-layer statistics): the layers of largest
-gradient norm over time, norms over every layer, and where a NaN was born. Every name is read from
-the signal objects."""
+"""The panels of the training dashboard's Layers row (docs/signals.md, Per-layer statistics): the
+layers of largest gradient norm over time, norms over every layer, and where a NaN was born. Every
+name is read from the signal objects."""
 
 from __future__ import annotations
 
