@@ -74,8 +74,8 @@ def test_norms_are_measured_at_each_windows_last_step_before_the_optimizer_chang
     windows, by_hand = _train(telemetry, model, 4)
     telemetry.close()
     for window, (grads, params) in zip(windows, (by_hand[1], by_hand[3]), strict=True):
-        assert window[GRAD] == pytest.approx(grads, rel=1e-12)
-        assert window[PARAM] == pytest.approx(params, rel=1e-12)
+        assert window[GRAD] == pytest.approx(grads, rel=1e-6)
+        assert window[PARAM] == pytest.approx(params, rel=1e-6)
 
 
 def test_every_n_steps_is_reported_in_the_window_that_holds_it_and_without_an_optimizer_at_step() -> None:
@@ -86,8 +86,8 @@ def test_every_n_steps_is_reported_in_the_window_that_holds_it_and_without_an_op
     telemetry.close()
     # Steps 2 and 5 (the 3rd and 6th) are measured: in the windows ending at steps 3 and 5.
     assert [GRAD in window for window in windows] == [False, True, True]
-    assert windows[1][GRAD] == pytest.approx(by_hand[2][0], rel=1e-12)
-    assert windows[2][GRAD] == pytest.approx(by_hand[5][0], rel=1e-12)
+    assert windows[1][GRAD] == pytest.approx(by_hand[2][0], rel=1e-6)
+    assert windows[2][GRAD] == pytest.approx(by_hand[5][0], rel=1e-6)
     assert all(PARAM not in window for window in windows)
 
 
@@ -104,8 +104,8 @@ def test_above_max_layer_series_the_largest_layers_and_min_median_max_are_export
     telemetry.close()
     grads, params = by_hand[1]
     largest = sorted(grads, key=grads.get)[-2:]
-    assert windows[0][GRAD] == pytest.approx({name: grads[name] for name in largest}, rel=1e-12)
-    assert windows[0][PARAM] == pytest.approx({name: params[name] for name in largest}, rel=1e-12)
+    assert windows[0][GRAD] == pytest.approx({name: grads[name] for name in largest}, rel=1e-6)
+    assert windows[0][PARAM] == pytest.approx({name: params[name] for name in largest}, rel=1e-6)
     ordered = sorted(grads.values())
     assert windows[0][f"{GRAD}/min"] == pytest.approx(ordered[0])
     assert windows[0][f"{GRAD}/median"] == pytest.approx(ordered[2])
@@ -114,7 +114,7 @@ def test_above_max_layer_series_the_largest_layers_and_min_median_max_are_export
     largest = max(set(grads) - {"0"}, key=grads.get)
     exported = windows[1][GRAD]
     assert list(exported) == ["0", largest] and math.isnan(exported["0"])  # a NaN first, then the largest
-    assert exported[largest] == pytest.approx(grads[largest], rel=1e-12)
+    assert exported[largest] == pytest.approx(grads[largest], rel=1e-6)
     assert math.isnan(windows[1][f"{GRAD}/max"])  # a NaN anywhere shows in the max
     assert windows[1][f"{GRAD}/min"] == pytest.approx(min(v for name, v in grads.items() if name != "0"))
 
@@ -139,8 +139,8 @@ def test_layers_given_by_path_hold_every_parameter_under_them_and_frozen_ones_ha
 
     windows, _ = _train(telemetry, model, 2, before_step=measure)
     telemetry.close()
-    assert windows[0][GRAD] == pytest.approx({"0": by_path[1]["grad"]}, rel=1e-12)
-    assert windows[0][PARAM] == pytest.approx({"0": by_path[1]["0"], "1": by_path[1]["1"]}, rel=1e-12)
+    assert windows[0][GRAD] == pytest.approx({"0": by_path[1]["grad"]}, rel=1e-6)
+    assert windows[0][PARAM] == pytest.approx({"0": by_path[1]["0"], "1": by_path[1]["1"]}, rel=1e-6)
 
 
 def test_the_partial_window_and_the_first_nan_survive_a_checkpoint_by_layer_name() -> None:
@@ -162,8 +162,8 @@ def test_the_partial_window_and_the_first_nan_survive_a_checkpoint_by_layer_name
     restored.close()
     assert windows[0]["train/layer/first_nonfinite/backward"] == {"1": 0.0}
     assert windows[0]["train/layer/first_nonfinite_rank/backward"] == {"1": 0.0}
-    assert windows[0][GRAD] == pytest.approx(later[0][0], rel=1e-12)
-    assert windows[0][PARAM] == pytest.approx(later[0][1], rel=1e-12)
+    assert windows[0][GRAD] == pytest.approx(later[0][0], rel=1e-6)
+    assert windows[0][PARAM] == pytest.approx(later[0][1], rel=1e-6)
 
 
 def test_bad_arguments_are_refused_naming_what_is_wrong() -> None:

@@ -1,12 +1,12 @@
 """Where a NaN was born: device-side checks of each watched layer's output and gradients.
 
-A forward hook sums each watched layer's output, and a hook on each of its parameters sums the
-gradient as it is accumulated (the rank's own gradient, before DDP's all-reduce or FSDP's
-reduce-scatter), in float64 on the device into a probe of one slot per layer and per parameter: the
-sum is non-finite exactly when an entry is (float64 holds any sum of float32 values without
-overflow). The first check of a slot in a step is one kernel (`sum(out=)`), the next ones two. Once
-per step `fold()` turns the probe into each layer's first non-finite step, O(1) kernels; nothing
-reads a device value on the host, and no hook changes a gradient or an output.
+A forward hook takes each watched layer's output, and a hook on each of its parameters the gradient
+as it is accumulated (the rank's own gradient, before DDP's all-reduce or FSDP's reduce-scatter), and
+keeps the tensor's smallest and largest entry (`aminmax(out=)`: one kernel, no temporary, in the
+tensor's dtype) in a probe of one slot per layer and per parameter: an entry is NaN or +-Inf
+exactly when one of the two is. Once per step `fold()` turns the probe into each layer's first
+non-finite step, O(1) kernels; nothing reads a device value on the host, and no hook changes a
+gradient or an output.
 """
 
 from __future__ import annotations
@@ -63,14 +63,41 @@ class LayerParameter:
         return self.owner._parameters.get(self.attr)
 
 
-_ALL_DIMS = [tuple(range(dims)) for dims in range(64)]
-"""Every dim of a tensor of each rank (`sum(out=)` takes dims; an empty tuple sums a 0-d tensor)."""
+class _Extremes:
+    """One step's smallest and largest entry of each probe slot, for tensors of one dtype."""
+
+    def __init__(self, size: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.low = torch.zeros(size, dtype=dtype, device=device)
+        self.high = torch.zeros(size, dtype=dtype, device=device)
+        self._lows, self._highs = list(self.low.unbind(0)), list(self.high.unbind(0))
+        self.written = bytearray(size)
+        self.any = False
+
+    def take(self, slot: int, tensor: torch.Tensor) -> None:
+        """Fold `tensor`'s extremes into `slot` (one kernel the first time in a step, three after)."""
+        low, high = self._lows[slot], self._highs[slot]
+        if self.written[slot]:
+            found = torch.aminmax(tensor)
+            torch.minimum(low, found.min, out=low)  # NaN propagates
+            torch.maximum(high, found.max, out=high)
+        else:
+            torch.aminmax(tensor, out=(low, high))
+            self.written[slot] = 1
+            self.any = True
+
+    def flag_into(self, flags: torch.Tensor) -> None:
+        """Make `flags` NaN where a slot met a NaN or Inf (`x * 0` is NaN exactly then); start over."""
+        flags.add_(self.low.mul(0)).add_(self.high.mul(0))
+        self.low.zero_()
+        self.high.zero_()
+        self.written = bytearray(len(self.written))
+        self.any = False
 
 
 class LayerChecks:
     """Device-side checks of every watched layer's output (forward hook) and of its parameters'
-    gradients (as each is accumulated) into a probe of one float64 slot per layer and per parameter
-    (see the module). `swapped`: the model's modules swap their parameters (FSDP2), so the hooks
+    gradients (as each is accumulated) into a probe of one slot per layer and per parameter (see the
+    module). `swapped`: the model's modules swap their parameters (FSDP2), so the hooks
     follow each owner's current ones before its forward. `fold()` once per step; `remove()` takes
     every hook out."""
 
@@ -83,11 +110,11 @@ class LayerChecks:
         swapped: bool,
     ) -> None:
         self._layers = len(modules)
-        size = self._layers + len(parameters)
-        self.probe = torch.zeros(size, dtype=DEFAULT_STATE_DTYPE, device=device)
-        self._slots = list(self.probe.unbind(0))
-        self._written = bytearray(size)
-        self._any_written = False
+        self._size = self._layers + len(parameters)
+        self._device = device
+        self._extremes: dict[torch.dtype, _Extremes] = {}
+        """The probe, by the dtype of the tensors checked (each takes its own: no cast, no copy)."""
+        self._flags = torch.zeros(self._size, dtype=DEFAULT_STATE_DTYPE, device=device)
         self._per_layer = torch.zeros(2, self._layers, dtype=DEFAULT_STATE_DTYPE, device=device)
         self._codes = torch.zeros(2, self._layers, dtype=DEFAULT_STATE_DTYPE, device=device)
         self.layer_of = torch.tensor([p.layer for p in parameters], dtype=torch.long, device=device)
@@ -151,37 +178,37 @@ class LayerChecks:
         return check
 
     def _probe(self, slot: int, tensor: torch.Tensor) -> None:
-        """Sum `tensor` in float64 into probe slot `slot` (one kernel the first time in a step)."""
+        """Keep `tensor`'s extremes in probe slot `slot`."""
         if not (tensor.is_floating_point() or tensor.is_complex()):
             return
         local = local_part(tensor)
+        if local.numel() == 0:  # an empty shard (aminmax takes no empty tensor)
+            return
         if local.is_complex():
             local = torch.view_as_real(local)
         elif local.dtype.itemsize == 1:
             local = local.float()  # float8 has no reductions
-        if self._written[slot]:
-            self._slots[slot].add_(local.sum(dtype=DEFAULT_STATE_DTYPE))
-        else:
-            torch.sum(local, dim=_ALL_DIMS[local.dim()], dtype=DEFAULT_STATE_DTYPE, out=self._slots[slot])
-            self._written[slot] = 1
-            self._any_written = True
+        extremes = self._extremes.get(local.dtype)
+        if extremes is None:
+            extremes = self._extremes[local.dtype] = _Extremes(self._size, local.dtype, self._device)
+        extremes.take(slot, local)
 
     def fold(self, code: float, first: torch.Tensor) -> None:
         """Fold this step's probe into `first` (layers x (forward, backward), MIN): `code` where a
         layer's output or one of its gradients was non-finite; then start the next step's probe."""
-        if not self._any_written:
+        taken = [extremes for extremes in self._extremes.values() if extremes.any]
+        if not taken:
             return
-        layers, per_layer = self._layers, self._per_layer
-        forward, gradients = self.probe[:layers], self.probe[layers:]
-        torch.sub(forward, forward, out=per_layer[0])  # NaN exactly where the sum is not finite
+        flags, layers, per_layer = self._flags, self._layers, self._per_layer
+        flags.zero_()
+        for extremes in taken:
+            extremes.flag_into(flags)
+        per_layer[0].copy_(flags[:layers])
         per_layer[1].zero_()
-        per_layer[1].index_add_(0, self.layer_of, gradients - gradients)
+        per_layer[1].index_add_(0, self.layer_of, flags[layers:])
         self._codes.fill_(code)
         self._codes.masked_fill_(per_layer == 0, float("inf"))
         torch.minimum(first, self._codes.T, out=first)
-        self.probe.zero_()
-        self._written = bytearray(len(self._written))
-        self._any_written = False
 
     def remove(self) -> None:
         for handle in self._handles:

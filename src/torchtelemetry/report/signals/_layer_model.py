@@ -27,6 +27,8 @@ from torchtelemetry.report.signals._layer_checks import LayerChecks, LayerParame
 __all__ = ["ROOT_LAYER", "Measurement", "WatchedLayers", "copies"]
 
 ROOT_LAYER = "<root>"
+_WEIGHT_LISTS = 8
+"""Distinct weight lists kept on the device (one for gradients, one for values, as a rule)."""
 """The name of the model itself when it holds parameters of its own (a module path is never empty)."""
 
 logger = logging.getLogger(__name__)
@@ -177,7 +179,9 @@ class WatchedLayers:
                     f"Telemetry's window is on {device} (the device of its metrics): its layers' "
                     f"statistics would cross devices every step. Build the metrics on {held_on}"
                 )
+        self._device = device
         self._empty = torch.zeros(0, device=device)
+        self._weight_tensors: dict[tuple[float, ...], torch.Tensor] = {}
         self._partial_logged: set[str] = set()
         swapped = any(isinstance(module, FSDPModule) for module in _unwrap(model).modules())
         self.checks = LayerChecks(modules, self.parameters, device, swapped=swapped)
@@ -237,11 +241,26 @@ class WatchedLayers:
         return local_part(tensor), 1.0 / held
 
     def _write(self, state: torch.Tensor, tensors: list[torch.Tensor], weights: list[float]) -> None:
-        norms = list(torch._foreach_norm(tensors, 2, dtype=DEFAULT_STATE_DTYPE))
-        torch._foreach_mul_(norms, norms)
-        torch._foreach_mul_(norms, weights)
+        """`state[layer]` = the sum of each tensor's squared norm times its weight, over the layer's
+        tensors. Norms are accumulated in float32 (float64 for float64 tensors), one fused kernel per
+        dtype on CUDA; squares, weights and sums in float64."""
+        dtype = torch.float64 if any(tensor.dtype == torch.float64 for tensor in tensors) else torch.float32
+        squares = torch.stack(torch._foreach_norm(tensors, 2, dtype=dtype)).to(DEFAULT_STATE_DTYPE)
+        squares.square_().mul_(self._weights(weights))
         state.zero_()
-        state.index_add_(0, self.checks.layer_of, torch.stack(norms))
+        state.index_add_(0, self.checks.layer_of, squares)
+
+    def _weights(self, weights: list[float]) -> torch.Tensor:
+        """`weights` on the device: copied once per distinct list (a non-blocking copy), then reused."""
+        key = tuple(weights)
+        found = self._weight_tensors.get(key)
+        if found is None:
+            if len(self._weight_tensors) >= _WEIGHT_LISTS:
+                self._weight_tensors.clear()
+            pinned = self._device.type == "cuda"
+            host = torch.tensor(weights, dtype=DEFAULT_STATE_DTYPE, pin_memory=pinned)
+            found = self._weight_tensors[key] = host.to(self._device, non_blocking=True)
+        return found
 
     def close(self) -> None:
         self.checks.remove()
