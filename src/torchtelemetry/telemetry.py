@@ -246,6 +246,7 @@ class Telemetry:
         every: int | None = None,
         *,
         layers: Sequence[str] | None = None,
+        nonfinite: bool = True,
     ) -> None:
         """Export each layer's gradient and parameter norms and where a NaN was born, on every rank.
 
@@ -253,15 +254,15 @@ class Telemetry:
         module paths `layers`, each with every parameter under it). `stats`: "grad_norm",
         "param_norm". The norms are exact under DDP, FSDP2, HSDP and DTensor placements, measured on
         the device at the step that ends each window (or every `every` steps) with no collective
-        beyond the window's; every step, each layer's output and gradients are checked for NaN and
-        Inf (docs/signals.md, "Per-layer statistics"). Call it once, after wrapping the model, on
-        every rank, before the window it is to start in (and before `load_state_dict`); `close()`
-        removes its hooks. With `signals=False`, nothing.
+        beyond the window's; with `nonfinite`, every step each layer's output and gradients are
+        checked for NaN and Inf, one read of each (docs/signals.md, "Per-layer statistics"). Call it
+        once, after wrapping the model, on every rank, before the window it is to start in (and
+        before `load_state_dict`); `close()` removes its hooks. With `signals=False`, nothing.
         """
         self._require_open("watch_layers")
         if self._signals is not None:
             self._signals.watch_layers(
-                model, layers=layers, stats=stats, every=every, group=self.config.group
+                model, layers=layers, stats=stats, every=every, group=self.config.group, nonfinite=nonfinite
             )
 
     def checkpoint_saved(self, step: int) -> None:

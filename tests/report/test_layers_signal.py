@@ -250,3 +250,19 @@ def test_the_checks_and_the_measurement_on_a_device_never_sync_it() -> None:
         sgd.step()
         signal.on_step(0, 0.1)
     signal.close()
+
+
+def test_without_the_nonfinite_checks_no_hook_is_in_the_model_and_the_norms_are_still_measured() -> None:
+    model = _model()
+    before = _hook_counts(model)
+    telemetry = _telemetry()
+    telemetry.watch_layers(model, nonfinite=False)
+    assert _hook_counts(model)[:2] == before[:2]  # only the optimizer hook that measures the norms
+    _train(telemetry, model, 1)
+    handle = model[1].weight.register_hook(lambda grad: grad * NAN)  # in step 1's backward
+    windows, by_hand = _train(telemetry, model, 1, first=1)
+    handle.remove()
+    telemetry.close()
+    assert not any("first_nonfinite" in name for name in windows[0])
+    assert math.isnan(windows[0][GRAD]["1"])
+    assert windows[0][PARAM] == pytest.approx(by_hand[0][1], rel=1e-6)

@@ -30,6 +30,7 @@ __all__ = [
     "Signal",
     "SignalContext",
     "WindowTiming",
+    "by_index",
     "finite_by_rank",
     "highest_rank",
     "lowest_rank",
@@ -113,7 +114,14 @@ class Signal:
         return False
 
     def watch_layers(
-        self, model: Any, *, layers: Sequence[str] | None, stats: Sequence[str], every: int | None, group: Any
+        self,
+        model: Any,
+        *,
+        layers: Sequence[str] | None,
+        stats: Sequence[str],
+        every: int | None,
+        group: Any,
+        nonfinite: bool = True,
     ) -> bool:
         """`Telemetry.watch_layers(model, ...)` (the window reduced over `group`): True if this signal
         watches `model`'s layers (it hooks them), False if it takes no note."""
@@ -200,6 +208,13 @@ class RankValues(Metric):
 
     def compute(self) -> dict[str, torch.Tensor]:
         return {quantity: self.values.value[index] for index, quantity in enumerate(self.quantities)}
+
+
+def by_index(values: ReportValue | None) -> dict[int, float]:
+    """A 1-D state's values as exported (`{"0": 1.5, ...}`), keyed by integer index."""
+    if not isinstance(values, Mapping):
+        return {}
+    return {int(index): float(value) for index, value in values.items()}
 
 
 def finite_by_rank(values: ReportValue | None) -> dict[int, float]:

@@ -97,27 +97,27 @@ class _Extremes:
 class LayerChecks:
     """Device-side checks of every watched layer's output (forward hook) and of its parameters'
     gradients (as each is accumulated) into a probe of one slot per layer and per parameter (see the
-    module). `swapped`: the model's modules swap their parameters (FSDP2), so the hooks
-    follow each owner's current ones before its forward. `fold()` once per step; `remove()` takes
-    every hook out."""
+    module); `layer_of[i]` is the layer of `parameters[i]`. `swapped`: the model's modules swap
+    their parameters (FSDP2), so the hooks follow each owner's current ones before its forward.
+    `fold()` once per step; `remove()` takes every hook out."""
 
     def __init__(
         self,
         modules: Sequence[nn.Module],
         parameters: Sequence[LayerParameter],
-        device: torch.device,
+        layer_of: torch.Tensor,
         *,
         swapped: bool,
     ) -> None:
         self._layers = len(modules)
         self._size = self._layers + len(parameters)
-        self._device = device
+        self._device = device = layer_of.device
+        self._layer_of = layer_of
         self._extremes: dict[torch.dtype, _Extremes] = {}
         """The probe, by the dtype of the tensors checked (each takes its own: no cast, no copy)."""
         self._flags = torch.zeros(self._size, dtype=DEFAULT_STATE_DTYPE, device=device)
         self._per_layer = torch.zeros(2, self._layers, dtype=DEFAULT_STATE_DTYPE, device=device)
         self._codes = torch.zeros(2, self._layers, dtype=DEFAULT_STATE_DTYPE, device=device)
-        self.layer_of = torch.tensor([p.layer for p in parameters], dtype=torch.long, device=device)
         self.forward_order: dict[int, int] = {}
         """Layer index -> place in the order the layers' outputs were first checked."""
         self.backward_order: dict[int, int] = {}
@@ -205,7 +205,7 @@ class LayerChecks:
             extremes.flag_into(flags)
         per_layer[0].copy_(flags[:layers])
         per_layer[1].zero_()
-        per_layer[1].index_add_(0, self.layer_of, flags[layers:])
+        per_layer[1].index_add_(0, self._layer_of, flags[layers:])
         self._codes.fill_(code)
         self._codes.masked_fill_(per_layer == 0, float("inf"))
         torch.minimum(first, self._codes.T, out=first)

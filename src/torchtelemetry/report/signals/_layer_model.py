@@ -150,8 +150,8 @@ def layer_parameters(names: Sequence[str], modules: Sequence[nn.Module], whole: 
 
 
 class WatchedLayers:
-    """The layers of one `watch_layers` call: their parameters, the checks hooked into the model, and
-    the measurement of their norms (see the module)."""
+    """The layers of one `watch_layers` call: their parameters, the checks hooked into the model
+    (with `nonfinite`), and the measurement of their norms (see the module)."""
 
     def __init__(
         self,
@@ -160,6 +160,7 @@ class WatchedLayers:
         *,
         device: torch.device,
         group_ranks: Sequence[int],
+        nonfinite: bool = True,
     ) -> None:
         from torch.distributed.fsdp import FSDPModule
 
@@ -183,8 +184,13 @@ class WatchedLayers:
         self._empty = torch.zeros(0, device=device)
         self._weight_tensors: dict[tuple[float, ...], torch.Tensor] = {}
         self._partial_logged: set[str] = set()
+        self.layer_of = torch.tensor([p.layer for p in self.parameters], dtype=torch.long, device=device)
+        """The layer of each of `parameters`."""
         swapped = any(isinstance(module, FSDPModule) for module in _unwrap(model).modules())
-        self.checks = LayerChecks(modules, self.parameters, device, swapped=swapped)
+        self.checks = (
+            LayerChecks(modules, self.parameters, self.layer_of, swapped=swapped) if nonfinite else None
+        )
+        """Where a NaN was born (None: not checked)."""
 
     def holds_any(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether `optimizer` steps one of the watched parameters (as they are now)."""
@@ -248,7 +254,7 @@ class WatchedLayers:
         squares = torch.stack(torch._foreach_norm(tensors, 2, dtype=dtype)).to(DEFAULT_STATE_DTYPE)
         squares.square_().mul_(self._weights(weights))
         state.zero_()
-        state.index_add_(0, self.checks.layer_of, squares)
+        state.index_add_(0, self.layer_of, squares)
 
     def _weights(self, weights: list[float]) -> torch.Tensor:
         """`weights` on the device: copied once per distinct list (a non-blocking copy), then reused."""
@@ -263,4 +269,5 @@ class WatchedLayers:
         return found
 
     def close(self) -> None:
-        self.checks.remove()
+        if self.checks is not None:
+            self.checks.remove()

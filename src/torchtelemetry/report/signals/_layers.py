@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from torchtelemetry.metric import DEFAULT_STATE_DTYPE, Metric, MetricAccumulator, ReduceOp
 from torchtelemetry.report._values import MetricDescriptor, ReportValue
-from torchtelemetry.report.signals._base import Signal, SignalContext, WindowTiming
+from torchtelemetry.report.signals._base import Signal, SignalContext, WindowTiming, by_index
 from torchtelemetry.report.signals._layer_model import Measurement, WatchedLayers
 from torchtelemetry.sync import GroupLike, resolve_group
 
@@ -167,6 +167,7 @@ class LayerStatistics(Signal):
         stats: Sequence[str],
         every: int | None,
         group: GroupLike,
+        nonfinite: bool = True,
     ) -> bool:
         if self._layers is not None:
             raise RuntimeError("Telemetry.watch_layers: layers are watched already; call it once")
@@ -178,7 +179,9 @@ class LayerStatistics(Signal):
             raise ValueError(
                 f"Telemetry.watch_layers: every must be a positive number of steps or None, got {every!r}"
             )
-        watched = WatchedLayers(model, layers, device=self.context.device, group_ranks=_group_ranks(group))
+        watched = WatchedLayers(
+            model, layers, device=self.context.device, group_ranks=_group_ranks(group), nonfinite=nonfinite
+        )
         self.state.resize(watched.names, self.context.device)
         self._layers, self._stats = watched, tuple(dict.fromkeys(stats))
         self._every = every or self._window_every
@@ -209,8 +212,8 @@ class LayerStatistics(Signal):
         if self._layers is not None:
             if self._due():
                 self._measure()
-            code = float(step * RANK_CODES + self.context.rank)
-            self._layers.checks.fold(code, self.state.first.local)
+            if self._layers.checks is not None:
+                self._layers.checks.fold(float(step * RANK_CODES + self.context.rank), self.state.first.local)
         self._steps += 1
 
     def host_values(self) -> LayerWindow | None:
@@ -219,16 +222,17 @@ class LayerStatistics(Signal):
         measurement, self._measurement = self._measurement, None
         names = self._layers.names
         checks = self._layers.checks
+        orders = (checks.forward_order, checks.backward_order) if checks is not None else ({}, {})
         order = {
-            "forward": {names[index]: place for index, place in checks.forward_order.items()},
-            "backward": {names[index]: place for index, place in checks.backward_order.items()},
+            name: {names[index]: place for index, place in found.items()}
+            for name, found in zip(PASSES, orders, strict=True)
         }
         return LayerWindow(tuple(names), self._stats, measurement, order)
 
     # -- the thread that publishes -------------------------------------------------------------
 
     def derive(self, window: dict[str, ReportValue], timing: WindowTiming) -> None:
-        raw = {key: _by_index(window.pop(f"{STATE}/{key}", None)) for key in _RAW}
+        raw = {key: by_index(window.pop(f"{STATE}/{key}", None)) for key in _RAW}
         layers = timing.host.get(self.name)
         if not isinstance(layers, LayerWindow):
             return
@@ -333,12 +337,6 @@ _RAW = ("grad_sumsq", "param_sumsq", *(f"first_{name}" for name in PASSES))
 def _group_ranks(group: GroupLike) -> list[int]:
     resolved = resolve_group(group, op="Telemetry.watch_layers")
     return [0] if resolved is None else dist.get_process_group_ranks(resolved)
-
-
-def _by_index(values: ReportValue | None) -> dict[int, float]:
-    if not isinstance(values, Mapping):
-        return {}
-    return {int(index): float(value) for index, value in values.items()}
 
 
 def _largest_first(value: float) -> tuple[int, float]:

@@ -118,11 +118,20 @@ class SignalSet:
             raise ValueError("Telemetry.watch_gradient_sync: no signal here times the gradient all-reduce")
 
     def watch_layers(
-        self, model: Any, *, layers: Sequence[str] | None, stats: Sequence[str], every: int | None, group: Any
+        self,
+        model: Any,
+        *,
+        layers: Sequence[str] | None,
+        stats: Sequence[str],
+        every: int | None,
+        group: Any,
+        nonfinite: bool = True,
     ) -> None:
         """Watch `model`'s layers (`Telemetry.watch_layers`)."""
         watched = [
-            signal.watch_layers(model, layers=layers, stats=stats, every=every, group=group)
+            signal.watch_layers(
+                model, layers=layers, stats=stats, every=every, group=group, nonfinite=nonfinite
+            )
             for signal in self.signals
         ]
         if not any(watched):
