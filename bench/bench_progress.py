@@ -27,8 +27,8 @@ import torchtelemetry as tt
 def _median_step_us(steps: int, progress: Path | None, hung_fifo: Path | None) -> float:
     metrics = {"loss": tt.WeightedMeanMetric()}
     telemetry = tt.Telemetry(metrics, every=1, run_id="bench", progress_file=progress)
-    if hung_fifo is not None and telemetry._signals is not None and telemetry._signals.progress is not None:
-        telemetry._signals.progress._opener = lambda name, flags: os.open(hung_fifo, os.O_WRONLY)
+    if hung_fifo is not None and telemetry._progress is not None:
+        telemetry._progress.file._opener = lambda name, flags: os.open(hung_fifo, os.O_WRONLY)
     work, value, times = torch.randn(128, 128), torch.tensor(1.0), []
     try:
         for step in range(steps):

@@ -32,7 +32,8 @@ def test_building_on_rank_zero_only_raises_a_clear_error_within_timeout_s() -> N
     # pg_timeout_s far above timeout_s: without the bounded start-up, rank 0 waits in the
     # default group's collective for 60 s and ends with a raw gloo error.
     message, _ = run_ranks(_build_on_rank_zero_only, 2, pg_timeout_s=60.0, timeout_s=90.0)
-    assert "rank 0 of 2): not every rank built it within timeout_s=3s" in message
+    # Rank 1 never built it, so it cannot raise; rank 0 names it (it named no rank).
+    assert "rank 0 of 2): ranks [1] did not build it within timeout_s=3s" in message
     assert "build it on every rank" in message
 
 

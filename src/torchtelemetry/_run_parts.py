@@ -1,35 +1,23 @@
 """Set-up: the parts one rank's `Telemetry` is made of, built from its metrics, exporters and config.
 
 Everything here is rank-local (nothing waits on another rank): the group and who exports it, the
-run, the built-in signals, what the run exports, and rank 0's started exporters behind the hub.
-`Telemetry` then agrees with the other ranks that every rank got this far (and on global rank 0's
-run id) and binds the collector.
-
-A run outlives its processes: it crashes and resumes many times, and each launch is an attempt of
-it, so its id (the `run` label of every series) must survive restarts. In order:
-
-1. `run_id=` (`TelemetryConfig.run_id`), else `$TORCHTELEMETRY_RUN_ID`: pinned, nothing replaces it;
-2. the checkpoint: `Telemetry.state_dict()` carries the id, `load_state_dict()` adopts it;
-3. `progress_file`: the id the run's last attempt wrote there (read by the exporting rank);
-4. the launcher: torchrun's rendezvous id (`$TORCHELASTIC_RUN_ID`, unless "none"), else Slurm's job
-   id (`slurm-$SLURM_JOB_ID`: a requeued job keeps it, `$SLURM_RESTART_COUNT` counts its attempts);
-5. else a new id.
+run (its id, progress file and goodput: `torchtelemetry.run`), the built-in signals, what the run
+exports, and rank 0's started exporters behind the hub. `Telemetry` then agrees with the other
+ranks that every rank got this far (and on global rank 0's run id) and binds the collector.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from torchtelemetry._startup import export_policy
+from torchtelemetry._startup import ExportPolicy, export_policy
 from torchtelemetry.config import TelemetryConfig
 from torchtelemetry.export import (
     HEALTH_DESCRIPTORS,
-    RUN_ID_ENV,
     Exporter,
     ExportHub,
     NullHub,
@@ -41,70 +29,26 @@ from torchtelemetry.report import (
     HANG_DESCRIPTORS,
     MetricDescriptor,
     ModelFlops,
-    ProgressFile,
     RankSeriesLimit,
+    ReportValues,
     SignalContext,
     SignalSet,
+    Submit,
     WindowPublisher,
     builtin_signals,
     describe_with_signals,
+)
+from torchtelemetry.run import (
+    GoodputLedger,
+    ProgressFile,
+    RunIdentity,
+    RunProgress,
     progress_path,
+    resolve_run_identity,
 )
 from torchtelemetry.sync import group_rank, group_world_size, resolve_group
 
-__all__ = [
-    "RunIdentity",
-    "RunParts",
-    "assemble_run",
-    "launcher_run_id",
-    "resolve_run_identity",
-    "startup_timeout_s",
-]
-
-
-@dataclass(frozen=True, slots=True)
-class RunIdentity:
-    """A run id (without the group suffix) and where it came from (see the module)."""
-
-    run_id: str
-    source: str
-    """"argument", "environment", "checkpoint", "progress_file", "launcher" or "new"."""
-
-    @property
-    def pinned(self) -> bool:
-        """Given by the user (`run_id=`, `$TORCHTELEMETRY_RUN_ID`): a checkpoint does not replace it."""
-        return self.source in ("argument", "environment")
-
-
-def launcher_run_id(environ: Mapping[str, str] = os.environ) -> str | None:
-    """The launcher's id of the job, the same in each of its attempts: torchrun's rendezvous id,
-    else Slurm's job id (`slurm-<id>`); None outside a launcher that names its jobs."""
-    rendezvous = environ.get("TORCHELASTIC_RUN_ID", "")
-    if rendezvous and rendezvous != "none":
-        return rendezvous
-    job = environ.get("SLURM_JOB_ID", "")
-    return f"slurm-{job}" if job else None
-
-
-def resolve_run_identity(
-    given: str | None,
-    progress: ProgressFile | None,
-    run_id_suffix: str,
-    environ: Mapping[str, str] = os.environ,
-) -> RunIdentity:
-    """This rank's run id before the ranks agree on global rank 0's (see the module); `progress` is
-    its group's progress file, whose id carries `run_id_suffix`."""
-    if given:
-        return RunIdentity(given, "argument")
-    if environ.get(RUN_ID_ENV):
-        return RunIdentity(environ[RUN_ID_ENV], "environment")
-    record = progress.read() if progress is not None else None
-    if record is not None and record[0].endswith(run_id_suffix) and record[0] != run_id_suffix:
-        return RunIdentity(record[0][: len(record[0]) - len(run_id_suffix)], "progress_file")
-    launcher = launcher_run_id(environ)
-    if launcher is not None:
-        return RunIdentity(launcher, "launcher")
-    return RunIdentity(RunInfo.create().run_id, "new")
+__all__ = ["RunParts", "assemble_run", "startup_timeout_s"]
 
 
 @dataclass(slots=True)
@@ -131,12 +75,19 @@ class RunParts:
     """Rank 0's exporters, started and described; a `NullHub` on the other ranks."""
     publisher: WindowPublisher
     """Turns each collected window into the report the hub exports."""
+    progress: RunProgress | None
+    """The run's progress file (`TelemetryConfig.progress_file`), written by the exporting rank."""
+    goodput: GoodputLedger
+    """Goodput's lasting state (the goodput signal exports it)."""
 
     def close(self) -> None:
-        """Release what set-up started: the exporters (ports, threads) and the signals' threads."""
+        """Release what set-up started: the exporters (ports, threads), the signals' threads and the
+        progress file's writer (the run did not finish)."""
         self.hub.close()
         if self.signals is not None:
             self.signals.close()
+        if self.progress is not None:
+            self.progress.close(finished=False)
 
 
 def assemble_run(metrics: Any, exporters: Sequence[Exporter] | str, config: TelemetryConfig) -> RunParts:
@@ -147,17 +98,12 @@ def assemble_run(metrics: Any, exporters: Sequence[Exporter] | str, config: Tele
     user_leaves = metric_leaves(metrics, op="Telemetry")
     device = user_leaves[0][1].device if user_leaves else torch.device("cpu")
     policy = export_policy(resolved, config.group)
-    given_progress = config.progress_file
-    progress = progress_path(given_progress, policy.run_id_suffix) if given_progress is not None else None
-    signals = _builtin_signals(config, world_size, progress, user_leaves, group_rank(resolved), device)
+    run, identity, progress = _run_of(config, policy, world_size)
+    goodput = GoodputLedger(progress)
     hub: ExportHub | NullHub = NullHub()
+    signals = None
     try:
-        reader = signals.progress if signals is not None and policy.exporting else None
-        identity = resolve_run_identity(config.run_id, reader, policy.run_id_suffix)
-        run_id = identity.run_id + policy.run_id_suffix
-        run = RunInfo(run_id=run_id, world_size=world_size, config=dict(config.run_config))
-        if signals is not None:
-            signals.adopt_run(run.run_id)
+        signals = _builtin_signals(config, world_size, goodput, user_leaves, group_rank(resolved), device)
         signal_metrics = signals.metrics() if signals is not None else {}
         leaves = user_leaves + list(signal_metrics.items())
         ranks = RankSeriesLimit(world_size, config.max_rank_series)
@@ -173,7 +119,7 @@ def assemble_run(metrics: Any, exporters: Sequence[Exporter] | str, config: Tele
             leaves,
             descriptors,
             signals,
-            hub.submit,
+            _reporting(hub, progress),
             ranks,
             reserved=[descriptor.name for descriptor in HEALTH_DESCRIPTORS],
         )
@@ -181,6 +127,8 @@ def assemble_run(metrics: Any, exporters: Sequence[Exporter] | str, config: Tele
         hub.close()
         if signals is not None:
             signals.close()
+        if progress is not None:
+            progress.close(finished=False)
         raise
     return RunParts(
         run,
@@ -193,7 +141,39 @@ def assemble_run(metrics: Any, exporters: Sequence[Exporter] | str, config: Tele
         descriptors,
         hub,
         publisher,
+        progress,
+        goodput,
     )
+
+
+def _run_of(
+    config: TelemetryConfig, policy: ExportPolicy, world_size: int
+) -> tuple[RunInfo, RunIdentity, RunProgress | None]:
+    """The run exported, this rank's identity of it, and its progress file (read by the exporting
+    rank for the id of a run that did not finish there, written by it from now on)."""
+    given = config.progress_file
+    file = ProgressFile(progress_path(given, policy.run_id_suffix)) if given is not None else None
+    record = file.read() if file is not None and policy.exporting else None
+    identity = resolve_run_identity(config.run_id, record, policy.run_id_suffix)
+    run = RunInfo(
+        run_id=identity.run_id + policy.run_id_suffix, world_size=world_size, config=dict(config.run_config)
+    )
+    progress = RunProgress(file, run.run_id, writes=policy.exporting) if file is not None else None
+    return run, identity, progress
+
+
+def _reporting(hub: ExportHub | NullHub, progress: RunProgress | None) -> Submit:
+    """`hub.submit`, telling the progress file the step of each report."""
+    if progress is None:
+        return hub.submit
+
+    def submit(
+        step: int, values: ReportValues, timestamp: float | None = None, *, window: ReportValues | None = None
+    ) -> None:
+        hub.submit(step, values, timestamp, window=window)
+        progress.reported(step)
+
+    return submit
 
 
 def startup_timeout_s(config: TelemetryConfig | None, fields: Mapping[str, Any]) -> float:
@@ -205,7 +185,7 @@ def startup_timeout_s(config: TelemetryConfig | None, fields: Mapping[str, Any])
 def _builtin_signals(
     config: TelemetryConfig,
     world_size: int,
-    progress: os.PathLike[str] | None,
+    goodput: GoodputLedger,
     user_leaves: list[tuple[str, Metric]],
     rank: int,
     device: torch.device,
@@ -225,7 +205,7 @@ def _builtin_signals(
             nonfinite=config.nonfinite,
             spike_sigma=config.spike_sigma,
             spike_windows=config.spike_windows,
-            progress_file=progress,
+            goodput=goodput,
             nvml=config.nvml,
             every=config.every,
             max_layer_series=config.max_layer_series,

@@ -80,7 +80,8 @@ def agree_on_start(
 
     Collective over the default group, on a gloo group of its own created with `timeout_s`, so a
     rank that never arrives (`if rank == 0: Telemetry(...)`) makes the others raise within
-    `timeout_s` and the training's own collectives are never involved. Re-raises `failure` on the
+    `timeout_s`, naming it (each rank counts its start-ups in the default group's store), and the
+    training's own collectives are never involved. Re-raises `failure` on the
     rank where it happened (with a note naming the rank); the other ranks raise
     `TelemetryStartupError` naming each failed rank and its error. Without a process group it only
     re-raises `failure`. Returns that gloo group as an `EveryRank`, for later checks that every
@@ -94,6 +95,7 @@ def agree_on_start(
     rank, world_size = dist.get_rank(), dist.get_world_size()
     outcome = None if failure is None else f"{type(failure).__name__}: {failure}"
     outcomes: list[tuple[str | None, object]] = [(None, None)] * world_size
+    arrivals = _Arrivals(rank)
     try:
         group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
         try:
@@ -102,8 +104,10 @@ def agree_on_start(
             dist.destroy_process_group(group)
             raise
     except Exception as error:
+        missing = arrivals.missing(world_size)
+        who = f"ranks {missing} did not build it" if missing else "not every rank built it"
         raise TelemetryStartupError(
-            f"{op} (rank {rank} of {world_size}): not every rank built it within timeout_s={timeout_s:g}s "
+            f"{op} (rank {rank} of {world_size}): {who} within timeout_s={timeout_s:g}s "
             f"({type(error).__name__}: {error}); building it is collective: build it on every rank "
             "(only rank 0 exports), or raise timeout_s if some rank starts later"
         ) from (failure if failure is not None else error)
@@ -120,6 +124,24 @@ def agree_on_start(
             "every rank stops here instead of training with part of the set-up"
         )
     return EveryRank(group, timeout_s, outcomes[0][1])
+
+
+class _Arrivals:
+    """Which ranks came to this start-up, counted in the default group's store: each rank counts its
+    own start-ups under a key of its own, so a rank whose count is behind this rank's never came to
+    this one (`if rank == 0: Telemetry(...)`)."""
+
+    _KEY = "torchtelemetry/startups/rank{}"
+
+    def __init__(self, rank: int) -> None:
+        self._store = dist.distributed_c10d._get_default_store()
+        self._count = self._store.add(self._KEY.format(rank), 1)
+
+    def missing(self, world_size: int) -> list[int]:
+        """The ranks that have not come to this start-up (yet)."""
+        return [
+            peer for peer in range(world_size) if self._store.add(self._KEY.format(peer), 0) < self._count
+        ]
 
 
 class EveryRank:

@@ -12,7 +12,7 @@ import torch
 
 from torchtelemetry._heartbeat import watch_hangs
 from torchtelemetry._process import check_same_process, current_pid
-from torchtelemetry._run_parts import RunIdentity, assemble_run, startup_timeout_s
+from torchtelemetry._run_parts import assemble_run, startup_timeout_s
 from torchtelemetry._startup import (
     EveryRank,
     TelemetryStartupError,
@@ -32,6 +32,7 @@ from torchtelemetry.report import (
     restore_run_state,
     run_state,
 )
+from torchtelemetry.run import RunIdentity
 
 __all__ = ["RunIdentity", "Telemetry", "TelemetryConfig", "TelemetryStartupError"]
 
@@ -58,10 +59,10 @@ class Telemetry:
     flushes every exporter.
 
     Building a `Telemetry` is collective: build it on every rank, at the same point
-    (rank 0 of `group` exports: see `export_policy`). Every rank learns within `timeout_s` whether every
-    rank started; if one did not (a port in use, a missing extra, a rank that never
-    builds it), every rank raises, naming the rank and the cause
-    (`TelemetryStartupError` on the others). With `WORLD_SIZE` > 1 in the environment,
+    (rank 0 of `group` exports: see `export_policy`). Every rank that builds it learns within
+    `timeout_s` whether every rank started; if one did not (a port in use, a missing extra), every
+    rank raises, naming the rank and the cause (`TelemetryStartupError` on the others); a rank that
+    never builds it cannot raise, and the ranks that did name it. With `WORLD_SIZE` > 1 in the environment,
     call `torch.distributed.init_process_group()` first.
 
     Args:
@@ -121,6 +122,7 @@ class Telemetry:
         """The run exported (its id: see `run_identity`)."""
         self._identity = parts.identity
         self._run_id_suffix = parts.run_id_suffix
+        self._progress, self._goodput = parts.progress, parts.goodput
         self.is_exporting = parts.is_exporting
         """Whether this rank exports: rank 0 of the group (`export_policy`)."""
         self.hub = parts.hub
@@ -131,7 +133,7 @@ class Telemetry:
         self._windows = StepWindows(self._collector, self._publisher, self._signals, every=self.every)
         self._beat = self._hang_watch.beat if self._hang_watch is not None else None
         self._windows.beat = self._beat
-        self._closed = False
+        self._closed = self._raised = False
         agreed = every_rank.agreed
         if isinstance(agreed, RunIdentity) and agreed != self._identity:
             self._adopt_run(agreed)
@@ -152,8 +154,8 @@ class Telemetry:
             config=self.run.config,
         )
         self.hub.adopt_run(self.run)
-        if self._signals is not None:
-            self._signals.adopt_run(self.run.run_id)
+        if self._progress is not None:
+            self._progress.adopt_run(self.run.run_id)
 
     @property
     def backpressure_waits(self) -> int:
@@ -269,8 +271,7 @@ class Telemetry:
         """Mark the checkpoint of `step` as durable (written and committed): for goodput, the
         training up to when `state_dict()` was taken for it reached a checkpoint."""
         self._require_open("checkpoint_saved")
-        if self._signals is not None:
-            self._signals.checkpoint_saved(step)
+        self._goodput.checkpoint_saved(step)
 
     def schedule_collection(self) -> None:
         """Schedule a collection of the steps since the last one now, without waiting for it.
@@ -307,7 +308,8 @@ class Telemetry:
         return self.hub.force_flush(timeout_s)
 
     def close(self, timeout_s: float = 30.0) -> None:
-        """Collect and export the last partial window, then close every exporter. Idempotent.
+        """Collect and export the last partial window (and goodput of a checkpoint marked after it),
+        then close every exporter; the progress file records that the run finished. Idempotent.
 
         After a failed collection (a rank died or diverged) nothing more is collected: close
         only releases the collector and flushes what was already exported. Afterwards `step`,
@@ -322,6 +324,7 @@ class Telemetry:
                 if self._windows.steps_in_window:
                     self._windows.schedule(final=True)
                 self._windows.drain(block=True)
+                self._publisher.amend(self._goodput.late_gauges())
         finally:
             self._closed = True
             if self._hang_watch is not None:  # its reports go through the hub: stop it first
@@ -332,6 +335,8 @@ class Telemetry:
             self._every_rank.release()
             if self._signals is not None:
                 self._signals.close()
+            if self._progress is not None:  # a failed collection or a with block that raised: not finished
+                self._progress.close(finished=self._windows.failure is None and not self._raised)
 
     def _require_open(self, op: str) -> None:
         check_same_process(self._pid, f"Telemetry.{op}")
@@ -354,7 +359,9 @@ class Telemetry:
 
     def __exit__(self, exc_type: object, exc: BaseException | None, traceback: object) -> None:
         """Close; when the block raised, its exception goes on and a failure of close (a collection
-        the other ranks did not join) is logged and noted on it instead of replacing it."""
+        the other ranks did not join) is logged and noted on it instead of replacing it, and the run
+        is not recorded as finished."""
+        self._raised = exc is not None
         try:
             self.close()
         except Exception as error:

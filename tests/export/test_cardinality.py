@@ -38,6 +38,7 @@ from torchtelemetry.report import (
     to_python,
 )
 from torchtelemetry.report.signals import DataWait, MemoryHealth, Phases, StepTime
+from torchtelemetry.run import GoodputLedger
 
 pytest.importorskip("opentelemetry.exporter.otlp.proto.http")
 prometheus_parser = pytest.importorskip("prometheus_client.parser")
@@ -108,7 +109,9 @@ def _per_rank(world_size: int, window: int) -> torch.Tensor:
     return values
 
 
-def _fill(tree: dict[str, Any], signals: SignalSet, world_size: int, window: int) -> None:
+def _fill(
+    tree: dict[str, Any], signals: SignalSet, goodput: GoodputLedger, world_size: int, window: int
+) -> None:
     """One window's updates, with every rank's slot of the values per rank filled (as reduced)."""
     tree["train"]["loss"].update(torch.tensor(2.0), 8)
     tree["train"]["accuracy"].update(torch.randn(8, 4), torch.randint(0, 4, (8,)))
@@ -116,7 +119,7 @@ def _fill(tree: dict[str, Any], signals: SignalSet, world_size: int, window: int
     tree["data"]["skipped"].update(torch.tensor(1.0))
     inputs = {"tokens": 1024, "samples": 8, "learning_rate": 1e-3, "data_time": 0.01}
     signals.record_step(10 * window, None if window == 0 else 0.1, inputs)
-    signals.checkpoint_saved(10 * window)  # goodput is exported once a checkpoint is durable
+    goodput.checkpoint_saved(10 * window)  # goodput is exported once a checkpoint is durable
     signals.flush(1.0)
     by_type = {type(signal): signal for signal in signals.signals}
     step_time, data_wait = by_type[StepTime], by_type[DataWait]
@@ -145,6 +148,7 @@ class Exported:
 def _export(world_size: int, max_rank_series: int = MAX_RANK_SERIES) -> Exported:
     tree = _tree(world_size)
     context = SignalContext(world_size, 0, torch.device("cpu"), max_rank_series)
+    goodput = GoodputLedger(None)
     signals = SignalSet(
         builtin_signals(
             context,
@@ -152,7 +156,7 @@ def _export(world_size: int, max_rank_series: int = MAX_RANK_SERIES) -> Exported
             flops=ModelFlops(per_unit=6e6, per_sample=False, peak=1e12),
             phases=PHASES,
             straggler_top_k=TOP_K,
-            run_id="budget",
+            goodput=goodput,
         )
     )
     leaves = metric_leaves(tree, op="test") + list(signals.metrics().items())
@@ -168,7 +172,7 @@ def _export(world_size: int, max_rank_series: int = MAX_RANK_SERIES) -> Exported
             hub.describe(descriptors)
             publisher = WindowPublisher(leaves, descriptors, signals, hub.submit, ranks)
             for window in range(2):  # the second report carries every exporter's health
-                _fill(tree, signals, world_size, window)
+                _fill(tree, signals, goodput, world_size, window)
                 in_flight = publisher.scheduled(
                     10 * (window + 1), duration_s=1.0, steps=1, host=signals.host_values()
                 )

@@ -1,7 +1,8 @@
 """The final report reaches a real Prometheus on both routes: the scrape endpoint lingers until the
-scrapers that have been scraping it read it whole, at the cadence each keeps (close() waits past its
-timeout for them, and leaves no thread behind), and never waits for nothing (a liveness probe, a
-filtered GET or a single manual read is no scraper); the Pushgateway keeps it and marks the run finished.
+run's scraper (a steady cadence whose next scrape is due within linger_s) has read it whole (close()
+waits past its timeout for it, at most linger_s, and leaves no thread behind), and never waits for a
+client that is no such scraper (a filtered GET, one or two manual reads, a probe every 15 minutes);
+the Pushgateway keeps it and marks the run finished.
 
 No assertion here compares with the clock: what is asserted is what each scraper read, with clients
 that scrape on their own cadence (`Scraper`) and real Prometheus servers.
@@ -20,11 +21,9 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from tests.distributed import free_port
 from tests.servers import PrometheusServer, PushgatewayServer, http_get
 from torchtelemetry import PrometheusExporter, PushgatewayExporter, SumMetric, Telemetry
-from torchtelemetry.export import UNKNOWN_INTERVAL_S, MetricDescriptor, RunInfo, final_scrape_due
-from torchtelemetry.metric import MetricKind
+from torchtelemetry.export import DEFAULT_LINGER_S, UNKNOWN_INTERVAL_S, final_scrape_due
 
 EVERY, STEPS = 2, 9  # windows end at 1, 3, 5, 7; close() exports the partial window ending at 8
 TOKENS_PER_STEP = 10.0
@@ -107,14 +106,17 @@ class Scraper:
         return self.bodies
 
 
-def _known_as_scraper(exporter: PrometheusExporter, agent: str, timeout_s: float = 60.0) -> None:
-    """Wait until the endpoint has noted two whole reads by a client whose User-Agent starts with `agent`."""
+def _known_as_scraper(
+    exporter: PrometheusExporter, agent: str, reads: int = 3, timeout_s: float = 60.0
+) -> None:
+    """Wait until the endpoint has noted `reads` whole reads (three: a cadence) by a client whose
+    User-Agent starts with `agent`."""
     deadline = time.monotonic() + timeout_s
     while not any(
-        client.startswith(agent) and len(reads) >= 2
-        for (_, client), reads in exporter._scrapes.reads().items()
+        client.startswith(agent) and len(seen) >= reads
+        for (_, client), seen in exporter.final_scrape.log.reads().items()
     ):
-        assert time.monotonic() < deadline, f"the endpoint never saw {agent} scrape twice"
+        assert time.monotonic() < deadline, f"the endpoint never saw {agent} scrape {reads} times"
         time.sleep(0.01)
 
 
@@ -130,14 +132,13 @@ def non_daemon_threads() -> Callable[[], list[str]]:
     return started
 
 
-def test_close_waits_past_its_timeout_until_the_scraper_read_the_final_report(
-    caplog, non_daemon_threads
-) -> None:
-    """A scraper slower than close's timeout (Prometheus' default minute against close()'s default
-    30 s, here 3 s against 0.1 s): close() waits for its next scrape, through the hub, and that scrape
-    read the final report; no thread is left to keep the process alive."""
+def _closed_while_scraped_every_3_s(
+    caplog, timeout_s: float, **options: float
+) -> tuple[Telemetry, list[str]]:
+    """A run "waits" scraped every 3 s (a known cadence), closed with `timeout_s`, its exporter
+    built with `options`; what the scraper read."""
     tokens = SumMetric(kind="counter")
-    exporter = PrometheusExporter(port=0)
+    exporter = PrometheusExporter(port=0, **options)
     telemetry = Telemetry({"tokens": tokens}, [exporter], every=EVERY, run_id="waits", signals=False)
     _train(telemetry, tokens, range(0, 4))
     telemetry.flush()
@@ -145,8 +146,17 @@ def test_close_waits_past_its_timeout_until_the_scraper_read_the_final_report(
     _known_as_scraper(exporter, scraper.agent)
     _train(telemetry, tokens, range(4, STEPS))
     with caplog.at_level(logging.INFO, logger="torchtelemetry"):
-        telemetry.close(timeout_s=0.1)
-    bodies = scraper.stop()
+        telemetry.close(timeout_s=timeout_s)
+    return telemetry, scraper.stop()
+
+
+def test_close_waits_past_its_timeout_until_the_scraper_read_the_final_report(
+    caplog, non_daemon_threads
+) -> None:
+    """A scraper slower than close's timeout (Prometheus' default minute against close()'s default
+    30 s, here 3 s against 0.5 s): close() waits for its next scrape, through the hub, and that scrape
+    read the final report; no thread is left to keep the process alive."""
+    telemetry, bodies = _closed_while_scraped_every_3_s(caplog, timeout_s=0.5)
     final = bodies[-1]
     assert f'torchtelemetry_train_step{{route="scrape",run="waits"}} {float(STEPS - 1)}' in final
     assert f'torchtelemetry_tokens_total{{route="scrape",run="waits"}} {STEPS * TOKENS_PER_STEP}' in final
@@ -194,7 +204,7 @@ def test_only_the_scraper_that_scraped_the_run_ends_the_wait(
         prometheus, "torchtelemetry_tokens_total", run_id, lambda total: total == STEPS * TOKENS_PER_STEP
     )
     assert _reaches(prometheus, "torchtelemetry_run_finished_timestamp_seconds", run_id, lambda at: at > 0)
-    scrapers = {agent for _, agent in exporter._scrapes.reads()}
+    scrapers = {agent for _, agent in exporter.final_scrape.log.reads()}
     assert "kube-probe/1.30" in scrapers and "filtered-probe/1.0" not in scrapers, (
         "a filtered GET is no scraper"
     )
@@ -219,13 +229,15 @@ def test_a_single_manual_read_is_no_scraper_and_keeps_nothing_alive(caplog, non_
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("interval_s", [8.0, 60.0])
 def test_the_final_report_reaches_a_prometheus_scraping_less_often_than_close_may_wait(
-    prometheus: PrometheusServer,
+    prometheus: PrometheusServer, interval_s: float
 ) -> None:
-    """Prometheus scrapes every 8 s, close() may take 4: close() waits past its timeout until
-    Prometheus has scraped the final report (it used to stop after its linger_s, cut to close's
-    timeout, and Prometheus never got the end of the run)."""
-    prometheus.scrape_interval_s = 8.0
+    """Prometheus scrapes every 8 s, or at its default minute, close() may take 4: right after a
+    scrape, close() waits past its timeout, within the default linger_s, until Prometheus has scraped
+    the final report (it used to stop after its linger_s, cut to close's timeout, and Prometheus
+    never got the end of the run)."""
+    prometheus.scrape_interval_s = interval_s
     run_id = f"slow-scrape-{uuid.uuid4().hex[:8]}"
     tokens = SumMetric(kind="counter")
     exporter = PrometheusExporter(port=0)
@@ -234,12 +246,9 @@ def test_the_final_report_reaches_a_prometheus_scraping_less_often_than_close_ma
     prometheus.start()
     _train(telemetry, tokens, range(0, 4))
     telemetry.flush()
-    step = f'torchtelemetry_train_step{{run="{run_id}"}}'
-    prometheus.wait_for(f"count_over_time({step}[5m]) >= 2", timeout_s=60)  # the cadence is known
-    (last,) = prometheus.query(f"timestamp({step})")
-    prometheus.wait_for(f"timestamp({step}) > {last.value}", timeout_s=30)  # a scrape just happened
+    _known_as_scraper(exporter, "Prometheus/", reads=1, timeout_s=2 * interval_s)  # a scrape just happened
     _train(telemetry, tokens, range(4, STEPS))
-    telemetry.close(timeout_s=4.0)  # shorter than the 8 s to the next scrape: close() waits for it
+    telemetry.close(timeout_s=4.0)  # shorter than the time to the next scrape: close() waits for it
     assert _reaches(prometheus, "torchtelemetry_train_step", run_id, lambda value: value == STEPS - 1)
     assert _reaches(
         prometheus, "torchtelemetry_tokens_total", run_id, lambda total: total == STEPS * TOKENS_PER_STEP
@@ -247,43 +256,52 @@ def test_the_final_report_reaches_a_prometheus_scraping_less_often_than_close_ma
     assert _reaches(prometheus, "torchtelemetry_run_finished_timestamp_seconds", run_id, lambda at: at > 0)
 
 
-def test_a_new_exporter_on_the_endpoint_ends_the_linger_whatever_the_host_is_called(caplog) -> None:
-    """A run still waiting for its final scrape (its close() on another thread) must not keep the next
-    run of the same process off the port, the same endpoint named `localhost` instead of `127.0.0.1`
-    included (the registry compared the strings: Address already in use)."""
-    port = free_port()
-    first = PrometheusExporter(port=port, addr="127.0.0.1")
-    first.describe([MetricDescriptor("tokens", MetricKind.COUNTER)], RunInfo(run_id="first"))
-    first.export(1, {"tokens": 1.0}, 1.0)
-    scraper = Scraper(first.url, every_s=5.0)
-    _known_as_scraper(first, scraper.agent)
-    scraper.stop()  # its next scrape, due within 8.5 s, is not coming before the next run starts
-    first.export(2, {"tokens": 2.0}, 2.0)
+def test_only_a_steady_scraper_whose_next_scrape_is_due_within_linger_s_holds_close() -> None:
+    """The verdicts on synthetic read times (seconds): the run's scraper is due an interval, a tenth
+    of it and a second after its last read; any other client is waited for not at all."""
+    assert DEFAULT_LINGER_S == 75.0
+    every_minute = [0.0, 60.0, 120.0]  # Prometheus at its default interval
+    assert final_scrape_due(every_minute, now=121.0) == pytest.approx(120.0 + 66.0 + 1.0)
+    assert final_scrape_due([100.0], now=101.0, prometheus=True) == pytest.approx(
+        100.0 + 1.1 * UNKNOWN_INTERVAL_S + 1.0
+    )  # one read by a Prometheus: its default minute assumed
+    assert final_scrape_due([0.0, 10.0, 20.4], now=21.0) == pytest.approx(20.4 + 1.1 * 10.4 + 1.0)  # jitter
+    assert final_scrape_due([], now=100.0) is None  # never read
+    assert final_scrape_due([100.0], now=101.0) is None  # one manual read
+    assert final_scrape_due([0.0, 10.0], now=11.0) is None  # two manual reads 10 s apart: no cadence
+    assert final_scrape_due([0.0, 10.0, 35.0], now=36.0) is None  # no steady interval
+    assert final_scrape_due([0.0, 900.0, 1800.0], now=1801.0) is None  # a probe every 15 minutes
+    assert final_scrape_due([0.0, 900.0, 1800.0], now=1801.0, linger_s=1000.0) == pytest.approx(2791.0)
+    assert final_scrape_due([90.0, 100.0, 110.0], now=122.5) is None  # it missed its scrape: gone
+    assert final_scrape_due([90.0, 100.0, 110.0], now=111.0, linger_s=0.0) is None
+
+
+def test_a_client_that_read_twice_does_not_hold_close(caplog, non_daemon_threads) -> None:
+    """Two manual reads (10 s apart in the report, 0.5 s here) made the endpoint wait for a third at
+    that cadence: close(timeout_s=2) took 16.6 s, and a health check every 15 minutes held a finished
+    job about 23 minutes."""
+    tokens = SumMetric(kind="counter")
+    exporter = PrometheusExporter(port=0)
+    telemetry = Telemetry({"tokens": tokens}, [exporter], every=EVERY, signals=False)
+    _train(telemetry, tokens, range(0, 4))
+    telemetry.flush()
+    for _ in range(2):
+        assert b"torchtelemetry_tokens_total" in http_get(exporter.url)
+        time.sleep(0.5)
+    _train(telemetry, tokens, range(4, STEPS))
+    assert exporter.closing_until() is None
     with caplog.at_level(logging.INFO, logger="torchtelemetry"):
-        closing = threading.Thread(target=first.close, args=(1.0,), name="closing-first")
-        closing.start()
-        deadline = time.monotonic() + 30
-        while "the final report at" not in caplog.text:
-            assert time.monotonic() < deadline, "close() did not say that it waits"
-            time.sleep(0.01)
-        second = PrometheusExporter(port=port, addr="localhost")
-        second.describe([MetricDescriptor("tokens", MetricKind.COUNTER)], RunInfo(run_id="second"))
-        closing.join(30)
-    assert not closing.is_alive()
-    assert "still served the final report of a closed run" in caplog.text
-    second.export(1, {"tokens": 5.0}, 1.0)
-    body = http_get(second.url).decode()
-    assert 'run="second"' in body and 'run="first"' not in body
-    second.close(5.0)
+        telemetry.close(timeout_s=2)
+    assert "final report" not in caplog.text
+    assert exporter.url is None
+    assert non_daemon_threads() == []
 
 
-def test_final_scrape_due_follows_the_cadence_and_gives_up_on_a_stopped_scraper() -> None:
-    assert final_scrape_due([], now=100.0) is None  # never scraped
-    assert final_scrape_due([90.0, 100.0, 110.0], now=111.0) == 110.0 + 15.0 + 1.0  # every 10 s
-    assert final_scrape_due([90.0, 100.0, 110.0], now=126.5) is None  # it missed its scrape: gone
-    assert final_scrape_due([0.0, 60.0, 61.0, 120.0], now=121.0) == 120.0 + 1.5 * 59.0 + 1.0  # the median gap
-    assert final_scrape_due([100.0], now=101.0) is None  # one read, no cadence: no scraper (a curl)
-    assert final_scrape_due([100.0], now=101.0, prometheus=True) == 100.0 + UNKNOWN_INTERVAL_S + 1.0
+def test_a_scraper_slower_than_linger_s_does_not_hold_close(caplog) -> None:
+    """A steady scraper every 3 s against linger_s=2: its next scrape cannot come within the bound
+    close() promises, so close() does not wait for it at all (close's timeout is no limit here)."""
+    _closed_while_scraped_every_3_s(caplog, timeout_s=10.0, linger_s=2.0)
+    assert "final report" not in caplog.text
 
 
 def test_the_pushgateway_keeps_the_final_report_marked_finished(
@@ -342,7 +360,9 @@ def test_no_linger_when_nothing_scrapes_or_the_final_report_was_read(scraped: st
         _known_as_scraper(exporter, scraper.agent)
         scraper.stop()  # ...that misses its next scrape: once it was due, the scraper is gone
         deadline = time.monotonic() + 60
-        while any(final_scrape_due(reads, time.monotonic()) for reads in exporter._scrapes.reads().values()):
+        while any(
+            final_scrape_due(reads, time.monotonic()) for reads in exporter.final_scrape.log.reads().values()
+        ):
             assert time.monotonic() < deadline, "the scrape never came due"
             time.sleep(0.05)
         _train(telemetry, tokens, range(2, 4))

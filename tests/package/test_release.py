@@ -4,6 +4,8 @@ pyproject declares, type information, and `torchtelemetry --version`."""
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -54,3 +56,25 @@ def test_the_package_says_it_is_typed() -> None:
 def test_the_command_prints_its_version(flag: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main([flag]) == 0
     assert capsys.readouterr().out == f"torchtelemetry {torchtelemetry.__version__}\n"
+
+
+def test_the_version_and_the_usage_answer_without_importing_torch() -> None:
+    code = (
+        "import sys\nfrom torchtelemetry.cli import main\n"
+        "main(['--version']); main(['--help'])\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[0] == f"torchtelemetry {torchtelemetry.__version__}"
+    assert result.stdout.splitlines()[-1] == "[]"
+
+
+def test_a_public_name_and_a_subpackage_load_on_first_use() -> None:
+    code = (
+        "import sys, torchtelemetry as tt\nassert 'torch' not in sys.modules\n"
+        "print(tt.Telemetry.__module__, tt.metric.__name__, sorted(set(tt.__all__) - set(dir(tt))))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["torchtelemetry.telemetry", "torchtelemetry.metric", "[]"]

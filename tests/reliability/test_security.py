@@ -138,7 +138,6 @@ SECRETS = {
     "bearer": "bearer-s3cr3t-7f1c",
     "url_password": "url-pa55word-9e2d",
     "gateway_password": "gw-pa55word-41aa",
-    "query_token": "qu3ry-t0ken-5b7e",
 }
 
 
@@ -185,7 +184,7 @@ def test_no_secret_in_logs_stderr_or_exported_labels(
             ),
             OTelExporter(protocol="grpc", endpoint=grpc_receiver.endpoint, headers=bearer, name="otlp-grpc"),
             OTelExporter(  # failing: the error paths log too
-                endpoint=f"http://{user_info}{closed.address}/v1/metrics?api_key={SECRETS['query_token']}",
+                endpoint=f"http://{user_info}{closed.address}/v1/metrics",
                 headers=bearer,
                 timeout_s=0.5,
                 name="otlp-down",
@@ -233,6 +232,44 @@ def test_no_secret_in_logs_stderr_or_exported_labels(
     for place, text in places.items():
         for what, secret in SECRETS.items():
             assert secret not in text, f"the {what} secret appears in {place}"  # ... without secrets
+
+
+@pytest.mark.parametrize("protocol", ["http/protobuf", "grpc"])
+def test_the_otel_sdk_logs_no_secret_at_warning_with_the_collector_down(protocol: str) -> None:
+    """Every WARNING-and-above line of every logger (the library's, the OpenTelemetry SDK's,
+    urllib3's and grpc's) while pushes fail against a collector that is down: the endpoint's user
+    information and the header token never appear; a query-string token is refused before any push."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append  # type: ignore[method-assign]
+    root = logging.getLogger()
+    root.addHandler(handler)
+    bearer = {"Authorization": f"Bearer {SECRETS['bearer']}"}
+    try:
+        with FaultProxy() as closed:
+            closed.down()
+            with pytest.raises(ValueError, match="has a query") as refused:
+                OTelExporter(protocol=protocol, endpoint=f"http://{closed.address}/v1/metrics?api_key=qu3ry")
+            user_info = f"trainer:{SECRETS['url_password']}@" if protocol == "http/protobuf" else ""
+            path = "/v1/metrics" if protocol == "http/protobuf" else ""
+            exporter = OTelExporter(
+                protocol=protocol,
+                endpoint=f"http://{user_info}{closed.address}{path}",
+                headers=bearer,
+                timeout_s=1,
+            )
+            exporter.describe([LOSS], RunInfo(run_id="down"))
+            for step in (1, 2):
+                assert exporter.export(step, {"train/loss": 1.0}, 1.0) is ExportResult.FAILURE
+            exporter.close(1)
+    finally:
+        root.removeHandler(handler)
+    assert "qu3ry" not in str(refused.value)
+    lines = [f"{record.name}: {record.getMessage()}" for record in records]
+    assert any(line.startswith("opentelemetry") for line in lines), lines  # the SDK's own lines
+    for line in lines:
+        for what, secret in SECRETS.items():
+            assert secret not in line, f"the {what} secret in: {line}"
 
 
 TOKEN = "tok3n-from-a-file"

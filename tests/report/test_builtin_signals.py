@@ -24,8 +24,6 @@ def _signals(max_rank_series: int = 64, **overrides) -> tuple[SignalSet, dict]:
         "nonfinite": None,
         "spike_sigma": 6.0,
         "spike_windows": 8,
-        "run_id": "objects",
-        "progress_file": None,
         "nvml": False,
     }
     return SignalSet(

@@ -16,10 +16,9 @@ import pytest
 import torch
 
 import torchtelemetry as tt
-from torchtelemetry.report import ProgressFile, SignalContext, progress_path
-from torchtelemetry.report.signals import Goodput
+from torchtelemetry.run import GoodputLedger, ProgressFile, ProgressRecord, progress_path
 
-GOODPUT_LOGGER = "torchtelemetry.report.signals"
+GOODPUT_LOGGER = "torchtelemetry.run"
 
 
 def _telemetry(progress: Path | None, **fields: Any) -> tt.Telemetry:
@@ -35,10 +34,6 @@ def _train(telemetry: tt.Telemetry, steps: range) -> None:
     telemetry.flush()
 
 
-def _goodput() -> Goodput:
-    return Goodput(SignalContext(1, 0, torch.device("cpu"), 64), run_id="run", progress_file=None)
-
-
 def test_goodput_is_left_out_until_a_checkpoint_is_durable() -> None:
     with _telemetry(None, run_id="never") as telemetry:
         _train(telemetry, range(3))
@@ -51,15 +46,17 @@ def test_goodput_is_left_out_until_a_checkpoint_is_durable() -> None:
 
 
 def test_goodput_reads_the_clock_of_every_timestamp_not_the_system_clock(monkeypatch) -> None:
-    goodput = _goodput()
+    goodput = GoodputLedger(None)
     goodput.checkpoint_saved(0)
     # The system clock set an hour forward (NTP, an operator): the run did not get an hour older.
     real = time.time
     monkeypatch.setattr(time, "time", lambda: real() + 3600)
-    values = goodput.host_values()
-    assert values["wall_s"] < 600 and values["productive_s"] <= values["wall_s"]
+    reading = goodput.reading()
+    assert reading.wall_s is not None and reading.productive_s is not None
+    assert reading.wall_s < 600 and reading.productive_s <= reading.wall_s
     monkeypatch.setattr(time, "time", lambda: real() - 3600)
-    assert goodput.host_values()["wall_s"] >= values["wall_s"]
+    later = goodput.reading().wall_s
+    assert later is not None and later >= reading.wall_s
 
 
 def _write_progress(path: Path, run_id: str, step: int) -> None:
@@ -97,6 +94,7 @@ BAD_PROGRESS = {
     "no step": json.dumps({"run_id": "bad"}),
     "a string step": json.dumps({"run_id": "bad", "step": "ten"}),
     "a huge float step": json.dumps({"run_id": "bad", "step": 1e400}),
+    "a string finished": json.dumps({"run_id": "bad", "step": 20, "finished": "yes"}),
     "another run": json.dumps({"run_id": "someone-else", "step": 20}),
     "garbage": "\x00\xff{not json",
 }
@@ -131,10 +129,10 @@ def test_a_planted_partial_symlink_is_never_followed(tmp_path: Path) -> None:
     progress = tmp_path / "progress.json"
     (tmp_path / "progress.json.partial").symlink_to(target)
     writer = ProgressFile(progress)
-    writer.write("run", 4)
+    writer.write(ProgressRecord("run", 4))
     writer.close()
     assert target.read_text() == "keep me"
-    assert writer.read() == ("run", 4)
+    assert writer.read() == ProgressRecord("run", 4)
     assert not (tmp_path / "progress.json.partial").exists()
 
 
@@ -145,7 +143,8 @@ def test_a_fifo_as_progress_file_is_not_read_and_blocks_nothing(tmp_path: Path, 
         assert telemetry.run_identity.source != "progress_file"
         _train(telemetry, range(3))
     assert "not a regular file" in caplog.text
-    assert ProgressFile(progress).read() == (telemetry.run.run_id, 2)  # replaced by the first write
+    # Replaced by the first write, and the run's end recorded by close().
+    assert ProgressFile(progress).read() == ProgressRecord(telemetry.run.run_id, 2, finished=True)
 
 
 def test_step_returns_while_the_progress_write_is_stuck_in_a_hung_file_system(tmp_path: Path) -> None:
@@ -164,8 +163,8 @@ def test_step_returns_while_the_progress_write_is_stuck_in_a_hung_file_system(tm
         return descriptor
 
     telemetry = _telemetry(tmp_path / "progress.json", run_id="hung")
-    assert telemetry._signals is not None and telemetry._signals.progress is not None
-    telemetry._signals.progress._opener = hung_open
+    assert telemetry._progress is not None
+    telemetry._progress.file._opener = hung_open
     try:
         _train(telemetry, range(2))
         assert entered.wait(60), "the first window's write never started"
@@ -182,3 +181,28 @@ def test_each_group_writes_its_own_progress_file(tmp_path: Path) -> None:
     path = tmp_path / "progress.json"
     assert progress_path(path, "") == path
     assert progress_path(path, "-group2") == tmp_path / "progress-group2.json"
+
+
+def test_close_exports_the_goodput_of_a_checkpoint_saved_after_the_last_window(tmp_path: Path) -> None:
+    """A checkpoint saved after the last window (its state taken at that window's step, as
+    `torch.distributed.checkpoint.save` takes it, then marked durable) never reached an exported
+    report: the final goodput left out the last checkpoint (0.166 against 0.199 with it)."""
+    out = tmp_path / "run.jsonl"
+    metrics = {"train": {"loss": tt.WeightedMeanMetric()}}
+    telemetry = tt.Telemetry(metrics, [tt.JsonlExporter(out)], every=2, run_id="late")
+    for step in range(4):  # windows end at steps 1 and 3
+        metrics["train"]["loss"].update(torch.tensor(1.0), 1)
+        telemetry.step(step)
+        if step in (1, 3):
+            telemetry.state_dict()
+            telemetry.checkpoint_saved(step)
+    telemetry.close()
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    window_3 = next(record for record in records if record["step"] == 3)
+    final = records[-1]
+    assert final["step"] == 3
+    productive = "train/goodput/productive_time"
+    assert final["values"][productive] > window_3["values"][productive] > 0  # step 3's checkpoint counts
+    assert final["values"][productive] == telemetry.latest[productive]
+    assert final["values"]["train/goodput"] == telemetry.latest["train/goodput"]
+    assert final["values"]["train/loss"] == window_3["values"]["train/loss"]  # the rest as it was

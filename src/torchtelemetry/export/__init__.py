@@ -9,7 +9,12 @@ here, beside the exporters that use it. The values a report carries (`HistogramV
 from torchtelemetry.export._base import BaseExporter, ExportFailed
 from torchtelemetry.export._console import ConsoleExporter
 from torchtelemetry.export._exposition import ROUTE_LABEL, ROUTES, RUN_LABEL
-from torchtelemetry.export._final_scrape import UNKNOWN_INTERVAL_S, final_scrape_due
+from torchtelemetry.export._final_scrape import (
+    DEFAULT_LINGER_S,
+    UNKNOWN_INTERVAL_S,
+    FinalScrapeWait,
+    final_scrape_due,
+)
 from torchtelemetry.export._health import HEALTH_DESCRIPTORS, ExporterHealth
 from torchtelemetry.export._histograms import OUTER_BUCKET_FIELDS, DrawnHistogram, drawn_histogram
 from torchtelemetry.export._hub import ExportHub, NullHub
@@ -67,6 +72,8 @@ __all__ = [
     "SIGNAL_REGISTRY_SCHEMA_VERSION",
     "STEP_METRIC",
     "UNKNOWN_INTERVAL_S",
+    "DEFAULT_LINGER_S",
+    "FinalScrapeWait",
     "BaseExporter",
     "ConsoleExporter",
     "DrawnHistogram",

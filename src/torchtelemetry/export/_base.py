@@ -13,6 +13,9 @@ once. A subclass implements small hooks:
 - `_flush(timeout_s) -> bool`: deliver what is buffered (only once started);
 - `_close(timeout_s)`: release what the exporter opened (called once, started or not).
 
+An exporter whose readers pull (a scrape endpoint) overrides `closing_until()`: while its close
+waits for them to read the final report, the time it returns by, so the hub waits for it.
+
 Every hook runs under the exporter's lock, one at a time. `Exporter` stays the extension point:
 an exporter may implement that Protocol directly instead.
 """
@@ -180,6 +183,13 @@ class BaseExporter:
                 self._close(max(0.0, deadline - time.monotonic()))
             except Exception as error:
                 self._failures.failed("close failed", error)
+
+    def closing_until(self) -> float | None:
+        """The `time.monotonic()` by which `close()`, running or called now, returns after waiting
+        for readers that pull (a scrape endpoint's final scrape); the hub's close waits that long
+        for it, past its own deadline. None (the default): close is bounded by its `timeout_s`.
+        Called from any thread, without the exporter's lock."""
+        return None
 
     # -- hooks ------------------------------------------------------------------------------
 

@@ -1,74 +1,87 @@
-"""The scrape endpoint's last duty: the final report of a run reaches the scrapers that scraped it.
+"""The scrape endpoint's last duty: the final report of a run reaches the run's scraper.
 
-A scraper is a client, by address and `User-Agent`, that has read the whole exposition (an
-unfiltered GET) at least twice, so it keeps a cadence and its next scrape is due at a time the
-endpoint can tell (`final_scrape_due`), or once with the `X-Prometheus-Scrape-Timeout-Seconds`
-header Prometheus (and the agents built on its scrape code) sends, whose next scrape is then
-assumed due at Prometheus' default interval, a minute. A liveness probe, a `?name[]=` filtered GET
-or a single manual `curl` is no scraper: it neither ends the wait for the final scrape nor makes one.
-`ScrapeLog` keeps, per scraper, when it read the endpoint whole and which report it read last;
-`PrometheusExporter.close()` waits on it until every scraper that keeps its cadence has read the
-final report (or missed its next scrape: it stopped).
+Only the run's scraper holds `close()` past its timeout, and never for long. A client (by address and
+`User-Agent`) that reads the whole exposition (an unfiltered GET) is the run's scraper when it keeps
+a steady cadence that `close()` can wait out (`final_scrape_due`):
 
-While a closed run waits so, its endpoint is in the linger registry, by the addresses its host
-resolves to: a new exporter on an endpoint that overlaps it (`localhost` and `127.0.0.1`, or a
-wildcard address, on the same port) ends that wait before it binds, instead of failing with
-`Address already in use`.
+- at least three whole reads whose last two gaps agree (within a tenth and half a second), or a
+  Prometheus (it sends `X-Prometheus-Scrape-Timeout-Seconds`, as the agents built on its scrape code
+  do) from its first read, assumed at Prometheus' default minute until it keeps a cadence;
+- whose next scrape, an interval and a tenth of it and a second after its last, is due within
+  `linger_s` (75 s by default: a Prometheus at its default 60 s interval is due within 67 s).
+
+So two manual reads 10 s apart, a `?name[]=` filtered GET, or a probe every 15 minutes never hold
+`close()`; a scraper that let its next scrape pass has stopped and is not waited for either.
+`FinalScrapeWait` is that policy, held by `PrometheusExporter`: it keeps, per client, when it read
+the endpoint whole and which report it read last (`ScrapeLog`), and at close waits until each of
+the run's scrapers has read the final report or let its next scrape pass, at most `linger_s`.
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
 import itertools
 import logging
-import socket
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["UNKNOWN_INTERVAL_S", "ScrapeLog", "Scraper", "end_lingering", "final_scrape_due", "lingering"]
+__all__ = [
+    "DEFAULT_LINGER_S",
+    "UNKNOWN_INTERVAL_S",
+    "FinalScrapeWait",
+    "ScrapeLog",
+    "Scraper",
+    "final_scrape_due",
+]
 
 logger = logging.getLogger(__name__)
 
+DEFAULT_LINGER_S = 75.0
+"""The longest `close()` waits for the final scrape: room for the next scrape of a Prometheus at its
+default 60 s interval (due within 67 s)."""
 UNKNOWN_INTERVAL_S = 60.0
 """The interval assumed after a single scrape by a Prometheus: its default `scrape_interval`."""
-_SCRAPES_KEPT = 9
-"""Whole reads remembered per scraper, for its cadence."""
+_IN_FLIGHT_S = 2.0
+"""Before saying it waits, close() lets a scrape that has read the final report finish sending it."""
+STOP_S = 1.0
+"""What close() gives itself to stop serving after the final scrape."""
+_SCRAPES_KEPT = 3
+"""Whole reads remembered per client: two gaps, for its cadence."""
 _SCRAPERS_KEPT = 16
-"""Scrapers remembered; past that, the one that read least recently is forgotten."""
-_WILDCARDS = frozenset({"0.0.0.0", "::"})
+"""Clients remembered; past that, the one that read least recently is forgotten."""
 
 Scraper = tuple[str, str]
 """A client of the scrape endpoint: (address, User-Agent)."""
 
 
-def final_scrape_due(delivered_at: Sequence[float], now: float, *, prometheus: bool = False) -> float | None:
-    """The `time.monotonic()` by which a scraper keeping its cadence has read the endpoint again, or None
-    when it is no scraper or has stopped.
-
-    Prometheus scrapes a target at a fixed interval: the cadence is the median gap between the
-    reads seen, and the next read is due one interval after the last, with half an interval and a
-    second of slack. After a single read there is no cadence: a client that said it is a Prometheus
-    (`prometheus`) is due within `UNKNOWN_INTERVAL_S` and a second, any other is no scraper. A scraper
-    that let its due time pass has stopped (a removed target, a Prometheus gone): nothing is coming,
-    nothing is waited for.
-    """
-    if not delivered_at or (len(delivered_at) == 1 and not prometheus):
+def final_scrape_due(
+    delivered_at: Sequence[float], now: float, *, prometheus: bool = False, linger_s: float = DEFAULT_LINGER_S
+) -> float | None:
+    """The `time.monotonic()` by which the run's scraper, with whole reads at `delivered_at` (oldest
+    first), has read the endpoint again; None when the client is not the run's scraper (see the
+    module) or has stopped (its next scrape is overdue at `now`)."""
+    gaps = [later - earlier for earlier, later in itertools.pairwise(delivered_at)][-2:]
+    steady = len(gaps) == 2 and abs(gaps[1] - gaps[0]) <= 0.1 * max(gaps) + 0.5
+    if steady:
+        interval = max(gaps)
+    elif prometheus and delivered_at:
+        interval = UNKNOWN_INTERVAL_S
+    else:
         return None
-    gaps = sorted(later - earlier for earlier, later in itertools.pairwise(delivered_at))
-    due = delivered_at[-1] + (1.5 * gaps[len(gaps) // 2] if gaps else UNKNOWN_INTERVAL_S) + 1.0
-    return due if due > now else None
+    wait_s = 1.1 * interval + 1.0
+    due = delivered_at[-1] + wait_s
+    return due if wait_s <= linger_s and due > now else None
 
 
 @dataclass(slots=True)
-class _Scraper:
+class _Client:
     delivered_at: collections.deque[float] = field(
         default_factory=lambda: collections.deque(maxlen=_SCRAPES_KEPT)
     )
     generation: int = -1
-    """The newest report generation this scraper read whole."""
+    """The newest report generation this client read whole."""
     prometheus: bool = False
     """It sent Prometheus' scrape header."""
 
@@ -78,33 +91,34 @@ class ScrapeLog:
 
     def __init__(self) -> None:
         self._changed = threading.Condition()
-        self._scrapers: dict[Scraper, _Scraper] = {}
-        self._interrupted = False
+        self._clients: dict[Scraper, _Client] = {}
 
     def delivered(self, scraper: Scraper, generation: int, *, prometheus: bool = False) -> None:
         """`scraper` read report `generation` whole, now (`prometheus`: with Prometheus' scrape header)."""
         with self._changed:
-            entry = self._scrapers.pop(scraper, None) or _Scraper()
-            self._scrapers[scraper] = entry  # the most recent last: the first is the one to forget
-            if len(self._scrapers) > _SCRAPERS_KEPT:
-                del self._scrapers[next(iter(self._scrapers))]
+            entry = self._clients.pop(scraper, None) or _Client()
+            self._clients[scraper] = entry  # the most recent last: the first is the one to forget
+            if len(self._clients) > _SCRAPERS_KEPT:
+                del self._clients[next(iter(self._clients))]
             entry.delivered_at.append(time.monotonic())
             entry.generation = max(entry.generation, generation)
             entry.prometheus = entry.prometheus or prometheus
             self._changed.notify_all()
 
     def reads(self) -> dict[Scraper, list[float]]:
-        """`time.monotonic()` of each scraper's latest whole reads, oldest first."""
+        """`time.monotonic()` of each client's latest whole reads, oldest first."""
         with self._changed:
-            return {scraper: list(entry.delivered_at) for scraper, entry in self._scrapers.items()}
+            return {scraper: list(entry.delivered_at) for scraper, entry in self._clients.items()}
 
-    def due(self, generation: int, now: float) -> dict[Scraper, float]:
-        """The scrapers keeping their cadence that have not read report `generation`, each with the
-        time its next scrape is due (`final_scrape_due`)."""
+    def due(self, generation: int, now: float, linger_s: float) -> dict[Scraper, float]:
+        """The run's scrapers that have not read report `generation`, each with the time its next
+        scrape is due (`final_scrape_due`)."""
         with self._changed:
             due = {
-                scraper: final_scrape_due(entry.delivered_at, now, prometheus=entry.prometheus)
-                for scraper, entry in self._scrapers.items()
+                scraper: final_scrape_due(
+                    entry.delivered_at, now, prometheus=entry.prometheus, linger_s=linger_s
+                )
+                for scraper, entry in self._clients.items()
                 if entry.generation < generation
             }
         return {scraper: at for scraper, at in due.items() if at is not None}
@@ -113,87 +127,80 @@ class ScrapeLog:
         self, generation: int, due: Mapping[Scraper, float], until: float | None = None
     ) -> list[Scraper]:
         """Wait until every scraper of `due` has read report `generation` or let its due time pass
-        (or `until`, or `interrupt()`); return those that have not read it."""
+        (or `until`); return those that have not read it."""
         with self._changed:
             while True:
                 now = time.monotonic()
                 unread = [scraper for scraper in due if self._generation(scraper) < generation]
-                waiting = [due[scraper] for scraper in unread if due[scraper] > now]
-                if until is not None:
-                    waiting = [min(at, until) for at in waiting if until > now]
-                if not waiting or self._interrupted:
+                ends = [due[scraper] if until is None else min(due[scraper], until) for scraper in unread]
+                waiting = [end for end in ends if end > now]
+                if not waiting:
                     return unread
                 self._changed.wait(min(waiting) - now)
 
-    def interrupt(self) -> None:
-        """End `wait()` now (a new exporter takes the endpoint)."""
-        with self._changed:
-            self._interrupted = True
-            self._changed.notify_all()
-
     def _generation(self, scraper: Scraper) -> int:
-        entry = self._scrapers.get(scraper)
+        entry = self._clients.get(scraper)
         return -1 if entry is None else entry.generation
 
 
-@dataclass(frozen=True, slots=True)
-class _Lingering:
-    addresses: frozenset[str]
-    port: int
-    log: ScrapeLog
-    ended: threading.Event
+class FinalScrapeWait:
+    """How long a scrape endpoint's `close()` serves its final report (see the module): until the
+    run's scrapers have read it, at most `linger_s` (0: never waits). Thread-safe."""
 
+    def __init__(self, linger_s: float = DEFAULT_LINGER_S) -> None:
+        self.linger_s = linger_s
+        self.log = ScrapeLog()
+        self._lock = threading.Lock()
+        self._until: float | None = None
+        self._done = False
 
-# Process-global: a port is bound by the process, so the endpoints lingering on them are per process.
-_lingering: list[_Lingering] = []
-"""Endpoints of closed runs still serving the final report, waiting for its scrape."""
-# Process-global: guards `_lingering`, which every exporter of the process shares.
-_lingering_lock = threading.Lock()
+    def delivered(self, scraper: Scraper, generation: int, *, prometheus: bool = False) -> None:
+        """`scraper` read report `generation` whole, now."""
+        self.log.delivered(scraper, generation, prometheus=prometheus)
 
+    def closing_until(self, final: int) -> float | None:
+        """The `time.monotonic()` by which a close returns: the one serving its final report now, or
+        one started now whose final report would be `final`; None when it does not wait (and once
+        it has served it)."""
+        with self._lock:
+            if self._done or self._until is not None:
+                return self._until
+        due = self.log.due(final, time.monotonic(), self.linger_s)
+        return max(due.values()) + STOP_S if due else None
 
-def _addresses(addr: str, port: int) -> frozenset[str]:
-    """The IP addresses `addr` binds to (`localhost`: 127.0.0.1 and ::1), or `addr` if it does not resolve."""
-    try:
-        found = socket.getaddrinfo(addr or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except (OSError, UnicodeError):
-        return frozenset({addr})
-    return frozenset(str(sockaddr[0]) for *_, sockaddr in found)
+    def serve(self, final: int, subject: str, url: str | None) -> None:
+        """Wait until the run's scrapers have read report `final` or let their next scrape pass,
+        logging for whom it waits (`subject` and `url` name the endpoint)."""
+        due = self.log.due(final, time.monotonic(), self.linger_s)
+        with self._lock:
+            self._until = max(due.values()) + STOP_S if due else None
+        try:
+            if due and self.log.wait(final, due, until=time.monotonic() + _IN_FLIGHT_S):
+                self._wait(final, due, subject, url)
+        finally:
+            with self._lock:
+                self._until, self._done = None, True
 
-
-def _overlap(first: frozenset[str], second: frozenset[str]) -> bool:
-    return bool(first & second or (first | second) & _WILDCARDS)
-
-
-@contextlib.contextmanager
-def lingering(addr: str, port: int, log: ScrapeLog) -> Iterator[threading.Event]:
-    """Register `addr:port` as lingering on `log` while the block runs; the event it yields is set
-    once the block is left (the endpoint then closed), for `end_lingering` to wait on."""
-    entry = _Lingering(_addresses(addr, port), port, log, threading.Event())
-    with _lingering_lock:
-        _lingering.append(entry)
-    try:
-        yield entry.ended
-    finally:
-        with _lingering_lock:
-            _lingering.remove(entry)
-        entry.ended.set()
-
-
-def end_lingering(addr: str, port: int, name: str, timeout_s: float) -> None:
-    """End the wait of every closed run lingering on an endpoint that overlaps `addr:port`, and wait
-    (at most `timeout_s`) until it has stopped serving, for a new exporter to bind the port."""
-    addresses = _addresses(addr, port)
-    with _lingering_lock:
-        found = [entry for entry in _lingering if entry.port == port and _overlap(entry.addresses, addresses)]
-    for entry in found:
-        logger.warning(
-            "PrometheusExporter %r: port %d still served the final report of a closed run (on %s); "
-            "it is not scraped now",
-            name,
-            port,
-            ", ".join(sorted(entry.addresses)),
+    def _wait(self, final: int, due: Mapping[Scraper, float], subject: str, url: str | None) -> None:
+        logger.info(
+            "%s: waiting up to %.0f s for %s to read the final report at %s (its next scrape is due "
+            "then; close() waits past its timeout for it, at most linger_s=%gs)",
+            subject,
+            max(due.values()) - time.monotonic(),
+            _names(due),
+            url,
+            self.linger_s,
         )
-        entry.log.interrupt()
-    deadline = time.monotonic() + timeout_s
-    for entry in found:
-        entry.ended.wait(max(0.0, deadline - time.monotonic()))
+        unread = self.log.wait(final, due)
+        if unread:
+            logger.warning(
+                "%s: %s did not read the final report by the time its next scrape was due; closing "
+                "without it",
+                subject,
+                _names(unread),
+            )
+
+
+def _names(scrapers: Iterable[Scraper]) -> str:
+    """`127.0.0.1 (Prometheus/2.45.0)`, ... for the log."""
+    return ", ".join(f"{address} ({agent or 'no User-Agent'})" for address, agent in scrapers)

@@ -201,7 +201,7 @@ class ExportHub:
 
         An exporter still busy at the deadline is abandoned (its daemon thread
         is left behind and a warning logged), except one that waits for its readers to read the
-        final report (`closing_until()`: the scrape endpoint, bounded by its scrapers' cadence),
+        final report (`BaseExporter.closing_until()`: the scrape endpoint, at most its `linger_s`),
         waited for until then. A second call only warns.
         """
         check_same_process(self._pid, "ExportHub.close")

@@ -87,7 +87,9 @@ class OTelExporter(BaseExporter):
     Headers, timeout and compression fall back to `OTEL_EXPORTER_OTLP_[METRICS_]HEADERS`,
     `_TIMEOUT` and `_COMPRESSION` the same way. Header values are never logged: one the transport
     cannot send as given (a token read from a file with its trailing newline) is refused here, with
-    a `ValueError` naming the header, before the SDK would log it.
+    a `ValueError` naming the header, before the SDK would log it. An endpoint with a query string
+    (`?api_key=...`) is refused too: the SDK logs the query with each failed push; a token goes in a
+    header.
     `OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE` (`cumulative`, `delta`,
     `lowmemory`) is honoured as the specification defines it for synchronous
     counters and histograms.
@@ -127,6 +129,14 @@ class OTelExporter(BaseExporter):
             raise ValueError(f"OTelExporter: compression must be one of {_COMPRESSIONS}, got {compression!r}")
         self.endpoint = metrics_endpoint(self.protocol, endpoint)
         """The metrics endpoint, resolved by the OTLP rule (may hold credentials: log `url`)."""
+        if "?" in self.endpoint or "#" in self.endpoint:
+            raise ValueError(
+                f"OTelExporter: the endpoint {redact_url(self.endpoint)} has a query or a fragment; a "
+                "token there would reach the logs (the OpenTelemetry SDK logs the URL's path and query "
+                "with every failed push): pass it as a header, headers={'api-key': ...} or "
+                "OTEL_EXPORTER_OTLP_HEADERS=api-key=... (the name your backend takes), and the endpoint "
+                "without a query"
+            )
         if self.protocol == "grpc" and has_user_info(self.endpoint):
             raise ValueError(
                 "OTelExporter: a gRPC endpoint cannot carry credentials (user:password@host); "

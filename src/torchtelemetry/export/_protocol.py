@@ -74,9 +74,8 @@ class Exporter(Protocol):
     `preferred_temporality` mapping (`{MetricKind.HISTOGRAM: Temporality.DELTA}`): the hub then
     hands it what changed since the last report it accepted.
 
-    An exporter whose readers pull (a scrape endpoint) may declare an optional `closing_until()`:
-    while its `close()` waits for them to read the final report, the `time.monotonic()` by which
-    it returns, else None; the hub's close then waits that long for it, past its own deadline.
+    `close()` is bounded by its `timeout_s`; a `BaseExporter` whose readers pull (a scrape
+    endpoint) may say it waits longer for them (`BaseExporter.closing_until()`).
     """
 
     name: str

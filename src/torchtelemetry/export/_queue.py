@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from torchtelemetry.export._base import FailureLog, LogThrottle
+from torchtelemetry.export._base import BaseExporter, FailureLog, LogThrottle
 from torchtelemetry.export._health import ExporterHealth
 from torchtelemetry.export._protocol import Exporter, ExporterStartError, ExportResult, RunInfo
 from torchtelemetry.export._temporality import DeltaConverter, preferred_temporality
@@ -143,9 +143,9 @@ class ExporterQueue:
 
         The returned function waits at most `timeout_s` from now and returns True when the
         exporter flushed in time; a close waits longer while the exporter says it is waiting for
-        its readers (`closing_until()`: the scrape endpoint waiting for the final scrape). A close
-        still running at its deadline abandons the thread (a warning says so). Queue every
-        exporter's finish before waiting for any of them.
+        its readers (`BaseExporter.closing_until()`: the scrape endpoint waiting for the final
+        scrape). A close still running at its deadline abandons the thread (a warning says so).
+        Queue every exporter's finish before waiting for any of them.
         """
         barrier = _Barrier(time.monotonic() + timeout_s, close)
         self._put(barrier)
@@ -265,11 +265,12 @@ class ExporterQueue:
 
 
 def _closing_until(exporter: Exporter) -> float | None:
-    """The exporter's optional `closing_until()`: while its close waits for its readers, the
-    `time.monotonic()` by which it returns."""
-    closing_until = getattr(exporter, "closing_until", None)
+    """A `BaseExporter`'s `closing_until()`: while its close waits for its readers, the
+    `time.monotonic()` by which it returns (None for any other exporter)."""
+    if not isinstance(exporter, BaseExporter):
+        return None
     try:
-        return closing_until() if callable(closing_until) else None
+        return exporter.closing_until()
     except Exception:
         logger.exception("exporter %r: closing_until raised", exporter.name)
         return None

@@ -21,7 +21,7 @@ from torchtelemetry.report._naming import (
     sanitize_path,
     validate_path,
 )
-from torchtelemetry.report._publisher import WindowPublisher, describe_with_signals
+from torchtelemetry.report._publisher import Submit, WindowPublisher, describe_with_signals
 from torchtelemetry.report._ranks import RankSeriesLimit
 from torchtelemetry.report._totals import RunningTotals, difference
 from torchtelemetry.report._values import HistogramValue, MetricDescriptor, ReportValue, ReportValues
@@ -36,10 +36,11 @@ from torchtelemetry.report.signals import (
     DEFAULT_TOP_K,
     HANG_DESCRIPTORS,
     MIN_HISTORY,
+    GoodputReading,
+    GoodputSource,
     Heartbeat,
     HostTimer,
     PhaseTimer,
-    ProgressFile,
     RankBeat,
     SignalContext,
     SignalSet,
@@ -47,8 +48,8 @@ from torchtelemetry.report.signals import (
     builtin_signals,
     check_phase_names,
     find_hang,
+    goodput_gauges,
     hang_values,
-    progress_path,
     signal_descriptors,
 )
 
@@ -69,8 +70,9 @@ __all__ = [
     "find_hang",
     "hang_values",
     "PhaseTimer",
-    "ProgressFile",
-    "progress_path",
+    "GoodputReading",
+    "GoodputSource",
+    "goodput_gauges",
     "SignalContext",
     "SignalSet",
     "check_phase_names",
@@ -86,6 +88,7 @@ __all__ = [
     "RunningTotals",
     "ReportValue",
     "ReportValues",
+    "Submit",
     "WindowPublisher",
     "WindowTiming",
     "allocator_metrics",

@@ -31,7 +31,7 @@ from torchtelemetry.report.signals._builtin import (
 )
 from torchtelemetry.report.signals._clock import EventClock, HostClock, HostTimer, PhaseClock, PhaseTimer
 from torchtelemetry.report.signals._data_wait import DATA_PHASE, DataWait
-from torchtelemetry.report.signals._goodput import Goodput
+from torchtelemetry.report.signals._goodput import Goodput, GoodputReading, GoodputSource, goodput_gauges
 from torchtelemetry.report.signals._hang import (
     BETWEEN_PHASES,
     COLLECT_PHASE,
@@ -62,7 +62,6 @@ from torchtelemetry.report.signals._nvml import (
 )
 from torchtelemetry.report.signals._peak_memory import PeakMemory
 from torchtelemetry.report.signals._phases import DEFAULT_PHASES, Phases, check_phase_names
-from torchtelemetry.report.signals._progress import ProgressFile, ProgressRecord, progress_path
 from torchtelemetry.report.signals._set import SignalSet
 from torchtelemetry.report.signals._spikes import MIN_HISTORY, Spikes
 from torchtelemetry.report.signals._step_time import StepTime
@@ -117,6 +116,8 @@ __all__ = [
     "EventClock",
     "GpuHealth",
     "Goodput",
+    "GoodputReading",
+    "GoodputSource",
     "HostClock",
     "HostTimer",
     "MemoryHealth",
@@ -125,8 +126,6 @@ __all__ = [
     "PhaseClock",
     "PhaseTimer",
     "Phases",
-    "ProgressFile",
-    "ProgressRecord",
     "RankValues",
     "Signal",
     "SignalContext",
@@ -146,7 +145,7 @@ __all__ = [
     "lowest_rank",
     "memory_descriptors",
     "open_nvml",
-    "progress_path",
+    "goodput_gauges",
     "resident_bytes",
     "watched_metrics",
 ]

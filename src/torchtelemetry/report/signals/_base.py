@@ -23,7 +23,6 @@ from torchtelemetry.report._values import MetricDescriptor, ReportValue
 
 if TYPE_CHECKING:
     from torchtelemetry.report.signals._clock import HostTimer, PhaseTimer
-    from torchtelemetry.report.signals._progress import ProgressFile
 
 __all__ = [
     "RankValues",
@@ -126,16 +125,6 @@ class Signal:
         """`Telemetry.watch_layers(model, ...)` (the window reduced over `group`): True if this signal
         watches `model`'s layers (it hooks them), False if it takes no note."""
         return False
-
-    def checkpoint_saved(self, step: int) -> None:
-        """A checkpoint of step `step` is durable."""
-
-    def adopt_run(self, run_id: str) -> None:
-        """The run is (from now on) `run_id`."""
-
-    def run_progress(self) -> ProgressFile | None:
-        """The progress file a resumed run reads its run id and step from (None: none kept here)."""
-        return None
 
     def check(self, keyword: str, value: Any) -> None:
         """Raise, naming the signal, if `value` given as `keyword` cannot be recorded. Runs for every

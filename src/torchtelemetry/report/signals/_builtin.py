@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import torch
@@ -13,7 +12,7 @@ from torchtelemetry.report._ranks import RankSeriesLimit
 from torchtelemetry.report._values import MetricDescriptor
 from torchtelemetry.report.signals._base import Signal, SignalContext
 from torchtelemetry.report.signals._data_wait import DataWait
-from torchtelemetry.report.signals._goodput import Goodput
+from torchtelemetry.report.signals._goodput import Goodput, GoodputSource
 from torchtelemetry.report.signals._hang import HANG_DESCRIPTORS
 from torchtelemetry.report.signals._layers import DEFAULT_MAX_LAYER_SERIES, LayerStatistics
 from torchtelemetry.report.signals._learning_rate import LearningRate
@@ -55,14 +54,14 @@ def builtin_signals(
     nonfinite: Sequence[str] | None = None,
     spike_sigma: float = DEFAULT_SPIKE_SIGMA,
     spike_windows: int = DEFAULT_SPIKE_WINDOWS,
-    run_id: str = "",
-    progress_file: str | os.PathLike[str] | None = None,
+    goodput: GoodputSource | None = None,
     nvml: bool = False,
     every: int = 10,
     max_layer_series: int = DEFAULT_MAX_LAYER_SERIES,
 ) -> list[Signal]:
     """Every built-in signal of one `Telemetry` (its `TelemetryConfig` fields of the same names;
-    `leaves` are the user's metrics, `flops` from `ModelFlops.resolve`), in the order they derive:
+    `leaves` are the user's metrics, `flops` from `ModelFlops.resolve`, `goodput` the run's goodput
+    state, without which goodput is only described), in the order they derive:
     a signal that reads another's window values comes after it (model FLOPs after the counts, the
     phases after the data wait and the sync wait)."""
     watched = watched_metrics(leaves, nonfinite)
@@ -78,7 +77,7 @@ def builtin_signals(
         NonFiniteSentinel(context, watched),
         Spikes(context, tuple(watched), sigma=spike_sigma, windows=spike_windows),
         MemoryHealth(context),
-        Goodput(context, run_id=run_id, progress_file=progress_file),
+        Goodput(context, goodput),
         LayerStatistics(context, every=every, max_layer_series=max_layer_series),
     ]
     if flops is not None:

@@ -12,14 +12,13 @@ from torchtelemetry.report.signals._base import Signal, WindowTiming
 from torchtelemetry.report.signals._clock import HostTimer, PhaseTimer
 from torchtelemetry.report.signals._data_wait import DATA_PHASE
 from torchtelemetry.report.signals._hang import Heartbeat
-from torchtelemetry.report.signals._progress import ProgressFile
 from torchtelemetry.report.signals._sync_wait import CommHook
 
 __all__ = ["SignalSet"]
 
 
 class SignalSet:
-    """Routes `Telemetry.step()` keywords, `phase()` sections, checkpoints and windows to signals.
+    """Routes `Telemetry.step()` keywords, `phase()` sections and windows to signals.
 
     Signals derive in the order given: one that reads another's raw values (throughput reads the
     token count) comes after it. Names, keywords and metric paths must not repeat.
@@ -38,16 +37,6 @@ class SignalSet:
             raise ValueError(f"SignalSet: signal names, step keywords or phases {repeated} are used twice")
         self._by_keyword = {keyword: signal for signal in self.signals for keyword in signal.keywords}
         self._timers = dict(timers)
-
-    @property
-    def progress(self) -> ProgressFile | None:
-        """The progress file a resumed run reads (None without one)."""
-        return next((found for signal in self.signals if (found := signal.run_progress())), None)
-
-    def adopt_run(self, run_id: str) -> None:
-        """Tell every signal the run is `run_id` (goodput writes its progress file under it)."""
-        for signal in self.signals:
-            signal.adopt_run(run_id)
 
     @property
     def keywords(self) -> frozenset[str]:
@@ -136,10 +125,6 @@ class SignalSet:
         ]
         if not any(watched):
             raise ValueError("Telemetry.watch_layers: no signal here watches layers")
-
-    def checkpoint_saved(self, step: int) -> None:
-        for signal in self.signals:
-            signal.checkpoint_saved(step)
 
     def flush(self, duration_s: float, *, final: bool = False) -> None:
         for signal in self.signals:

@@ -1,4 +1,10 @@
-"""`ProgressFile`: the last step a run's exporting rank collected, kept in a file beside its checkpoints.
+"""The progress file: the last step a run's exporting rank reported, and whether the run finished,
+kept in a file beside its checkpoints.
+
+It serves two ends: a resumed attempt counts the steps it trains again (the file's step past the
+checkpoint's: goodput's recomputed steps), and a launch that finds the file of a run that did not
+finish continues that run's id (`resolve_run_identity`). `close()` records the end, so a fresh run
+started beside a finished run's file is a new run.
 
 One writer per file: the exporting rank of each group writes its own file (`progress_path`: a group
 smaller than the world adds its run id suffix to the name), on a thread of its own that holds at
@@ -7,8 +13,8 @@ the publishing thread. A write goes to `<name>.partial`, created with `O_EXCL | 
 symlink planted there is never followed), and is renamed over the file.
 
 Reading takes only what the library wrote: a regular file holding a JSON object with a non-empty
-string `run_id` and a non-negative integer `step`. Anything else (a FIFO, another shape, garbage)
-is logged once and ignored.
+string `run_id`, a non-negative integer `step` and, once the run finished, `"finished": true`.
+Anything else (a FIFO, another shape, garbage) is logged once and ignored.
 """
 
 from __future__ import annotations
@@ -20,8 +26,9 @@ import stat
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
-__all__ = ["ProgressFile", "ProgressRecord", "progress_path"]
+__all__ = ["ProgressFile", "ProgressRecord", "RunProgress", "progress_path"]
 
 logger = logging.getLogger(__name__)
 
@@ -30,8 +37,16 @@ CLOSE_TIMEOUT_S = 5.0
 _MAX_BYTES = 4096
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
 
-ProgressRecord = tuple[str, int]
-"""The run id and the last step collected."""
+
+class ProgressRecord(NamedTuple):
+    """What a progress file holds."""
+
+    run_id: str
+    """The run exported (with its group's suffix)."""
+    step: int
+    """The last step reported."""
+    finished: bool = False
+    """The run's `close()` recorded its end: a launch beside the file is a new run."""
 
 
 def progress_path(path: str | os.PathLike[str], run_id_suffix: str) -> Path:
@@ -44,7 +59,7 @@ def progress_path(path: str | os.PathLike[str], run_id_suffix: str) -> Path:
 class ProgressFile:
     """Reads and (from its own daemon thread, `torchtelemetry-progress`) writes one progress file.
 
-    `opener(path, flags)` opens the `.partial` file for writing (default `os.open` with mode 0o644).
+    `opener(path, flags)` opens the `.partial` file for writing (default `os.open` with mode 0o600).
     """
 
     def __init__(
@@ -52,7 +67,7 @@ class ProgressFile:
     ) -> None:
         self.path = Path(path)
         self._partial = self.path.with_name(self.path.name + ".partial")
-        self._opener = opener or (lambda name, flags: os.open(name, flags, 0o644))
+        self._opener = opener or (lambda name, flags: os.open(name, flags, 0o600))
         self._changed = threading.Condition()
         self._pending: ProgressRecord | None = None
         self._writing = False
@@ -88,12 +103,14 @@ class ProgressFile:
             return self._ignored(f"is not JSON ({error})")
         if not isinstance(progress, dict):
             return self._ignored(f"holds {type(progress).__name__}, not an object")
-        run_id, step = progress.get("run_id"), progress.get("step")
+        run_id, step, finished = progress.get("run_id"), progress.get("step"), progress.get("finished", False)
         if not isinstance(run_id, str) or not run_id:
             return self._ignored(f"has no run id (run_id={run_id!r})")
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             return self._ignored(f"has no step (step={step!r}, expected an integer >= 0)")
-        return run_id, step
+        if not isinstance(finished, bool):
+            return self._ignored(f"has no finished state (finished={finished!r}, expected true or false)")
+        return ProgressRecord(run_id, step, finished)
 
     def _ignored(self, problem: str) -> None:
         if not self._warned:
@@ -106,13 +123,13 @@ class ProgressFile:
             )
         return None
 
-    def write(self, run_id: str, step: int) -> None:
-        """Hand the record to the writer thread and return at once; a newer record replaces one not
+    def write(self, record: ProgressRecord) -> None:
+        """Hand `record` to the writer thread and return at once; a newer record replaces one not
         yet written."""
         with self._changed:
             if self._closed:
                 return
-            self._pending = (run_id, step)
+            self._pending = record
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="torchtelemetry-progress", daemon=True)
                 self._thread.start()
@@ -127,14 +144,14 @@ class ProgressFile:
                     return
                 self._writing = True
             try:
-                self._write(*record)
+                self._write(record)
             finally:
                 with self._changed:
                     self._writing = False
                     self._changed.notify_all()
 
-    def _write(self, run_id: str, step: int) -> None:
-        content = json.dumps({"run_id": run_id, "step": step}).encode()
+    def _write(self, record: ProgressRecord) -> None:
+        content = json.dumps(record._asdict()).encode()
         try:
             descriptor = self._create_partial()
             try:
@@ -170,3 +187,56 @@ class ProgressFile:
                 self.path,
                 timeout_s,
             )
+
+
+class RunProgress:
+    """One run's progress file as the run uses it: the exporting rank (`writes`) records each step
+    reported under the run's current id, and the end at `close()`; every rank reads the step the
+    file holds for this run (recomputed steps after a restart)."""
+
+    def __init__(self, file: ProgressFile, run_id: str, *, writes: bool) -> None:
+        self.file = file
+        self._run_id = run_id
+        self._writes = writes
+        self._last_step: int | None = None
+        self._lock = threading.Lock()
+
+    def adopt_run(self, run_id: str) -> None:
+        """The run is (from now on) `run_id`: later records are written under it."""
+        with self._lock:
+            self._run_id = run_id
+
+    def reported(self, step: int) -> None:
+        """A report of step `step` was handed to the exporters (from any thread; never waits)."""
+        if not self._writes:
+            return
+        with self._lock:
+            self._last_step = step
+            record = ProgressRecord(self._run_id, step)
+        self.file.write(record)
+
+    def reached_step(self) -> int | None:
+        """The last step the file holds for this run, if it holds this run's (logged once if not)."""
+        record = self.file.read()
+        if record is None:
+            return None
+        with self._lock:
+            run_id = self._run_id
+        if record.run_id != run_id:
+            logger.warning(
+                "Telemetry: progress_file %s belongs to run %r, not %r; recomputed steps not counted",
+                self.file.path,
+                record.run_id,
+                run_id,
+            )
+            return None
+        return record.step
+
+    def close(self, *, finished: bool) -> None:
+        """Record the end (`finished`: the run ended here, rather than stopping after a failure) and
+        stop the writer."""
+        with self._lock:
+            last = None if self._last_step is None else ProgressRecord(self._run_id, self._last_step, True)
+        if finished and last is not None:
+            self.file.write(last)
+        self.file.close()
