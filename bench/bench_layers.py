@@ -1,18 +1,20 @@
 """Step cost of `Telemetry.watch_layers` on a small transformer, averaged over a window and on the
 measured step itself; bytes each layer adds to the window's collective.
 
-    .venv/bin/python -m bench.bench_layers                # --windows 6 --every 50 --width 256
+    .venv/bin/python -m bench.bench_layers                # --windows 6 --calibrate 2 --every 50 --width 256
     python -m bench.bench_layers --device cuda            # on a GPU (times with synchronize per step)
 
-One process (no process group). Three variants train copies of the same model with the same
-batches (forward, backward, SGD step, `telemetry.step()`, a window every `--every` steps): a
-`Telemetry` without `watch_layers`; one with `watch_layers(model, every=--every)` (norms measured
-once per window; every step each layer's output and gradients are checked for NaN); and the same
-with `nonfinite=False` (the norms only). The variants take turns step by step, so a load that
-comes and goes on a shared host falls on all alike, and each step is timed: on CPU by the
-training thread's CPU time (torch on one thread; autograd runs on it), on CUDA by wall time with a
-synchronize per step. Reported, after one window of warm-up: the mean step of each over whole
-windows (the issue's goal: under 1 % more), and against the variant without, the median of the
+One process (no process group). Three copies of the same model train on the same batches
+(forward, backward, SGD step, `telemetry.step()`, a window every `--every` steps), taking turns step
+by step, so a load that comes and goes on a shared host falls on all alike. Each step is timed: on
+CPU by the training thread's CPU time (torch on one thread; autograd runs on it), on CUDA by wall
+time with a synchronize per step. After one window of warm-up, `--calibrate` windows run with no
+layer watched, to measure how fast each copy is on its own (copies in other memory run a percent
+or so apart, as fast as each other or not); then one copy gets `watch_layers(model,
+every=--every)` (norms measured once per window; every step each layer's output and gradients are
+checked for NaN), another `watch_layers(..., nonfinite=False)` (the norms only), and `--windows`
+windows run. Reported, each copy's times divided by its calibrated speed: the mean step over the
+windows against the copy without (the issue's goal: under 1 % more), and the median of the
 step-by-step differences on the measured steps and on the others.
 """
 
@@ -84,6 +86,7 @@ def _stepper(model: nn.Module, telemetry: tt.Telemetry, device: torch.device):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--windows", type=int, default=6)
+    parser.add_argument("--calibrate", type=int, default=2)
     parser.add_argument("--every", type=int, default=50)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--width", type=int, default=256)
@@ -112,23 +115,33 @@ def main() -> None:
         )
         for name in models
     }
-    telemetries["watch_layers"].watch_layers(models["watch_layers"], every=args.every)
-    telemetries["nonfinite=False"].watch_layers(models["nonfinite=False"], every=args.every, nonfinite=False)
     steppers = {name: _stepper(models[name], telemetries[name], device) for name in models}
     times: dict[str, list[float]] = {name: [] for name in models}
-    steps = (args.windows + 1) * args.every
-    for index in range(steps):
-        tokens = torch.randint(vocab, (args.batch, args.sequence), device=device)
-        order = list(models)
-        for name in order[index % len(order) :] + order[: index % len(order)]:  # who goes first rotates
-            times[name].append(steppers[name](index, tokens))
+
+    def train(windows: int) -> dict[str, list[float]]:
+        first = len(times["without"])
+        for index in range(first, first + windows * args.every):
+            tokens = torch.randint(vocab, (args.batch, args.sequence), device=device)
+            order = list(models)
+            for name in order[index % len(order) :] + order[: index % len(order)]:  # who goes first rotates
+                times[name].append(steppers[name](index, tokens))
+        return {name: values[first:] for name, values in times.items()}
+
+    train(1)
+    calibrated = train(args.calibrate)
+    speed = {
+        name: statistics.fmean(values) / statistics.fmean(calibrated["without"])
+        for name, values in calibrated.items()
+    }
+    telemetries["watch_layers"].watch_layers(models["watch_layers"], every=args.every)
+    telemetries["nonfinite=False"].watch_layers(models["nonfinite=False"], every=args.every, nonfinite=False)
+    kept = {name: [t / speed[name] for t in values] for name, values in train(args.windows).items()}
     state = telemetries["watch_layers"]._signals.metrics()["train/layer/window"]
     layers = len(state.layers)
     payload = sum(acc.local.numel() * acc.local.element_size() for acc in state.accumulators.values())
     for telemetry in telemetries.values():
         telemetry.close()
 
-    kept = {name: values[args.every :] for name, values in times.items()}  # after a window of warm-up
     mean = {name: statistics.fmean(values) for name, values in kept.items()}
     base = mean["without"]
     parameters = sum(p.numel() for p in base_model.parameters())
@@ -137,6 +150,9 @@ def main() -> None:
         f"{'1 thread, ' if device.type == 'cpu' else ''}transformer width {args.width} depth {args.depth} "
         f"({parameters / 1e6:.1f} M parameters, {layers} layers watched), "
         f"batch {args.batch}x{args.sequence}, window every {args.every} steps, {args.windows} windows"
+    )
+    print(
+        "calibrated speed of each copy: " + ", ".join(f"{name} {value:.4f}" for name, value in speed.items())
     )
     for name, value in mean.items():
         print(f"{name:<16} mean step {value * 1e3:9.3f} ms  {100 * (value - base) / base:+6.2f}%")
