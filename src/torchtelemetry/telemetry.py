@@ -259,10 +259,12 @@ class Telemetry:
         beyond the window's; with `nonfinite`, every step each layer's output and gradients are
         checked for NaN and Inf, one read of each (docs/signals.md, "Per-layer statistics"). Call it
         once, after wrapping the model, on every rank, before the window it is to start in (and
-        before `load_state_dict`); `close()` removes its hooks. With `signals=False`, nothing.
+        before `load_state_dict`): it waits for the collections in flight. `close()` removes its
+        hooks. With `signals=False`, nothing.
         """
         self._require_open("watch_layers")
         if self._signals is not None:
+            self._windows.drain(block=True)  # the windows in flight were laid out without the layers
             self._signals.watch_layers(
                 model, layers=layers, stats=stats, every=every, group=self.config.group, nonfinite=nonfinite
             )

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from tests.distributed import RankFailed, run_ranks
 NAN = float("nan")
 WINDOW = 2
 STEPS = 4
-LAYERS = {"dtensor": ("0", "2", "3")}
+LAYERS = {"ddp": ("0", "1", "3"), "dtensor": ("0", "2", "3")}
 """The modules that hold parameters: Linear, LayerNorm, Linear for `_model()`; Linear, Linear,
 LayerNorm for the tensor parallel one."""
 
@@ -101,7 +102,7 @@ def _exactness(rank: int, world_size: int, kind: str) -> list[tuple[dict, dict]]
     for step in range(STEPS):
         loss = model(torch.randn(8, 6)).pow(2).mean()
         loss.backward()
-        reference = _reference(named, LAYERS.get(kind, ("0", "1", "3"))) if (step + 1) % WINDOW == 0 else None
+        reference = _reference(named, LAYERS.get(kind, LAYERS["ddp"])) if (step + 1) % WINDOW == 0 else None
         optimizer.step()
         optimizer.zero_grad()
         telemetry.step(step)
@@ -169,6 +170,77 @@ def test_a_nan_produced_in_a_forward_output_is_named_by_its_layer_and_forward() 
     # Layer 1's output on rank 1 at step 2; layer 3's output follows from it, later in the forward.
     assert born["train/layer/first_nonfinite/forward"] == {"1": 2.0}
     assert born["train/layer/first_nonfinite_rank/forward"] == {"1": 1.0}
+
+
+class _NanGradient(torch.autograd.Function):
+    """The identity, whose backward makes the gradient NaN."""
+
+    @staticmethod
+    def forward(ctx, tensor):
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, gradient):
+        return gradient * NAN
+
+
+def _nan_born_under_fsdp(rank: int, world_size: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = _model()
+    poisoned = {"on": False}
+    model[3].register_forward_hook(
+        lambda module, args, output: _NanGradient.apply(output) if poisoned["on"] else None
+    )
+    mesh = init_device_mesh("cpu", (world_size,))
+    for layer in ("0", "3"):
+        fully_shard(model.get_submodule(layer), mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    telemetry = _telemetry()
+    telemetry.watch_layers(model)  # the gradients checked are the unsharded ones FSDP swaps in
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.manual_seed(rank)
+    for step in range(4):
+        poisoned["on"] = step == 2 and rank == 1
+        model(torch.randn(8, 6)).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        telemetry.step(step)
+    telemetry.close()
+    return {name: value for name, value in telemetry.latest.items() if "first_nonfinite" in name}
+
+
+@pytest.mark.timeout(180)
+def test_under_fsdp2_a_nan_in_a_gradient_is_named_by_the_rank_whose_own_gradient_had_it() -> None:
+    born = run_ranks(_nan_born_under_fsdp, 2, timeout_s=150)[0]
+    # Rank 1's gradient of layer 3's output turned NaN at step 2: its own unsharded gradients, before
+    # the reduce-scatter gave a NaN shard to every rank; layer 3 is the first the backward reaches.
+    assert born["train/layer/first_nonfinite/backward"] == {"3": 2.0}
+    assert born["train/layer/first_nonfinite_rank/backward"] == {"3": 1.0}
+
+
+def _watch_while_a_window_is_in_flight(rank: int, world_size: int) -> dict:
+    model = nn.parallel.DistributedDataParallel(_model())
+    telemetry = _telemetry()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(2 * WINDOW):
+        if step == WINDOW - 1 and rank == 1:
+            time.sleep(1.0)  # rank 0 schedules the first window, then watches, while it waits for rank 1
+        model(torch.randn(8, 6)).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        telemetry.step(step)
+        if step == WINDOW - 1:
+            telemetry.watch_layers(model)
+    telemetry.close()
+    return {name: value for name, value in telemetry.latest.items() if name.startswith("train/layer/")}
+
+
+@pytest.mark.timeout(180)
+def test_watching_while_a_window_is_in_flight_collects_that_window_first() -> None:
+    for latest in run_ranks(_watch_while_a_window_is_in_flight, 2, timeout_s=150):
+        assert set(latest["train/layer/grad_norm"]) == set(LAYERS["ddp"])
 
 
 COLLECTIVES = (

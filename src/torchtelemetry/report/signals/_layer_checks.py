@@ -129,7 +129,10 @@ class LayerChecks:
         for index, module in enumerate(modules):
             self._handles.append(module.register_forward_hook(self._output_check(index)))
         for slot, parameter in enumerate(parameters, start=self._layers):
-            self._hook_gradient(parameter.current(), slot, parameter.layer)
+            tensor = parameter.current()
+            if not (swapped and tensor is not None and is_dtensor(tensor)):
+                # (FSDP2 runs a sharded parameter's hooks on the gradient reduce-scattered over ranks)
+                self._hook_gradient(tensor, slot, parameter.layer)
         if swapped:  # FSDP2 computes with unsharded parameters it swaps in before a forward: hook those
             for owner in {id(p.owner): p.owner for p in parameters}.values():
                 self._handles.append(owner.register_forward_pre_hook(self._hook_current(owner)))
