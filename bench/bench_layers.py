@@ -15,7 +15,10 @@ every=--every)` (norms measured once per window; every step each layer's output 
 checked for NaN), another `watch_layers(..., nonfinite=False)` (the norms only), and `--windows`
 windows run. Reported, each copy's times divided by its calibrated speed: the mean step over the
 windows against the copy without (the issue's goal: under 1 % more), and the median of the
-step-by-step differences on the measured steps and on the others.
+step-by-step differences on the measured steps and on the others. Copies of a model run a few
+percent apart however they are calibrated on a busy host, so the figure that holds is the last:
+the training thread's time inside watch_layers' own code (the checks, their fold once per step,
+the measurement), added up by wrapping those calls.
 """
 
 from __future__ import annotations
@@ -83,6 +86,30 @@ def _stepper(model: nn.Module, telemetry: tt.Telemetry, device: torch.device):
     return step
 
 
+def _time_watch_layers(telemetry: tt.Telemetry) -> dict[str, float]:
+    """Add up the time the training thread spends in watch_layers' checks, their fold and the
+    measurement of the norms (wrapping the objects `watch_layers` made)."""
+    spent = dict.fromkeys(("checks", "fold", "measure"), 0.0)
+    signal = next(s for s in telemetry._signals.signals if s.name == "layers")
+    watched = signal._layers
+    for owner, attr, key in (
+        (watched.checks, "_probe", "checks"),
+        (watched.checks, "fold", "fold"),
+        (watched, "measure", "measure"),
+    ):
+        original = getattr(owner, attr)
+
+        def timed(*args, _original=original, _key=key, **kwargs):
+            start = time.thread_time()
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                spent[_key] += time.thread_time() - start
+
+        setattr(owner, attr, timed)
+    return spent
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--windows", type=int, default=6)
@@ -135,6 +162,7 @@ def main() -> None:
     }
     telemetries["watch_layers"].watch_layers(models["watch_layers"], every=args.every)
     telemetries["nonfinite=False"].watch_layers(models["nonfinite=False"], every=args.every, nonfinite=False)
+    spent = _time_watch_layers(telemetries["watch_layers"])
     kept = {name: [t / speed[name] for t in values] for name, values in train(args.windows).items()}
     state = telemetries["watch_layers"]._signals.metrics()["train/layer/window"]
     layers = len(state.layers)
@@ -166,6 +194,15 @@ def main() -> None:
                 f"{name}, {label}: median difference {median * 1e3:+.3f} ms "
                 f"({100 * median / base:+.2f}% of the mean step, {len(values)} steps)"
             )
+    steps = args.windows * args.every
+    checks = (spent["checks"] + spent["fold"]) / steps
+    print(
+        f"watch_layers' own code on the training thread ({'CPU' if device.type == 'cpu' else 'launch'} "
+        f"time): checks {checks * 1e3:.3f} ms per step ({100 * checks / base:.2f}%), measurement "
+        f"{spent['measure'] / args.windows * 1e3:.3f} ms per measured step "
+        f"({100 * spent['measure'] / args.windows / base:.2f}% of a step, "
+        f"{100 * spent['measure'] / steps / base:.3f}% averaged over the window)"
+    )
     print(
         f"window payload added: {payload} bytes for {layers} layers = "
         f"{payload / max(layers, 1):.0f} bytes per layer"
