@@ -120,6 +120,9 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=4)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--sequence", type=int, default=128)
+    parser.add_argument(
+        "--blocks", action="store_true", help="watch the blocks, the embedding and the head (layers=...)"
+    )
     args = parser.parse_args()
     device = torch.device(args.device)
     if device.type == "cpu":
@@ -160,8 +163,11 @@ def main() -> None:
         name: statistics.fmean(values) / statistics.fmean(calibrated["without"])
         for name, values in calibrated.items()
     }
-    telemetries["watch_layers"].watch_layers(models["watch_layers"], every=args.every)
-    telemetries["nonfinite=False"].watch_layers(models["nonfinite=False"], every=args.every, nonfinite=False)
+    paths = [f"blocks.{i}" for i in range(args.depth)] + ["embed", "norm", "head"] if args.blocks else None
+    telemetries["watch_layers"].watch_layers(models["watch_layers"], every=args.every, layers=paths)
+    telemetries["nonfinite=False"].watch_layers(
+        models["nonfinite=False"], every=args.every, layers=paths, nonfinite=False
+    )
     spent = _time_watch_layers(telemetries["watch_layers"])
     kept = {name: [t / speed[name] for t in values] for name, values in train(args.windows).items()}
     state = telemetries["watch_layers"]._signals.metrics()["train/layer/window"]

@@ -122,7 +122,6 @@ class LayerChecks:
         """Layer index -> place in the order the layers' outputs were first checked."""
         self.backward_order: dict[int, int] = {}
         """Layer index -> place in the order the layers' gradients were first checked."""
-        self._parameters = list(parameters)
         self._slots_of: WeakIdKeyDictionary = WeakIdKeyDictionary()
         """Parameter object -> its probe slots (a parameter two layers hold has two)."""
         self._handles: list[Any] = []
@@ -134,8 +133,11 @@ class LayerChecks:
                 # (FSDP2 runs a sharded parameter's hooks on the gradient reduce-scattered over ranks)
                 self._hook_gradient(tensor, slot, parameter.layer)
         if swapped:  # FSDP2 computes with unsharded parameters it swaps in before a forward: hook those
-            for owner in {id(p.owner): p.owner for p in parameters}.values():
-                self._handles.append(owner.register_forward_pre_hook(self._hook_current(owner)))
+            owned: dict[int, list[tuple[int, LayerParameter]]] = {}
+            for slot, parameter in enumerate(parameters, start=self._layers):
+                owned.setdefault(id(parameter.owner), []).append((slot, parameter))
+            for held in owned.values():
+                self._handles.append(held[0][1].owner.register_forward_pre_hook(self._hook_current(held)))
 
     def _output_check(self, layer: int) -> Callable[..., None]:
         def check(module: nn.Module, args: Any, output: Any) -> None:
@@ -150,11 +152,12 @@ class LayerChecks:
 
         return check
 
-    def _hook_current(self, owner: nn.Module) -> Callable[..., None]:
+    def _hook_current(self, held: list[tuple[int, LayerParameter]]) -> Callable[..., None]:
+        """A forward pre-hook for the owner of `held` (probe slot, parameter): hook its current ones."""
+
         def hook(module: nn.Module, args: Any) -> None:
-            for slot, parameter in enumerate(self._parameters, start=self._layers):
-                if parameter.owner is owner:
-                    self._hook_gradient(parameter.current(), slot, parameter.layer)
+            for slot, parameter in held:
+                self._hook_gradient(parameter.current(), slot, parameter.layer)
 
         return hook
 
