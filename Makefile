@@ -30,8 +30,7 @@ lint: $(STAMP)
 	$(VENV)/bin/lint-imports  # the layers and private modules of .importlinter
 
 test: system-deps $(STAMP) lint
-	$(PY) -m pytest -q -p no:cacheprovider -n 4 --dist worksteal -m 'not exclusive'  # many tests wait on servers and ranks
-	$(PY) -m pytest -q -p no:cacheprovider -m exclusive  # timing judged under a load the test controls: alone
+	$(PY) -m pytest -q -p no:cacheprovider -n 4 --dist worksteal  # many tests wait on servers and ranks
 
 # On a machine with a CUDA device, even a bare offline image (python3 with torch+CUDA, pytest, numpy,
 # prometheus-client; no venv, no pip): the cuda-marked tests and the GPU figures, one table (README).

@@ -14,11 +14,12 @@ evaluation every second) scrapes rank 0's endpoint. After `--healthy-s` seconds 
   and one scrape interval;
 - **CPU**: seconds on a CPU per second of wall time of each rank's `torchtelemetry-heartbeat`
   thread and of rank 0's `torchtelemetry-hang-monitor`, over the healthy part (/proc/<tid>/schedstat);
-- **store traffic**: bytes of one heartbeat (key and JSON value, as read back from the store) and
+- **store traffic**: bytes of one heartbeat (key and authenticated value, as the ranks write it) and
   TCPStore's request framing; per rank per second one `set`; the exporting rank's reads per second
   are one `multi_get` of every rank's heartbeat (docs/scale.md, Hangs, for 1,024 and 16,384 ranks);
 - **at scale** (`--store-only` for this part alone): on one local TCPStore holding 1,024 to 16,384
-  heartbeats, the monitor's check per interval (one `multi_get`, decoding, the rank furthest behind)
+  heartbeats, the monitor's check per interval (one `multi_get` per 1,024 ranks, checking every
+  value's authenticator, decoding, the rank the others wait for)
   and the server time of one interval's `set`s from every rank.
 """
 
@@ -38,9 +39,12 @@ from tests.servers import PrometheusServer, query
 from torch.nn.parallel import DistributedDataParallel
 
 import torchtelemetry as tt
-from torchtelemetry._hang_monitor import HangMonitor, encode_heartbeat, heartbeat_key
+from torchtelemetry.run import Reading
+from torchtelemetry.run._monitor import HangMonitor, Judging
+from torchtelemetry.run._store import StoreLink, encode_heartbeat, heartbeat_key
 
 STOPPING_RANK = 2
+SECRET = bytes(32)
 TCPSTORE_SET_FRAMING = 1 + 8 + 8
 """TCPStore's SET request besides key and value: the query type byte and two 8-byte lengths."""
 
@@ -92,10 +96,10 @@ def _train(
         figures["monitor_cpu_per_s"] = (
             _thread_cpu_s("torchtelemetry-hang-monitor") - monitor_started
         ) / elapsed
-        store = telemetry._hang_watch.store
-        keys = [f"torchtelemetry/heartbeat/{r}" for r in range(world_size)]
+        keys = [heartbeat_key("0123456789abcdef", r) for r in range(world_size)]  # tokens are 16 hex digits
+        beats = [Reading(step, step, "optimizer", 0.05) for _ in keys]
         figures["heartbeat_bytes"] = [
-            len(key) + len(value) for key, value in zip(keys, store.multi_get(keys), strict=True)
+            len(key) + len(encode_heartbeat(SECRET, key, beat)) for key, beat in zip(keys, beats, strict=True)
         ]
     (Path(directory) / f"figures{rank}.json").write_text(json.dumps(figures))
     with telemetry.phase("forward"):
@@ -112,30 +116,27 @@ def _store_scale(world_sizes: list[int]) -> None:
     """Per interval at `world_size` ranks, on one local TCPStore: the exporting rank's monitor (one
     `multi_get` of every heartbeat, decoding, finding the rank furthest behind) and the store taking
     every rank's `set` (from one client here: the server's cost per request, not the network's)."""
-    payload = encode_heartbeat(1234, 120000, "backward", 0.5, "")
     print("| ranks | monitor check per interval (ms) | sets per interval, server time (ms) |")
     print("|---|---|---|")
     for world_size in world_sizes:
         store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        keys = [heartbeat_key(rank) for rank in range(world_size)]
+        keys = {rank: heartbeat_key("0123456789abcdef", rank) for rank in range(world_size)}
+        values = [
+            encode_heartbeat(SECRET, key, Reading(1234, 120000, "backward", 0.5)) for key in keys.values()
+        ]
         started = time.perf_counter()
-        for key in keys:
-            store.set(key, payload)
+        for key, value in zip(keys.values(), values, strict=True):
+            store.set(key, value)
         setting = time.perf_counter() - started
-        monitor = HangMonitor(
-            store,
-            world_size,
-            phases=("forward", "backward", "optimizer"),
-            hang_after_s=300,
-            interval_s=1,
-            submit=lambda step, values: None,
-            latest_step=lambda: None,
-        )
+        link = StoreLink(None, name="bench-hang-store", timeout_s=60.0, store=store)
+        judging = Judging(SECRET, ("forward", "backward", "optimizer"), hang_after_s=300, interval_s=1)
+        monitor = HangMonitor(link, keys, judging, join_s=60.0, report=lambda values: None)
         checks = []
         for _ in range(5):
             started = time.perf_counter()
             monitor.check()
             checks.append(time.perf_counter() - started)
+        link.close(60.0)
         print(f"| {world_size:,} | {min(checks) * 1e3:.1f} | {setting * 1e3:.1f} |")
 
 

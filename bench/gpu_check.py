@@ -16,9 +16,12 @@ H200, 2026-11-28: about 100 s, the tests 66 s; the table is in bench/README.md):
    sentinel and memory health on; the steps that returned while the stream was busy; the CUDA
    driver's syncs per step (`torch.cuda.set_sync_debug_mode("warn")`) and `tests.hostsync.NoHostSync`'s;
    the worker's CPU while it waits one second, per transport; the thread of every NCCL
-   collective; `schedule_collection()` under `TORCH_NCCL_BLOCKING_WAIT=1`; and the outcome of the
-   tests that capture `update()` in a CUDA graph while windows are in flight and that free slots
-   under three windows in flight (`record_stream`).
+   collective; `schedule_collection()` under `TORCH_NCCL_BLOCKING_WAIT=1`; the kernels a step of
+   K = 1, 16, 64 weighted means launches (the profiler's CUDA activities: staged updates cost the
+   same few whatever K); the demo's TinyLM under DDP (world of one) with and without the demo's
+   metrics, phases and signals (`bench.gpu_ddp.cost`); and the outcome of the tests that capture
+   `update()` in a CUDA graph while windows are in flight and that free slots under three windows
+   in flight (`record_stream`).
 3. Exit status: 0 every row passed; 1 a row or a test failed, no test ran, or a test module failed
    to import; 2 no CUDA device (after collecting the tests, so that a CPU machine proves they import).
 """
@@ -48,10 +51,16 @@ from torchtelemetry.collect import AsyncMetricCollector
 
 UPDATE_RATIO = 1.5
 """`update()` of a 0-d weighted mean may cost this many times its floor (bench/README.md's target)."""
-WINDOW_STEP_CPU_US = {"host": 1500.0, "device": 3000.0}
-"""Training-thread CPU of a `Telemetry.step()` that schedules a window (snapshot, events, report), per
-transport. The device transport also launches the window's collective, compute and packed copy from
-the training thread (NCCL's thread rule): on an H200 host (2026-11-28) 937 µs host, 2368 µs device."""
+WINDOW_STEP_CPU_US = {"host": 300.0, "device": 3000.0}
+"""Training-thread CPU of a `Telemetry.step()` that schedules a window (the staged updates and host
+values applied, the snapshot, the event, the hand-off), per transport. The device transport also
+launches the window's collective, compute and packed copy from the training thread (NCCL's thread
+rule): on an H200 host (2026-11-28, before staged updates) 937 µs host, 2368 µs device."""
+KERNELS_PER_STEP = 8
+"""Kernels (CUDA activities) a step of K weighted means launches, updates and `Telemetry.step()`, for
+every K (issue 44: a step costs the same few launches however many metrics it updates)."""
+TINYLM_OVERHEAD_PCT = 3.0
+"""Steps per second the demo's launch-bound TinyLM may lose to the demo's metrics, phases and signals."""
 OTHER_STEP_CPU_US = 300.0
 """Training-thread CPU of any other `Telemetry.step()` (the per-step signals)."""
 WORKER_WAIT_CPU_SHARE = 0.05
@@ -229,6 +238,54 @@ def _telemetry_rows(transport: str, steps: int) -> list[Row]:
     ]
 
 
+def _kernels_per_step(k: int, steps: int) -> float:
+    """CUDA activities (kernels, copies) per step of K weighted means, each updated with a 0-d loss
+    and a Python token count, and `Telemetry.step()`; steps that end no window, the GPU busy."""
+    metrics = {f"train/m{i}": tt.WeightedMeanMetric().to("cuda") for i in range(k)}
+    losses = [torch.rand((), device="cuda") for _ in range(k)]
+    telemetry = tt.Telemetry(metrics, every=10_000, phases=())
+    try:
+        for step in range(20 + steps):
+            if step == 20:
+                torch.cuda.synchronize()
+                profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+                profiler.__enter__()
+            for metric, loss in zip(metrics.values(), losses, strict=True):
+                metric.update(loss, 512)
+            telemetry.step(step)
+        torch.cuda.synchronize()
+        profiler.__exit__(None, None, None)
+    finally:
+        telemetry.close()
+    cuda = torch.autograd.DeviceType.CUDA
+    return sum(1 for event in profiler.events() if event.device_type == cuda) / steps
+
+
+def _kernels_row(steps: int) -> Row:
+    counts = {k: _kernels_per_step(k, steps) for k in (1, 16, 64)}
+    return Row(
+        "kernels per step of K weighted means (updates and Telemetry.step()), K = 1 / 16 / 64",
+        " / ".join(f"{count:g}" for count in counts.values())
+        + f" (budget: the same for every K, at most {KERNELS_PER_STEP})",
+        len(set(counts.values())) == 1 and max(counts.values()) <= KERNELS_PER_STEP,
+    )
+
+
+def _tinylm_row(blocks: int, steps_per_block: int) -> Row:
+    """The demo's TinyLM under DDP on this GPU (a world of one): blocks with and without the demo's
+    metrics, phases and signals alternate (`bench.gpu_ddp.cost`)."""
+    from bench.gpu_ddp import SHAPES, cost
+
+    measured = cost(SHAPES["demo"], blocks, steps_per_block, torch.device("cuda"))
+    step_cpu = measured["step_cpu_us"]
+    return Row(
+        "demo TinyLM: steps/s lost to the demo's metrics, phases and signals",
+        f"{measured['overhead_pct']:.1f} % (step() CPU: window {step_cpu['window']:.0f} µs, other "
+        f"{step_cpu['other']:.0f} µs; budget {TINYLM_OVERHEAD_PCT:g} %)",
+        measured["overhead_pct"] <= TINYLM_OVERHEAD_PCT,
+    )
+
+
 # -- the worker, and blocking wait ---------------------------------------------------------------
 
 
@@ -317,7 +374,10 @@ def _measure(outcomes: _Outcomes, steps: int) -> list[Row]:
         for transport in ("host", "device"):
             rows += _telemetry_rows(transport, steps)
         rows += [_worker_wait_row(transport) for transport in ("host", "device")]
+        rows.append(_kernels_row(steps=20))
     rows.append(_nccl_threads_row(calls))
+    with nccl_world_of_one():  # DDP's own all-reduce is not one of ours: outside the recorder
+        rows.append(_tinylm_row(blocks=3, steps_per_block=100))
     rows += [
         outcomes.row(
             "graph capture of update() while windows are in flight (thread_local)",

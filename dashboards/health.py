@@ -52,21 +52,22 @@ def health_panels() -> list[dict[str, Any]]:
         ),
         timeseries(
             "Gradient all-reduce wait over ranks: min / median / max",
-            "Seconds per step each rank spent in DDP's gradient all-reduce (watch_gradient_sync): "
+            "Seconds per step each rank's backward waited for the gradient all-reduce after its last "
+            "gradient (watch_gradient_sync): "
             "the ranks that wait for a straggler there the longest; the straggler waits least.",
             "s",
             spread("torchtelemetry_train_sync_wait", "seconds"),
         ),
         timeseries(
             "Straggler score per phase",
-            "Slowest rank's time in the phase over the median rank's (the phase that holds the "
-            "gradient all-reduce less the wait there), the largest ratio of a rank's time to its own "
-            "best window, and the run's threshold from its window-to-window spread (at least 1.2). "
-            "In synchronous training the step time cannot show a straggler; its phase does. "
-            "RankStraggler fires above the threshold at a cost over 5 % of the step.",
+            "Slowest rank's time in the phase over the other ranks' median (the phase that holds the "
+            "gradient all-reduce less the wait there, not scored without it), the largest ratio of a "
+            "rank's time to its own best window, and the run's threshold from its window-to-window "
+            "spread (at least 1.2). In synchronous training the step time cannot show a straggler; "
+            "its phase does. RankStraggler fires above the threshold at a cost over 5 % of the step.",
             "none",
             targets(
-                (by(phase, "train/straggler/score"), "{{run}} {{phase}} vs median"),
+                (by(phase, "train/straggler/score"), "{{run}} {{phase}} vs others"),
                 (by(phase, "train/straggler/own_best_score"), "{{run}} {{phase}} vs own best"),
                 (by(phase, "train/straggler/threshold"), "{{run}} {{phase}} threshold"),
             ),
@@ -74,8 +75,8 @@ def health_panels() -> list[dict[str, Any]]:
         ),
         timeseries(
             "Straggler cost per phase",
-            "Percent of the step the other ranks wait for the slowest rank in each phase: the median "
-            "rank's share of the step there (its work only) times score - 1. RankStraggler and the "
+            "Percent of the step the other ranks wait for the slowest rank in each phase: its time "
+            "there less the others' median (their work only), over the step. RankStraggler and the "
             "stragglers' list count a rank from 5 %.",
             "percent",
             targets((by(phase, "train/straggler/cost"), "{{run}} {{phase}}")),
@@ -87,7 +88,7 @@ def health_panels() -> list[dict[str, Any]]:
             "rank furthest from its own best.",
             "none",
             targets(
-                (by(phase, "train/straggler/rank"), "{{run}} {{phase}} vs median"),
+                (by(phase, "train/straggler/rank"), "{{run}} {{phase}} vs others"),
                 (by(phase, "train/straggler/own_best_rank"), "{{run}} {{phase}} vs own best"),
             ),
         ),
@@ -104,11 +105,13 @@ def health_panels() -> list[dict[str, Any]]:
             decimals=2,
         ),
         stat(
-            "Fastest and slowest rank per phase",
-            "The ranks holding the shortest and the longest time per step in each phase.",
+            "Fastest, median and slowest rank per phase",
+            "The ranks holding the shortest, the median and the longest time per step in each phase "
+            "(a straggler's capture takes the median rank of its phase as reference).",
             "none",
             targets(
                 (by(phase, "train/phases/min_rank"), "{{phase}} fastest"),
+                (by(phase, "train/phases/median_rank"), "{{phase}} median"),
                 (by(phase, "train/phases/max_rank"), "{{phase}} slowest"),
             ),
             decimals=0,
@@ -237,6 +240,7 @@ def health_panels() -> list[dict[str, Any]]:
         row("Layers: gradient and parameter norms per layer, where a NaN was born"),
         *layer_panels(),
         *hang_panels(),
+        *capture_panels(),
         row("Your metrics: every gauge, counter and histogram of the run's metric tree"),
     ]
 
@@ -251,13 +255,16 @@ def hang_panels() -> list[dict[str, Any]]:
             "The rank furthest behind once a rank made no progress for hang_after_s, the step it "
             "stopped in, the ranks whose heartbeat stopped altogether (died), and the file its stacks "
             "were written to (train/hang/dump, label file). Rank and step keep naming the last hang "
-            "after it clears.",
+            "after it clears. Unwatched ranks never joined the heartbeat store; refused values are "
+            "heartbeats that failed their authenticator (forged, malformed or replayed).",
             "none",
             targets(
                 (by("", "train/hang/rank"), "rank"),
                 (by("", "train/hang/step"), "step"),
                 (by("", "train/hang/lost_ranks"), "lost ranks"),
                 (by(", file", "train/hang/dump"), "stacks of rank {{file}}"),
+                (by("", "train/hang/unwatched_ranks"), "unwatched ranks"),
+                (by("", "train/hang/rejected_values"), "refused values"),
             ),
             decimals=0,
         ),
@@ -274,5 +281,36 @@ def hang_panels() -> list[dict[str, Any]]:
                     "{{run}} stopped in {{phase}}",
                 ),
             ),
+        ),
+    ]
+
+
+def capture_panels() -> list[dict[str, Any]]:
+    """The Captures row: where the evidence of each verdict naming a rank is (docs/signals.md,
+    Captures; the alerts that name a rank give its capture's directory too)."""
+    return [
+        row("Captures: the profile, stacks and memory of the rank a verdict named"),
+        stat(
+            "Capture: latest rank, step, directories",
+            "The rank the latest capture named (a straggler, the first non-finite value, a hang, your "
+            "request) and the step it began after; one series per capture, labelled with the "
+            "directory of the rank it named in dump_dir (train/capture/file, label file), from the "
+            "window it began with; a reference rank's directory is the same name with its rank and "
+            "-reference.",
+            "none",
+            targets(
+                (by("", "train/capture/rank"), "rank"),
+                (by("", "train/capture/step"), "step"),
+                (by(", file", "train/capture/file"), "{{file}}"),
+            ),
+            decimals=0,
+        ),
+        timeseries(
+            "Captures per interval, by reason",
+            "Verdicts that triggered a capture (straggler, nonfinite, hang, request; past "
+            "max_captures they are counted, not captured) and captures that failed (failed: an "
+            "unwritable dump_dir, a name already taken, a profiler already running, a full disk).",
+            "short",
+            targets((increase_by(", reason", "train/capture/count"), "{{run}} {{reason}}")),
         ),
     ]

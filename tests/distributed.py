@@ -60,7 +60,7 @@ def _entry(
     fn: Callable[..., Any],
     rank: int,
     world_size: int,
-    rendezvous: str,
+    init_method: str,
     results: Any,
     args: tuple,
     env: dict[str, str],
@@ -72,7 +72,7 @@ def _entry(
     try:
         dist.init_process_group(
             "gloo",
-            init_method=f"file://{rendezvous}",
+            init_method=init_method,
             rank=rank,
             world_size=world_size,
             timeout=datetime.timedelta(seconds=pg_timeout_s),
@@ -120,14 +120,20 @@ def _rank_processes(
     args: tuple,
     env: dict[str, str] | None,
     pg_timeout_s: float,
+    rendezvous: str = "file",
 ) -> tuple[list[Any], Any, str]:
     """One (not yet started) process per rank, the queue they report to, and the directory of their
-    file rendezvous (no port, so concurrent test runs never race for one)."""
+    file rendezvous (no port, so concurrent test runs never race for one). `rendezvous="tcp"`: a
+    TCPStore hosted by rank 0 on 127.0.0.1 instead (`tcp://`, as `MASTER_ADDR:MASTER_PORT` gives)."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOADED)  # read when this process's forkserver starts
     results = ctx.Queue()
     rendezvous_dir = tempfile.mkdtemp(prefix="torchtelemetry-rdzv-")
-    rendezvous = os.path.join(rendezvous_dir, "store")
+    init_method = (
+        f"tcp://127.0.0.1:{free_port()}"
+        if rendezvous == "tcp"
+        else f"file://{os.path.join(rendezvous_dir, 'store')}"
+    )
     procs = [
         ctx.Process(
             target=_entry,
@@ -135,7 +141,7 @@ def _rank_processes(
                 fn,
                 rank,
                 world_size,
-                rendezvous,
+                init_method,
                 results,
                 args,
                 {**os.environ, **(env or {})},
@@ -156,14 +162,16 @@ def run_ranks(
     pg_timeout_s: float = 60.0,
     env: dict[str, str] | None = None,
     victim: int | None = None,
+    rendezvous: str = "file",
 ) -> list[Any]:
     """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; return the per-rank results.
 
     `fn` must be importable (module level). Raises `RankFailed` if a rank raised,
     `TimeoutError` (after killing every rank) if the ranks did not finish in time.
     Rank `victim`, if given, must die by SIGKILL without reporting; its result is None.
+    `rendezvous`: "file" (default) or "tcp" (`_rank_processes`).
     """
-    procs, results, rendezvous_dir = _rank_processes(fn, world_size, args, env, pg_timeout_s)
+    procs, results, rendezvous_dir = _rank_processes(fn, world_size, args, env, pg_timeout_s, rendezvous)
     for proc in procs:
         proc.start()
     outcomes: dict[int, tuple[bool, Any]] = {}

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from tests.trees import pytree
-from torchtelemetry.collect._window import _builder
+from torchtelemetry.collect._results import _builder
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from torchtelemetry._startup import ExportPolicy, export_policy
 from torchtelemetry.config import TelemetryConfig
@@ -39,10 +40,13 @@ from torchtelemetry.report import (
     describe_with_signals,
 )
 from torchtelemetry.run import (
+    CaptureRun,
+    CaptureSettings,
     GoodputLedger,
     ProgressFile,
     RunIdentity,
     RunProgress,
+    flight_recorder_on,
     progress_path,
     resolve_run_identity,
 )
@@ -73,12 +77,20 @@ class RunParts:
     """Every name the run exports."""
     hub: ExportHub | NullHub
     """Rank 0's exporters, started and described; a `NullHub` on the other ranks."""
+    exporters: list[Exporter]
+    """The exporters given (started on rank 0 only): the next rank's route for a hang report."""
     publisher: WindowPublisher
     """Turns each collected window into the report the hub exports."""
     progress: RunProgress | None
     """The run's progress file (`TelemetryConfig.progress_file`), written by the exporting rank."""
     goodput: GoodputLedger
     """Goodput's lasting state (the goodput signal exports it)."""
+    captures: CaptureRun | None
+    """This rank's captures (None: `capture_on` empty, or no signals); the captures signal drives them."""
+
+    def submit_hang(self, step: int, values: ReportValues) -> None:
+        """Export a hang report, with the captures' values once the rank it names wrote a capture."""
+        self.hub.submit(step, values if self.captures is None else self.captures.hang_reported(values))
 
     def close(self) -> None:
         """Release what set-up started: the exporters (ports, threads), the signals' threads and the
@@ -101,14 +113,16 @@ def assemble_run(metrics: Any, exporters: Sequence[Exporter] | str, config: Tele
     run, identity, progress = _run_of(config, policy, world_size)
     goodput = GoodputLedger(progress)
     hub: ExportHub | NullHub = NullHub()
-    signals = None
+    signals = captures = None
     try:
-        signals = _builtin_signals(config, world_size, goodput, user_leaves, group_rank(resolved), device)
+        captures = _captures(config, resolved, policy.exporting, device, run.run_id)
+        rank = group_rank(resolved)
+        signals = _builtin_signals(config, world_size, goodput, user_leaves, rank, device, captures)
         signal_metrics = signals.metrics() if signals is not None else {}
         leaves = user_leaves + list(signal_metrics.items())
         ranks = RankSeriesLimit(world_size, config.max_rank_series)
         descriptors = describe_with_signals(metrics, signals, ranks)
-        if config.hang_after_s is not None:  # the hang monitor's reports (`_hang_monitor`)
+        if config.hang_after_s is not None:  # the hang monitor's reports (`torchtelemetry.run`)
             descriptors += HANG_DESCRIPTORS
         if isinstance(exporters, str):
             exporters = exporters_from_spec(exporters)
@@ -127,6 +141,8 @@ def assemble_run(metrics: Any, exporters: Sequence[Exporter] | str, config: Tele
         hub.close()
         if signals is not None:
             signals.close()
+        elif captures is not None:
+            captures.close()
         if progress is not None:
             progress.close(finished=False)
         raise
@@ -140,9 +156,11 @@ def assemble_run(metrics: Any, exporters: Sequence[Exporter] | str, config: Tele
         signals,
         descriptors,
         hub,
+        list(exporters),
         publisher,
         progress,
         goodput,
+        captures,
     )
 
 
@@ -182,6 +200,29 @@ def startup_timeout_s(config: TelemetryConfig | None, fields: Mapping[str, Any])
     return float(timeout_s) if isinstance(timeout_s, (int, float)) and timeout_s > 0 else 300.0
 
 
+def _captures(
+    config: TelemetryConfig,
+    resolved: dist.ProcessGroup | None,
+    exporting: bool,
+    device: torch.device,
+    run_id: str,
+) -> CaptureRun | None:
+    settings = CaptureSettings.of(config)
+    if settings is None:
+        return None
+    backend = None if resolved is None else str(dist.get_backend(resolved))
+    return CaptureRun(
+        settings,
+        rank=group_rank(resolved),
+        world_size=group_world_size(resolved),
+        exporting=exporting,
+        max_pending=config.max_pending,
+        device=device,
+        run_id=run_id,
+        flight_recorder=flight_recorder_on(backend),
+    )
+
+
 def _builtin_signals(
     config: TelemetryConfig,
     world_size: int,
@@ -189,6 +230,7 @@ def _builtin_signals(
     user_leaves: list[tuple[str, Metric]],
     rank: int,
     device: torch.device,
+    captures: CaptureRun | None,
 ) -> SignalSet | None:
     if not config.signals:
         return None
@@ -209,5 +251,6 @@ def _builtin_signals(
             nvml=config.nvml,
             every=config.every,
             max_layer_series=config.max_layer_series,
+            captures=captures,
         )
     )

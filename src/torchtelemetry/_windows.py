@@ -16,7 +16,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from torchtelemetry.collect import AsyncMetricCollector, CollectionError
-from torchtelemetry.report import Heartbeat, SignalSet, WindowPublisher
+from torchtelemetry.report import SignalSet, WindowPublisher
+from torchtelemetry.run import Heartbeat
 
 __all__ = ["StepWindows"]
 
@@ -25,7 +26,9 @@ logger = logging.getLogger(__name__)
 
 class StepWindows:
     """One `Telemetry`'s windows, on the training thread: `stepped` after every step, `schedule` and
-    `drain` for the extra collections, `state` / `load` for checkpoints."""
+    `drain` for the extra collections, `state` / `load` for checkpoints, `closing` at close. It is
+    the one writer of the hang heartbeat `beat` (None: hang detection off): where the training
+    thread is, as these calls tell it."""
 
     def __init__(
         self,
@@ -34,6 +37,7 @@ class StepWindows:
         signals: SignalSet | None,
         *,
         every: int,
+        beat: Heartbeat | None,
     ) -> None:
         self._collector = collector
         self._publisher = publisher
@@ -51,8 +55,7 @@ class StepWindows:
         self.failure: CollectionError | None = None
         """The collection that failed; nothing more is collected after it."""
         self._ignored_inputs = False
-        self.beat: Heartbeat | None = None
-        """The heartbeat, told when this thread waits for collections (phase "collect")."""
+        self._beat = beat
 
     def stepped(self, step: int, inputs: Mapping[str, Any]) -> None:
         """Step `step` ended (`inputs`: its `step()` keywords): collect what finished, schedule if due."""
@@ -71,12 +74,16 @@ class StepWindows:
             )
         self._last_step_clock = now
         self.last_step = step
+        if self._beat is not None:
+            self._beat.step = step + 1
         self.steps_in_window += 1
         self._steps_since_grid += 1
         self.drain(block=False)
         if self._steps_since_grid >= self._every:
             self._steps_since_grid = 0
-            self.schedule()
+            self.schedule()  # applies the step's staged updates before its snapshot
+        else:
+            self._collector.apply_staged()
 
     def flush_signals(self, *, final: bool = False) -> float:
         """Let the signals account for the time since they were last flushed; returns now."""
@@ -115,7 +122,7 @@ class StepWindows:
         # Values logged at the windows' steps came before this call (a framework logs right after
         # the step()): their reports may be submitted now.
         self._publisher.release()
-        beat = self.beat if block and self._collector.pending else None
+        beat = self._beat if block and self._collector.pending else None
         if beat is None:
             self._collect(block=block, limit=limit)
             return
@@ -151,5 +158,12 @@ class StepWindows:
         """Restore what `state()` returned."""
         step = int(state.get("step", -1))
         self.last_step = None if step < 0 else step
+        if self._beat is not None:
+            self._beat.step = step + 1
         self.steps_in_window = int(state.get("steps_in_window", 0))
         self._steps_since_grid = int(state.get("steps_since_grid", self.steps_in_window))
+
+    def closing(self) -> None:
+        """The training thread left the loop: `close()` began (the heartbeat's phase "closed")."""
+        if self._beat is not None:
+            self._beat.closed = True

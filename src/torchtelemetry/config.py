@@ -11,6 +11,7 @@ from typing import Any
 
 from torchtelemetry.collect import DEFAULT_MAX_PENDING, DEFAULT_TIMEOUT_S, check_collection_limits
 from torchtelemetry.report import (
+    CAPTURE_TRIGGERS,
     DEFAULT_MAX_LAYER_SERIES,
     DEFAULT_PHASES,
     DEFAULT_SPIKE_SIGMA,
@@ -91,12 +92,30 @@ class TelemetryConfig:
     """Reports buffered per exporter before the oldest is dropped."""
     hang_after_s: float | None = 300.0
     """A rank that made no progress (no step, no phase entered or left) for this long is hung: the
-    exporting rank exports `train/hang/*` naming the rank furthest behind, and every stuck rank dumps
-    its stacks to `dump_dir` (docs/signals.md, Hangs). None: no heartbeat."""
+    exporting rank exports `train/hang/*` naming the rank the others wait for, and every stuck rank
+    dumps its stacks to `dump_dir` (docs/signals.md, Hangs). None: no heartbeat."""
     heartbeat_interval_s: float = 1.0
     """How often each rank publishes where it is, and the exporting rank reads every rank's."""
+    heartbeat_port: int = 0
+    """The port the exporting rank hosts the heartbeat store on, on the process group's interface,
+    when the job has no TCP rendezvous store of its own to use (a `file://` init); 0: one the
+    kernel picks."""
     dump_dir: str | os.PathLike[str] | None = None
-    """Where a hung rank writes its stacks (and NCCL's flight recorder); None: the current directory."""
+    """Where captures and a hung rank's stacks (and NCCL's flight recorder) are written; None: the
+    current directory. Give every rank the same: the exporting rank names the directories in it."""
+    capture_on: Sequence[str] = CAPTURE_TRIGGERS
+    """The verdicts that capture evidence (a profile of the next `capture_steps` steps, every thread's
+    stacks) on the rank they name: "straggler" (`train/straggler/top_rank`, with the median rank of
+    its phase as reference), "nonfinite" (the first rank of a non-finite value), "hang" (a stuck
+    rank's stacks); "request" alone: `Telemetry.request_capture` only (allowed whenever this is not
+    empty); empty: no captures (docs/signals.md, Captures)."""
+    capture_steps: int = 5
+    """Steps a capture profiles."""
+    max_captures: int = 8
+    """Captures per run at most; later triggers are counted, not captured."""
+    memory_history: bool = False
+    """On CUDA, record the allocator's history (a stack per allocation and free: CPU time on every
+    one) so that captures hold its memory snapshot (`memory.pickle`)."""
 
     def __post_init__(self) -> None:
         check_collection_limits("TelemetryConfig.", timeout_s=self.timeout_s, max_pending=self.max_pending)
@@ -128,6 +147,12 @@ class TelemetryConfig:
                 f"heartbeat_interval_s ({self.heartbeat_interval_s}): a rank publishes where it is once "
                 "per interval, so a shorter bound would call a rank between two heartbeats hung"
             )
+        if not (isinstance(self.heartbeat_port, int) and 0 <= self.heartbeat_port <= 65535):
+            raise ValueError(
+                "TelemetryConfig.heartbeat_port must be a port number from 0 to 65535, got "
+                f"{self.heartbeat_port!r}"
+            )
+        self._check_captures()
         if self.straggler_top_k < 1:
             raise ValueError(
                 f"TelemetryConfig.straggler_top_k must be at least 1, got {self.straggler_top_k}"
@@ -143,6 +168,18 @@ class TelemetryConfig:
                 "TelemetryConfig.flops_per_token and flops_per_sample are both set; give FLOPs per token "
                 "or per sample, not both"
             )
+
+    def _check_captures(self) -> None:
+        choices = (*CAPTURE_TRIGGERS, "request")
+        if isinstance(self.capture_on, str) or not set(self.capture_on) <= set(choices):
+            raise ValueError(
+                f"TelemetryConfig.capture_on must be a sequence of {choices} (empty: no captures), got "
+                f"{self.capture_on!r}"
+            )
+        for key in ("capture_steps", "max_captures"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"TelemetryConfig.{key} must be an integer of at least 1, got {value!r}")
 
     def replace(self, **fields: Any) -> TelemetryConfig:
         """A copy with `fields` changed; unknown names raise a TypeError listing the valid ones."""

@@ -5,12 +5,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
-from torchtelemetry._heartbeat import watch_hangs
 from torchtelemetry._process import check_same_process, current_pid
 from torchtelemetry._run_parts import assemble_run, startup_timeout_s
 from torchtelemetry._startup import (
@@ -32,7 +31,7 @@ from torchtelemetry.report import (
     restore_run_state,
     run_state,
 )
-from torchtelemetry.run import RunIdentity
+from torchtelemetry.run import HangSettings, RunIdentity, watch_hangs
 
 __all__ = ["RunIdentity", "Telemetry", "TelemetryConfig", "TelemetryStartupError"]
 
@@ -97,7 +96,18 @@ class Telemetry:
             every_rank = agree_on_start(
                 failure, timeout_s=timeout_s, proposal=None if failure is not None else parts.identity
             )
-            hang_watch = watch_hangs(self.config, parts, every_rank)
+            hang_watch = watch_hangs(
+                HangSettings.of(self.config),
+                every_rank,
+                timers=parts.signals.section_timers if parts.signals is not None else (),
+                group=self.config.group,
+                exporting=parts.is_exporting,
+                run=parts.run,
+                submit=parts.submit_hang,
+                latest_step=lambda: parts.publisher.latest_step,
+                exporters=parts.exporters,
+                captures=parts.captures.hang if parts.captures is not None else None,
+            )
             # Keyed by metric path, so errors (a layout mismatch across ranks) name metrics as the user does.
             collector = AsyncMetricCollector(
                 dict(parts.leaves),
@@ -123,6 +133,7 @@ class Telemetry:
         self._identity = parts.identity
         self._run_id_suffix = parts.run_id_suffix
         self._progress, self._goodput = parts.progress, parts.goodput
+        self._captures = parts.captures
         self.is_exporting = parts.is_exporting
         """Whether this rank exports: rank 0 of the group (`export_policy`)."""
         self.hub = parts.hub
@@ -130,9 +141,10 @@ class Telemetry:
         self._signals = parts.signals
         self._descriptors = parts.descriptors
         self._publisher = parts.publisher
-        self._windows = StepWindows(self._collector, self._publisher, self._signals, every=self.every)
-        self._beat = self._hang_watch.beat if self._hang_watch is not None else None
-        self._windows.beat = self._beat
+        beat = hang_watch.publisher.beat if hang_watch is not None else None
+        self._windows = StepWindows(
+            self._collector, self._publisher, self._signals, every=self.every, beat=beat
+        )
         self._closed = self._raised = False
         agreed = every_rank.agreed
         if isinstance(agreed, RunIdentity) and agreed != self._identity:
@@ -154,6 +166,10 @@ class Telemetry:
             config=self.run.config,
         )
         self.hub.adopt_run(self.run)
+        if self._hang_watch is not None:
+            self._hang_watch.adopt_run(self.run)
+        if self._captures is not None:
+            self._captures.adopt_run(self.run.run_id)
         if self._progress is not None:
             self._progress.adopt_run(self.run.run_id)
 
@@ -188,8 +204,6 @@ class Telemetry:
         None counts as not given; a keyword no signal takes raises a `TypeError` naming those taken.
         """
         self._require_open("step")
-        if self._beat is not None:
-            self._beat.step = step + 1
         self._windows.stepped(step, inputs)
 
     @property
@@ -220,26 +234,21 @@ class Telemetry:
             return contextlib.nullcontext()
         return self._signals.phase(name)
 
-    def watch_gradient_sync(
-        self,
-        model: torch.nn.Module,
-        *,
-        phase: str = "backward",
-        hook: Callable[[Any, Any], torch.futures.Future] | None = None,
-        state: Any = None,
-    ) -> None:
-        """Time the gradient all-reduce of `model`, a `DistributedDataParallel`, on every rank.
+    def watch_gradient_sync(self, model: torch.nn.Module, *, phase: str = "backward") -> None:
+        """Measure how long each rank's backward through `model` waits for the gradient collective.
 
-        Registers a DDP communication hook: DDP's own all-reduce, or `hook` (with `state`) timed
-        the same way. Exports `train/sync_wait` per rank, the seconds per step each rank waited
-        there for the others; the straggler scores take that wait out of `phase`, the declared
-        phase whose block holds the all-reduce (`loss.backward()`), so that the ranks that wait
-        are never named, only the one they wait for (docs/signals.md). Call it once, before
-        training, on every rank (DDP takes one communication hook). With `signals=False`, nothing.
+        `model` is the `DistributedDataParallel` or FSDP2 module (or the module it wraps). Nothing
+        of the training changes: no communication hook, a forward hook that marks the outputs'
+        gradients and two autograd-engine callbacks per backward, from the last gradient computed
+        to the end of the backward (DDP's all-reduce done). Exports `train/sync_wait` per rank; the
+        straggler scores take that wait out of `phase`, the declared phase whose block holds the
+        collective (`loss.backward()`), so that the ranks that wait are never named, only the one
+        they wait for. Without it a multi-rank run names nobody in "backward" (docs/signals.md). Call
+        it on every rank before training; `close()` removes the hook. With `signals=False`, nothing.
         """
         self._require_open("watch_gradient_sync")
         if self._signals is not None:
-            self._signals.watch_gradient_sync(model, phase, hook, state)
+            self._signals.watch_gradient_sync(model, phase)
 
     def watch_layers(
         self,
@@ -274,6 +283,24 @@ class Telemetry:
         training up to when `state_dict()` was taken for it reached a checkpoint."""
         self._require_open("checkpoint_saved")
         self._goodput.checkpoint_saved(step)
+
+    def request_capture(self, rank: int, *, reason: str = "request") -> None:
+        """Capture `rank`'s evidence over the next `capture_steps` steps (its profile, every thread's
+        stacks, on CUDA its memory snapshot and NCCL's flight record) in `dump_dir`, in a directory
+        ending in `reason` (a-z, 0-9, _). Call it on the exporting rank alone (`is_exporting`), from
+        any thread there (a callback); the request rides the next window to every rank, counted in
+        `train/capture/count{reason="request"}` and within `max_captures` (docs/signals.md, Captures).
+        Raises a `RuntimeError` where captures are off or on another rank, a `ValueError` on a bad
+        rank or reason."""
+        check_same_process(self._pid, "Telemetry.request_capture")
+        if self._closed or self._captures is None:
+            why = (
+                "telemetry is closed"
+                if self._closed
+                else "captures are off (capture_on=(), or signals=False)"
+            )
+            raise RuntimeError(f"Telemetry.request_capture: {why}")
+        self._captures.request(rank, reason)
 
     def schedule_collection(self) -> None:
         """Schedule a collection of the steps since the last one now, without waiting for it.
@@ -321,6 +348,7 @@ class Telemetry:
         check_same_process(self._pid, "Telemetry.close")
         if self._closed:
             return
+        self._windows.closing()
         try:
             if self._windows.failure is None:
                 if self._windows.steps_in_window:
@@ -421,5 +449,3 @@ class Telemetry:
             state, self._leaves, self._user_leaves, self._publisher.totals, self._signals, self.config.group
         )
         self._windows.load(state)
-        if self._beat is not None and self._windows.last_step is not None:
-            self._beat.step = self._windows.last_step + 1

@@ -97,6 +97,7 @@ def test_demo_exports_exact_values_to_every_backend(tmp_path: Path) -> None:
             assert set(values["train/step_time"]) == {"0", "1"}
             # every panel a CPU can fill has data: data wait (each rank's batch) and model TFLOP/s
             assert set(values["train/data_wait"]) == set(values["train/data_wait_share"]) == {"0", "1"}
+            assert set(values["train/sync_wait"]) == {"0", "1"}  # the demo measures its all-reduce wait
             assert values["train/tflops_per_second"] == pytest.approx(
                 FLOPS_PER_TOKEN * values["train/tokens_per_second"] / RANKS / 1e12, rel=1e-9
             )

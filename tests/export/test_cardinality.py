@@ -58,7 +58,9 @@ COUNTERS_PER_RANK = 1
 """the tree's own tokens per rank."""
 HEALTH_PER_EXPORTER = 4
 EXPORTERS = 2
-PHASES = ("forward", "backward")
+PHASES = ("forward", "optimizer")
+"""Not "backward": the phase that holds the gradient collective has no straggler values in a run
+that does not measure its wait (docs/scale.md)."""
 TOP_K = 3
 WATCHED = 2
 """train/loss and ranks/loss: the health sentinel watches every metric whose name ends in loss."""

@@ -92,6 +92,8 @@ def test_accelerate_snippet(tmp_path: Path) -> None:
     reports = run("accelerate", tmp_path, torchrun=True)
     assert [step for step, values in reports if "train/loss" in values][:3] == [10, 20, 30]
     assert {step for step, values in reports if "lr" in values} == set(range(1, 33))  # 512 / 8 / 2 steps
+    waits = [name for _, values in reports for name in values if name.startswith("train/sync_wait")]
+    assert waits, reports  # the loop measures each rank's wait in DDP's all-reduce
 
 
 @pytest.mark.slow

@@ -112,6 +112,7 @@ def test_ddp_run_exports_exact_global_values_with_one_collective_per_window(tmp_
         )
         assert values["train/examples"] == 2 * 3 * EVERY * (index + 1)
         assert values["train/learning_rate"] == pytest.approx(0.05)
+        assert set(values["train/sync_wait"]) == {"0", "1"}  # the wait in DDP's all-reduce, per rank
         # What the module logged with self.log on rank 0, at the last batch of the window.
         assert values["lightning/lightning_loss"] == pytest.approx(ranks[0]["losses"][window][-1], rel=1e-6)
 

@@ -47,6 +47,7 @@ def test_trainer_run_exports_exact_values_from_world_process_zero_only(hf_run) -
         # The learning rate the Trainer logged for this step (a new one every step: linear decay).
         assert values["hf/learning_rate"] == logged["learning_rate"]
         assert values["train/learning_rate"] == logged["learning_rate"]
+        assert set(values["train/sync_wait"]) == {"0", "1"}  # the wait in DDP's all-reduce, per rank
     assert tokens == 2 * STEPS * 2 * (8 - 1)
     assert len({entry["learning_rate"] for entry in trainer_logs.values()}) == 3
 

@@ -5,7 +5,8 @@ A metric added to `metric.__all__` with its examples joins every suite that uses
 host sync (tests/metric/test_no_host_sync.py), bad input (tests/reliability/test_bad_input.py),
 batched compute = `compute()` (tests/collect/test_window.py), checkpoint round trip and one
 prologue (tests/metric/test_metrics.py), torchmetrics parity (tests/metric/test_against_torchmetrics.py),
-the thread rule (tests/reliability/test_threads_and_forks.py).
+the thread rule (tests/reliability/test_threads_and_forks.py). `PATHS` runs a suite both on a metric
+of its own and on one `staged()` as a bound collector keeps it (tests/metric/test_staging.py).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 from torchtelemetry import metric
+from torchtelemetry.collect._transports import BoundStorage
 from torchtelemetry.metric import Metric, MetricExample
 
 METRIC_CLASSES: list[type[Metric]] = [
@@ -56,3 +58,20 @@ def on_device(args: tuple[Any, ...], device: torch.device | str, *, keep_0d: boo
         arg.to(device) if isinstance(arg, torch.Tensor) and not (keep_0d and arg.dim() == 0) else arg
         for arg in args
     )
+
+
+PATHS = ["immediate", "staged"]
+"""How a suite's metrics take their updates: at once (a metric of its own), or staged and applied when
+the state is read (`staged`)."""
+
+
+def staged(metric: Metric) -> Metric:
+    """`metric` with its states kept as a bound collector keeps them (views of one flat buffer per
+    bucket): its updates of float64 states are staged and applied when a state is read."""
+    BoundStorage.build([("metric", metric)], world_size=1)
+    return metric
+
+
+def on_path(metric: Metric, path: str) -> Metric:
+    """`metric` as `path` (one of `PATHS`) updates it."""
+    return staged(metric) if path == "staged" else metric

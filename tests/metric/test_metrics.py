@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import torchtelemetry as tt
-from tests.metric.examples import EXAMPLES, build, feed
+from tests.metric.examples import EXAMPLES, PATHS, build, feed, on_path
 from tests.trees import pytree
 
 
@@ -561,12 +561,15 @@ def test_empty_batches_change_nothing(make, args) -> None:
 # -- state dicts ----------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize(("cls", "example"), EXAMPLES)
-def test_state_dict_round_trip_is_exact(cls: type[tt.Metric], example: tt.metric.MetricExample) -> None:
+def test_state_dict_round_trip_is_exact(
+    cls: type[tt.Metric], example: tt.metric.MetricExample, path: str
+) -> None:
     """Every exported metric, fed each example it declares: `state_dict()` loaded into a fresh
-    instance gives the same state, in place, and the same results."""
-    source = feed(build(cls, example), example, times=2)
-    target = build(cls, example)
+    instance gives the same state, in place, and the same results (staged: what was staged is in it)."""
+    source = feed(on_path(build(cls, example), path), example, times=2)
+    target = on_path(build(cls, example), path)
     saved = source.state_dict()
     pointers = {attr: acc.local.data_ptr() for attr, acc in target.accumulators.items()}
     target.load_state_dict(saved)

@@ -18,7 +18,7 @@ import torch
 
 import torchtelemetry as tt
 from tests.hostsync import HostSyncError, NoHostSync
-from tests.metric.examples import EXAMPLES, build, on_device
+from tests.metric.examples import EXAMPLES, PATHS, build, on_device, on_path
 
 DEVICE = torch.device("meta")
 
@@ -27,15 +27,20 @@ def _on(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return torch.zeros(shape, dtype=dtype, device=DEVICE)
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize(("cls", "example"), EXAMPLES)
-def test_update_never_syncs_the_device(cls: type[tt.Metric], example: tt.metric.MetricExample) -> None:
+def test_update_never_syncs_the_device(
+    cls: type[tt.Metric], example: tt.metric.MetricExample, path: str
+) -> None:
     """Each update twice: every tensor on the device, then 0-d tensors left on the CPU (accepted on
-    any device, e.g. a host-side count)."""
-    metric = build(cls, example).to(DEVICE)
+    any device, e.g. a host-side count). Staged, the updates applied too (as `Telemetry.step()` does)."""
+    metric = on_path(build(cls, example).to(DEVICE), path)
     calls = [on_device(args, DEVICE, keep_0d=keep) for args in example.updates for keep in (False, True)]
     with NoHostSync():
         for args in calls:
             metric.update(*args)
+        for accumulator in metric.accumulators.values():
+            accumulator.apply_staged()
 
 
 @pytest.mark.parametrize(

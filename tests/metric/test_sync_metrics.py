@@ -13,6 +13,7 @@ import torch
 
 import torchtelemetry as tt
 from tests.distributed import run_ranks
+from tests.ops import OpCounter
 from tests.sync.collectives import CollectiveCounter
 
 # -- a mixed tree of metrics with every op, fed rank-dependent integer-valued data --------------------
@@ -133,6 +134,24 @@ def test_every_rank_holds_the_exact_global_state_with_two_collectives(world_size
     weights = np.concatenate([np.abs(r["mean_fed"]) + rank for rank, r in enumerate(results)])
     for result in results:
         assert result["mean"] == pytest.approx(np.average(values, weights=weights), rel=1e-12)
+
+
+def test_a_sync_reduces_the_packed_states_in_place_and_copies_nothing_back() -> None:
+    """Every synchronized state is a view of one packed buffer per bucket, which a sync fills from
+    the locals (one `cat` per bucket) and reduces in place: the same ops for 16 and 128 metrics, and
+    no per-state write-back (bench/bench_sync.py measures what that saved)."""
+    ops = {}
+    for count in (16, 128):
+        tree = _mixed_tree(count)
+        _feed(tree, rank=0)
+        tt.sync_metrics(tree)
+        with OpCounter() as counter:
+            tt.sync_metrics(tree)
+        ops[count] = dict(counter.ops)
+        for name, values in _synced(tree).items():  # one process: the global state is the local one
+            np.testing.assert_array_equal(values, _locals(tree)[name], err_msg=name)
+    assert ops[16] == ops[128]
+    assert not [name for name in ops[128] if "copy" in name or "split" in name], ops[128]
 
 
 # -- different metric sets: an error on every rank, never a hang -------------------------------------------

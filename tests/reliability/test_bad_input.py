@@ -22,7 +22,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 import torchtelemetry as tt
-from tests.metric.examples import EXAMPLES, build, feed
+from tests.metric.examples import EXAMPLES, PATHS, build, feed, on_path
 from tests.metric.test_metrics import _good_input, assert_same_state, computed, states
 from torchtelemetry.export import PrometheusExporter
 
@@ -423,11 +423,13 @@ def _bad_arguments(example: tt.metric.MetricExample) -> list[tuple[tuple, type[E
     return cases
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize(("cls", "example"), EXAMPLES)
 def test_every_metric_refuses_bad_arguments_naming_itself_and_keeps_its_state(
-    cls: type[tt.Metric], example: tt.metric.MetricExample
+    cls: type[tt.Metric], example: tt.metric.MetricExample, path: str
 ) -> None:
-    metric = feed(build(cls, example, name="val/bad"), example)
+    """Staged or not, a refused update raises at `update()` and records nothing."""
+    metric = feed(on_path(build(cls, example, name="val/bad"), path), example)
     before = states(metric)
     for args, error, message in _bad_arguments(example):
         with pytest.raises(error, match=rf"^{cls.__name__} 'val/bad': \w+ {message}"):

@@ -10,6 +10,7 @@ import torch
 
 import torchtelemetry as tt
 from tests.hostsync import NoHostSync
+from tests.metric.examples import PATHS, on_path
 from tests.report.windows import context
 from torchtelemetry.metric._aggregation import _any_negative  # the CPU-only checks, exempt by design
 from torchtelemetry.metric._inputs import UpdateInputs
@@ -36,26 +37,33 @@ META = torch.device("meta")
     ],
     ids=["weighted mean 0-d", "weighted mean vector", "sum float16", "max", "sum Python float"],
 )
-def test_counting_non_finite_values_in_update_never_syncs_the_device(factory, inputs) -> None:
-    loss = factory().to(META)
+@pytest.mark.parametrize("path", PATHS)
+def test_counting_non_finite_values_in_update_never_syncs_the_device(factory, inputs, path: str) -> None:
+    loss = on_path(factory().to(META), path)
     sentinel = NonFiniteSentinel(
         SignalContext(world_size=4, rank=2, device=META), watched_metrics([("train/loss", loss)], None)
     )
+    on_path(sentinel.counts, path)
     arguments = inputs()
     with NoHostSync():
         loss.update(*arguments)
         loss.update(*arguments)
-        sentinel.flush(1.0)
+        sentinel.flush(1.0)  # applies what was staged: it reads the counts
     sentinel.close()
 
 
-def test_the_per_window_writes_into_the_window_state_never_sync_the_device() -> None:
+@pytest.mark.parametrize("path", PATHS)
+def test_the_per_window_writes_into_the_window_state_never_sync_the_device(path: str) -> None:
+    """Staged, the window's host values are one host row copied once to the device."""
     phases = Phases(SignalContext(world_size=4, rank=1, device=META), ("forward",))
-    ranks = RankValues(4, 1, ("a", "b")).to(META)
+    on_path(phases.times, path)
+    ranks = on_path(RankValues(4, 1, ("a", "b")).to(META), path)
     with NoHostSync():
         phases.times.add([0.25], 3)
         ranks.write(0, 1.5)
         ranks.write(1, 2.5)
+        phases.times.steps.apply_staged()
+        ranks.values.apply_staged()
 
 
 def test_a_training_step_with_phases_and_the_sentinel_never_reads_a_value_on_cpu() -> None:

@@ -12,6 +12,7 @@ import torch
 
 import torchtelemetry as tt
 from tests.distributed import run_ranks
+from tests.metric.examples import PATHS, on_path
 from tests.ops import TorchDispatchMode
 from tests.report.windows import collect_window, context
 from torchtelemetry.metric import metric_leaves
@@ -159,26 +160,33 @@ INPUTS = {
 }
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize(("make", "expected"), INPUTS.values(), ids=INPUTS.keys())
-def test_the_sentinel_counts_every_form_of_input_a_metric_takes(make, expected: int) -> None:
-    metric = tt.SumMetric()
+def test_the_sentinel_counts_every_form_of_input_a_metric_takes(make, expected: int, path: str) -> None:
+    """Staged (a 0-d value's count applied with the step's updates) or not, the same count."""
+    metric = on_path(tt.SumMetric(), path)
     signals, sentinel = _sentinel({"train": {"loss": metric}})
+    on_path(sentinel.counts, path)
     metric.update(make())
     metric.update(make())
     assert collect_window(signals)["train/nonfinite/count"] == {"train/loss": 2.0 * expected}
     sentinel.close()
 
 
-def test_a_value_refused_under_nan_policy_error_is_counted_before_the_refusal() -> None:
-    loss = tt.WeightedMeanMetric(nan_policy="error")
+@pytest.mark.parametrize("path", PATHS)
+def test_a_value_refused_under_nan_policy_error_is_counted_before_the_refusal(path: str) -> None:
+    loss = on_path(tt.WeightedMeanMetric(nan_policy="error"), path)
     signals, sentinel = _sentinel({"train": {"loss": loss}})
+    on_path(sentinel.counts, path)
     loss.update(torch.tensor(2.0), 3)
+    with pytest.raises(ValueError, match="contains NaN or Inf and nan_policy='error'"):
+        loss.update(torch.tensor(NAN))  # a 0-d value: its count is staged
     with pytest.raises(ValueError, match="contains NaN or Inf and nan_policy='error'"):
         loss.update(torch.tensor([1.0, NAN, INF]))
     with pytest.raises(ValueError, match="contains NaN or Inf and nan_policy='error'"):
         loss.update(np.float32("nan"))
-    assert loss.compute().item() == 2.0  # the metric refused both, as its policy says
-    assert collect_window(signals)["train/nonfinite/count"] == {"train/loss": 3.0}
+    assert loss.compute().item() == 2.0  # the metric refused all three, as its policy says
+    assert collect_window(signals)["train/nonfinite/count"] == {"train/loss": 4.0}
     sentinel.close()
 
 

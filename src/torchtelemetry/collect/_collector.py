@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import collections
 import functools
 import itertools
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,6 +15,7 @@ from torch.utils import _pytree as pytree
 from torchtelemetry._process import check_same_process, current_pid
 from torchtelemetry.collect._device import DeviceTransport
 from torchtelemetry.collect._executors import ThreadExecutor
+from torchtelemetry.collect._pending import PendingWindow, PendingWindows
 from torchtelemetry.collect._transports import (
     DEFAULT_MAX_PENDING,
     DEFAULT_TIMEOUT_S,
@@ -39,14 +36,6 @@ __all__ = ["AsyncMetricCollector", "CollectionError"]
 _THREAD_PREFIX = "torchtelemetry-collector"
 # Process-global: thread names are unique within a process, so the collectors number theirs per process.
 _collector_ids = itertools.count()
-
-
-@dataclass(slots=True)
-class _Window:
-    index: int
-    future: Future
-    then: bool
-    """Whether the future holds what a `then` callback returned (not the metrics' results)."""
 
 
 def _then(finish: Callable[[], list[Any]], then: Callable[[list[Any]], Any]) -> Any:
@@ -124,7 +113,7 @@ class AsyncMetricCollector:
         or the resolved `group` itself (device transport)."""
         self._dedicated_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
         self._binding = MetricBinding(self)
-        self._pending: collections.deque[_Window] = collections.deque()
+        self._pending = PendingWindows()
         self._windows = itertools.count()
         self._state = "new"
         self._pid = current_pid()
@@ -184,12 +173,10 @@ class AsyncMetricCollector:
         )
         if chosen == "device":
             self._bound_group = resolved  # the training's own group: no second communicator
-            return DeviceTransport(
-                storage.window, storage.buffers, resolved, self.max_pending, self.timeout_s
-            )
+            return DeviceTransport(storage.window, storage.local, resolved, self.max_pending, self.timeout_s)
         self._bound_group = self._dedicated_group(resolved)
         return HostTransport(
-            storage.window, storage.buffers, self._bound_group, self.max_pending, self.timeout_s
+            storage.window, storage.local, self._bound_group, self.max_pending, self.timeout_s
         )
 
     def _current_storage(self) -> BoundStorage:
@@ -198,6 +185,7 @@ class AsyncMetricCollector:
         storage = self._storage
         assert storage is not None
         if self._binding.stale:
+            storage.stage.close()  # what was staged lands in the states the rebuild copies
             rebuilt = BoundStorage.build(self._named, storage.window.world_size)
             if rebuilt.device != storage.device:
                 raise RuntimeError(
@@ -228,18 +216,11 @@ class AsyncMetricCollector:
         """
         if self._state != "bound":
             return
+        assert self._storage is not None
+        self._storage.stage.close()  # the metrics keep their storage, and update it at once from now on
         self._state = "unbound"
         deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.timeout_s)
-        wait_ok = True
-        for window in self._pending:
-            try:
-                window.future.result(timeout=max(0.0, deadline - time.monotonic()))
-            except FutureTimeout:
-                wait_ok = False
-                break
-            except Exception:  # a failed window is discarded like an uncollected one
-                continue
-        self._pending.clear()
+        wait_ok = self._pending.finish(deadline)
         assert self._executor is not None
         self._executor.shutdown(wait=wait_ok)
         self._executor = None
@@ -290,17 +271,25 @@ class AsyncMetricCollector:
                 "call collect_results() first"
             )
         storage = self._current_storage()
+        storage.stage.flush()
         assert self._transport is not None
         index = next(self._windows)
         finish = self._transport.schedule(index, index if step is None else step, storage.reset)
         if then is not None:
             finish = functools.partial(_then, finish, then)
-        self._pending.append(_Window(index, executor.submit(finish), then is not None))
+        self._pending.add(PendingWindow(index, executor.submit(finish), then is not None))
+
+    def apply_staged(self) -> None:
+        """Apply the metrics' updates staged since the last call (`Telemetry.step()` calls it every
+        step): a few tensor ops however many metrics were updated, no host sync. Reading a state
+        (`compute()`, `local`) and `schedule_collection()` apply them too."""
+        if self._storage is not None:
+            self._storage.stage.flush()
 
     def ready(self) -> bool:
         """True when the oldest scheduled window can be collected without waiting."""
         self._require_bound("ready")
-        return bool(self._pending) and self._pending[0].future.done()
+        return self._pending.ready()
 
     @property
     def pending(self) -> int:
@@ -329,27 +318,6 @@ class AsyncMetricCollector:
             )
         return [(name, result) for (name, _), result in zip(self._named, results, strict=True)]
 
-    def _next_window(self, op: str, timeout: float | None) -> tuple[_Window, Any]:
+    def _next_window(self, op: str, timeout: float | None) -> tuple[PendingWindow, Any]:
         self._require_bound(op)
-        if not self._pending:
-            raise RuntimeError(
-                f"AsyncMetricCollector.{op}: nothing scheduled; call schedule_collection() first"
-            )
-        window = self._pending[0]
-        limit = self.timeout_s if timeout is None else timeout
-        try:
-            results = window.future.result(timeout=limit)
-        except FutureTimeout:
-            raise CollectionError(
-                f"AsyncMetricCollector.{op}: window {window.index} did not complete in {limit:.1f}s; "
-                f"a rank may have died or not called schedule_collection() within timeout_s="
-                f"{self.timeout_s:g}s, or be far behind"
-            ) from None
-        except Exception as error:
-            self._pending.popleft()
-            reason = str(error) if isinstance(error, CollectionError) else f"{type(error).__name__}: {error}"
-            raise CollectionError(f"AsyncMetricCollector.{op}: window {window.index} failed: {reason}") from (
-                error.__cause__ if isinstance(error, CollectionError) else error
-            )
-        self._pending.popleft()
-        return window, results
+        return self._pending.next(op, self.timeout_s if timeout is None else timeout, self.timeout_s)

@@ -37,8 +37,8 @@ import torch
 import torch.distributed as dist
 
 from torchtelemetry.collect._window import WindowPlan
-from torchtelemetry.metric import Metric, MetricAccumulator
-from torchtelemetry.sync import BucketKey, LayoutMismatchError, Slot, WindowExchange
+from torchtelemetry.metric import Metric, MetricAccumulator, UpdateStage
+from torchtelemetry.sync import BucketKey, LayoutMismatchError, Slot, WindowExchange, slot_holding
 
 __all__ = [
     "DEFAULT_MAX_PENDING",
@@ -103,26 +103,35 @@ def reduce_failure(error: Exception, group: dist.ProcessGroup | None, timeout_s:
 @dataclass(frozen=True, slots=True)
 class BoundStorage:
     """Where a bound collector's metrics keep their local state, built at bind(): every local state
-    lives in one flat buffer per bucket, so a snapshot is one copy and a reset one copy per bucket,
-    however many states. `window` is the `WindowPlan` that lays the buffers out and computes them."""
+    lives in one flat buffer per bucket, the buckets in one block of bytes laid out as a window's slot,
+    so a snapshot is one copy and a reset one copy however many states, and the updates of a step are
+    applied in a few ops however many metrics they update (`stage`). `window` is the `WindowPlan` that
+    lays the buffers out and computes them."""
 
     window: WindowPlan
-    buffers: dict[BucketKey, torch.Tensor]
-    """The flat buffers the accumulators keep their local state in (`MetricAccumulator.adopt`)."""
-    initials: dict[BucketKey, torch.Tensor]
-    """The initial states, laid out like `buffers`."""
+    local: Slot
+    """The local states: `local.buffers` are the flat buffers the accumulators keep their state in
+    (`MetricAccumulator.adopt`), views of `local.data`."""
+    initial: Slot
+    """The initial states, laid out alike."""
+    stage: UpdateStage
+    """Where the metrics' updates are staged until flushed (every step, and before a snapshot)."""
 
     @property
     def device(self) -> torch.device:
         return self.window.device
 
     @property
+    def buffers(self) -> dict[BucketKey, torch.Tensor]:
+        return self.local.buffers
+
+    @property
     def packed_bytes(self) -> int:
         return sum(buffer.numel() * buffer.element_size() for buffer in self.buffers.values())
 
     def reset(self) -> None:
-        """Restore every local state to its initial value, in place."""
-        torch._foreach_copy_(list(self.buffers.values()), list(self.initials.values()))
+        """Restore every local state to its initial value, in place (one copy)."""
+        self.local.data.copy_(self.initial.data)
 
     @classmethod
     def build(cls, named: list[tuple[str, Metric]], world_size: int) -> BoundStorage:
@@ -131,11 +140,16 @@ class BoundStorage:
         except RuntimeError as error:
             raise RuntimeError(f"AsyncMetricCollector: {error}") from None
         layout = window.layout
-        buffers = layout.storage(window.local_tensors())
+        local = slot_holding(layout, window.local_tensors())
+        places = [layout.offset(index) for index in range(len(window.accumulators))]
+        stage = UpdateStage(local.buffers, {place: layout.names[index] for index, place in enumerate(places)})
         accumulator: MetricAccumulator
-        for accumulator, view in zip(window.accumulators, layout.views(buffers), strict=False):
-            accumulator.adopt(view)
-        return cls(window=window, buffers=buffers, initials=layout.storage(window.initial_tensors()))
+        views = layout.views(local.buffers)
+        for accumulator, view, (key, offset) in zip(window.accumulators, views, places, strict=False):
+            part = stage.part(key)
+            accumulator.adopt(view, None if part is None else (part, offset))
+        initial = slot_holding(layout, window.initial_tensors())
+        return cls(window=window, local=local, initial=initial, stage=stage)
 
 
 NCCL_BLOCKING_WAIT_VARIABLES = ("TORCH_NCCL_BLOCKING_WAIT", "NCCL_BLOCKING_WAIT")
@@ -230,7 +244,7 @@ class Transport:
     def __init__(
         self,
         plan: WindowPlan,
-        storage: dict[Any, torch.Tensor],
+        storage: Slot,
         group: dist.ProcessGroup | None,
         ring: int,
         timeout_s: float,
@@ -241,7 +255,7 @@ class Transport:
         self.plan = plan
         self.exchange = WindowExchange(plan.layout, group)
         self.timeout_s = timeout_s
-        self._sources = [storage[key] for key in plan.layout.buckets]
+        self._source = storage.data
         self._slots = [self._new_slot() for _ in range(ring)]
         compute_device = self.compute_device()
         self.exchange.verify(compute_device)  # raises LayoutMismatchError on every rank, here, at bind
@@ -259,10 +273,9 @@ class Transport:
         """Per-transport set-up once the ring exists (at bind: may allocate and block)."""
 
     def _snapshot(self, window: int, reset: Callable[[], None]) -> Slot:
-        """Copy the local storage into the window's slot (one copy per bucket), then reset it."""
+        """Copy the local storage into the window's slot (one copy of its bytes), then reset it."""
         slot = self._slots[window % len(self._slots)]
-        for target, source in zip(slot.buffers.values(), self._sources, strict=True):
-            target.copy_(source, non_blocking=True)
+        slot.data.copy_(self._source, non_blocking=True)
         reset()
         return slot
 

@@ -13,16 +13,13 @@ that reduce different windows raise instead of mixing them.
 from __future__ import annotations
 
 import copy
-import functools
 import math
-import operator
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
 
+from torchtelemetry.collect._results import STEPS_POSITION, ResultPlacement, Results, place
 from torchtelemetry.metric import (
     BatchedRule,
     Metric,
@@ -38,10 +35,6 @@ __all__ = ["STEPS_ENTRY", "WindowMismatchError", "WindowPlan"]
 
 STEPS_ENTRY = "<window>.steps"
 """The layout entry in which each rank writes its step (its own slot of a world-sized vector)."""
-
-
-_LEAF = pytree.tree_structure(0)
-_ONE_LEAF = operator.itemgetter(0)
 
 
 class WindowMismatchError(RuntimeError):
@@ -73,65 +66,6 @@ class _Group:
         return self.constants[device]
 
 
-@dataclass(frozen=True, slots=True)
-class ResultPlacement:
-    """Where each metric's result leaves sit in a window's flat result tensor."""
-
-    pieces: tuple[tuple[list[int], Any, list[tuple]], ...]
-    """(metric positions, results builder from leaves, leaf descriptors) per batched group or custom
-    metric."""
-    floats: int
-    """Number of float64 words at the start of the flat tensor (int64 values follow)."""
-
-
-class _Results:
-    """Result leaves of a window gathered into one flat int64 tensor (floats first, as float64 bits)."""
-
-    def __init__(self) -> None:
-        self._floats: list[torch.Tensor] = []
-        self._ints: list[torch.Tensor] = []
-        self._counts = [0, 0]
-        self._pieces: list[tuple[list[int], Any, list[tuple]]] = []
-
-    def add(self, positions: list[int], results: Any, k: int, *, unbatched: bool = False) -> None:
-        """The results of the metrics at `positions`, each tensor leaf batched over them (`k`
-        instances along dim 0), or holding one metric's own leaves if `unbatched`."""
-        leaves, spec = pytree.tree_flatten(results)
-        if unbatched:
-            leaves = [leaf.unsqueeze(0) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
-        self._pieces.append((positions, _builder(spec), [self._place(leaf, k) for leaf in leaves]))
-
-    def _place(self, leaf: Any, k: int) -> tuple:
-        if not isinstance(leaf, torch.Tensor):
-            return ("value", leaf)
-        part = 0 if leaf.is_floating_point() else 1
-        (self._floats if part == 0 else self._ints).append(leaf.reshape(-1))
-        kind = "bool" if leaf.dtype == torch.bool else ("float", "int")[part]
-        described = (kind, self._counts[part], leaf.numel() // k, tuple(leaf.shape[1:]))
-        self._counts[part] += leaf.numel()
-        return described
-
-    def packed(self) -> tuple[torch.Tensor, ResultPlacement]:
-        parts = []
-        if self._floats:
-            parts.append(torch.cat(self._floats).to(torch.float64).view(torch.int64))
-        if self._ints:
-            parts.append(torch.cat(self._ints).to(torch.int64))
-        flat = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
-        return flat, ResultPlacement(tuple(self._pieces), self._counts[0])
-
-
-def _builder(spec: pytree.TreeSpec) -> Callable[[list[Any]], Any]:
-    """A fast `tree_unflatten` for the specs results have most: a leaf, or a dict of leaves."""
-    if spec.is_leaf():
-        return _ONE_LEAF
-    # Every child a leaf: one node and one leaf each (TreeSpec.children() is torch >= 2.10 only).
-    if spec.type is dict and spec.num_nodes == spec.num_leaves + 1 == spec.num_children + 1:
-        keys = tuple(spec.context)
-        return lambda leaves: dict(zip(keys, leaves, strict=True))
-    return functools.partial(pytree.tree_unflatten, treespec=spec)
-
-
 def _with_tensors_on(metric: Metric, device: torch.device) -> Metric:
     """`metric`, or a shallow copy whose tensor attributes (those `Metric.to()` moves) are copied to
     `device`: a custom `compute()` on another device than the metric's reads these copies. The copy
@@ -160,15 +94,6 @@ def _reading(metric: Metric, state: dict[int, torch.Tensor]) -> Metric:
     twin.__dict__.update(accumulators)
     twin.__dict__["_accumulators"] = accumulators
     return twin
-
-
-def _nested(values: list, shape: tuple[int, ...]) -> Any:
-    if not shape:
-        return values[0]
-    if len(shape) == 1:
-        return values
-    step = len(values) // shape[0]
-    return [_nested(values[i * step : (i + 1) * step], shape[1:]) for i in range(shape[0])]
 
 
 class WindowPlan:
@@ -280,7 +205,7 @@ class WindowPlan:
 
         With `custom=False` the custom metrics are left out (see `custom_states`): what is computed
         then has the same ops and result shapes every window, and reads no value on the host."""
-        results = _Results()
+        results = Results()
         device = next(iter(buffers.values())).device
         for group in self._groups:
             k = len(group.metrics)
@@ -295,7 +220,7 @@ class WindowPlan:
             views = self.layout.views(buffers)[self._custom_from : len(self.accumulators)]
             self._compute_custom(results, views, device)
         key, start = self._steps_at
-        results.add([-1], buffers[key][start : start + self.world_size].unsqueeze(0), 1)
+        results.add([STEPS_POSITION], buffers[key][start : start + self.world_size].unsqueeze(0), 1)
         return results.packed()
 
     def custom_states(self, buffers: dict[BucketKey, torch.Tensor]) -> dict[BucketKey, torch.Tensor]:
@@ -321,13 +246,13 @@ class WindowPlan:
 
     def compute_custom(self, states: dict[BucketKey, torch.Tensor]) -> tuple[torch.Tensor, ResultPlacement]:
         """The custom metrics' results from `custom_states` (copied anywhere, e.g. to the host)."""
-        results = _Results()
+        results = Results()
         if self._custom_layout is not None:
             device = next(iter(states.values())).device
             self._compute_custom(results, self._custom_layout.views(states), device)
         return results.packed()
 
-    def _compute_custom(self, results: _Results, views: list[torch.Tensor], device: torch.device) -> None:
+    def _compute_custom(self, results: Results, views: list[torch.Tensor], device: torch.device) -> None:
         if device not in self._custom_on:
             self.prepare(device)
         state = {
@@ -359,34 +284,10 @@ class WindowPlan:
         Raises `WindowMismatchError` if the ranks' steps differ."""
         out: list[Any] = [None] * len(self.named)
         for part_flat, part in (flat, placement), *(() if custom is None else (custom,)):
-            self._place(out, part_flat, part)
+            steps = place(out, part_flat, part)
+            if steps is not None:
+                self._check_steps(steps)
         return out
-
-    def _place(self, out: list[Any], flat: torch.Tensor, placement: ResultPlacement) -> None:
-        values = (flat[: placement.floats].view(torch.float64).tolist(), flat[placement.floats :].tolist())
-        for positions, build, described in placement.pieces:
-            if build is _ONE_LEAF and described[0][0] in ("float", "int") and not described[0][3]:
-                start = described[0][1]  # the common case: one scalar per metric
-                scalars = values[described[0][0] == "int"][start : start + len(positions)]
-                for position, scalar in zip(positions, scalars, strict=True):
-                    out[position] = scalar
-                continue
-            per_metric: list[list[Any]] = [[] for _ in positions]
-            for leaf in described:
-                if leaf[0] == "value":
-                    for instance in per_metric:
-                        instance.append(leaf[1])
-                    continue
-                kind, start, size, shape = leaf
-                source = values[0 if kind == "float" else 1]
-                for i, instance in enumerate(per_metric):
-                    chunk = source[start + i * size : start + (i + 1) * size]
-                    instance.append(_nested([bool(v) for v in chunk] if kind == "bool" else chunk, shape))
-            if positions == [-1]:
-                self._check_steps(per_metric[0][0])
-                continue
-            for position, instance in zip(positions, per_metric, strict=True):
-                out[position] = build(instance)
 
     @staticmethod
     def _check_steps(steps: list[float | int]) -> None:

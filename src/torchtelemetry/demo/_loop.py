@@ -57,6 +57,7 @@ def train(config: DemoConfig, rank: int, world_size: int, device: torch.device) 
             "batch_size": config.batch_size,
         },
     )
+    telemetry.watch_gradient_sync(ddp)  # each rank's wait in the all-reduce (train/sync_wait)
     if rank == 0:
         print_banner(config, telemetry, world_size, device)
     stop = tt.StopOnSignal(every=config.every)

@@ -80,11 +80,28 @@ class PushgatewayExporter(BaseExporter):
         self.timeout_s = timeout_s
         self._extra_key = {str(k): str(v) for k, v in (grouping_key or {}).items()}
         self._grouping_key: dict[str, str] | None = None
+        self._namespace = namespace
         self._collector = PrometheusCollector("pushgateway", namespace)
         self._registry = self._client.CollectorRegistry()
         self._registry.register(self._collector)
         self._pending = False
         self._pushed_key: dict[str, str] | None = None
+
+    def reporting_as(self, reporter: str) -> PushgatewayExporter:
+        """A copy that pushes to the same gateway, under this grouping key plus `reporter=<reporter>`,
+        and deletes its group at close: how a rank other than the exporting one reports a hang of
+        the exporting rank without replacing that rank's group (docs/signals.md, Hangs)."""
+        copy = PushgatewayExporter(
+            self.url,
+            job=self.job,
+            grouping_key={**self._extra_key, "reporter": reporter},
+            keep_on_close=False,
+            timeout_s=self.timeout_s,
+            namespace=self._namespace,
+            name=f"{self.name}-{reporter}",
+        )
+        copy._credentials = self._credentials
+        return copy
 
     @property
     def grouping_key(self) -> dict[str, str] | None:

@@ -13,7 +13,7 @@ import torch
 from torchtelemetry._optional import import_optional
 from torchtelemetry.export import Exporter
 from torchtelemetry.integrations._metric_logger import TelemetryMetricLogger, check_log_prefix
-from torchtelemetry.integrations._setup import build_telemetry
+from torchtelemetry.integrations._setup import build_telemetry, watch_gradient_sync
 from torchtelemetry.metric import Metric, WeightedMeanMetric
 from torchtelemetry.telemetry import Telemetry, TelemetryConfig
 
@@ -49,7 +49,9 @@ class LightningTelemetryCallback(pl.Callback):
     every training batch it updates the loss from the batch's `outputs` (on the
     device, no `.item()`) and calls `update`; after every optimizer step it
     calls `Telemetry.step`, which every `every` steps schedules one coalesced
-    collection of all metrics. `teardown` collects the last partial window and
+    collection of all metrics. At `on_fit_start` it measures each rank's wait for
+    the gradient collective in the strategy's wrapped model (`train/sync_wait`,
+    `Telemetry.watch_gradient_sync`). `teardown` collects the last partial window and
     closes the exporters; on an exception the reports already collected are
     flushed (the partial window is not: other ranks may be gone). The callback's
     `state_dict` (saved in Lightning checkpoints) holds the metric state and
@@ -136,6 +138,11 @@ class LightningTelemetryCallback(pl.Callback):
         if self._pending_state is not None:
             self.telemetry.load_state_dict(self._pending_state)
             self._pending_state = None
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Measure each rank's wait for the gradient collective in the strategy's wrapped model."""
+        if self.telemetry is not None:
+            watch_gradient_sync(self.telemetry, trainer.strategy.model or pl_module)
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int

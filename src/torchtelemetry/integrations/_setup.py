@@ -10,9 +10,10 @@ import torch
 
 from torchtelemetry.export import Exporter
 from torchtelemetry.metric import metric_leaves
+from torchtelemetry.report import DEFAULT_SYNC_PHASE
 from torchtelemetry.telemetry import Telemetry, TelemetryConfig
 
-__all__ = ["build_telemetry"]
+__all__ = ["build_telemetry", "watch_gradient_sync"]
 
 
 def build_telemetry(
@@ -35,3 +36,11 @@ def build_telemetry(
         metric.to(device)
     config = config.replace(run_config={**(framework_config or {}), **config.run_config}, **fields)
     return Telemetry(metrics, exporters, config)
+
+
+def watch_gradient_sync(telemetry: Telemetry, model: torch.nn.Module) -> None:
+    """Measure the wait for `model`'s gradient collective where the default phase "backward" is timed
+    (a run that declared other phases names the one holding it itself: `watch_gradient_sync(model,
+    phase=...)`)."""
+    if DEFAULT_SYNC_PHASE in telemetry.config.phases:
+        telemetry.watch_gradient_sync(model, phase=DEFAULT_SYNC_PHASE)

@@ -10,7 +10,7 @@ import torch
 from torchtelemetry._optional import import_optional
 from torchtelemetry.export import Exporter
 from torchtelemetry.integrations._metric_logger import TelemetryMetricLogger, check_log_prefix
-from torchtelemetry.integrations._setup import build_telemetry
+from torchtelemetry.integrations._setup import build_telemetry, watch_gradient_sync
 from torchtelemetry.telemetry import Telemetry, TelemetryConfig
 
 transformers = import_optional("transformers", "transformers", "TrainerTelemetryCallback")
@@ -32,7 +32,9 @@ class TrainerTelemetryCallback(transformers.TrainerCallback):
 
     Update `metrics` where the values are, on the device (in `compute_loss_func`
     or a `Trainer` subclass). At `on_train_begin` the callback builds a
-    `Telemetry` (every process binds the collector). At every `on_step_end` it
+    `Telemetry` (every process binds the collector) and measures each process's
+    wait for the gradient collective in the Trainer's model (`train/sync_wait`,
+    `Telemetry.watch_gradient_sync`). At every `on_step_end` it
     calls `Telemetry.step`, and when the Trainer is about to log (its
     `logging_steps` / `logging_strategy`) it schedules one coalesced collection
     of all metrics, without waiting. The Trainer's own logs (`on_log`, and
@@ -99,6 +101,9 @@ class TrainerTelemetryCallback(transformers.TrainerCallback):
             self.close()  # every process fails the same check: the close is collective on all of them
             raise
         self._logs = TelemetryMetricLogger(self.telemetry, prefix=self.prefix)
+        model = kwargs.get("model")
+        if isinstance(model, torch.nn.Module):
+            watch_gradient_sync(self.telemetry, model)
 
     def on_optimizer_step(
         self,

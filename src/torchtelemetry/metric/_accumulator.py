@@ -8,16 +8,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from torchtelemetry.metric._inputs import nonfinite_count
+from torchtelemetry.metric._shards import rank_local, rank_sharded
+from torchtelemetry.metric._staging import COUNTED_DTYPES, StagePart, UpdateStage
 from torchtelemetry.sync import GroupLike, ReduceOp
 
 __all__ = [
     "DEFAULT_STATE_DTYPE",
     "MetricAccumulator",
     "ReduceOp",
-    "rank_local",
-    "rank_sharded",
     "same_identity",
     "state_identity",
+    "synced_identity",
 ]
 
 DEFAULT_STATE_DTYPE = torch.float64
@@ -30,48 +32,15 @@ def state_identity(accumulators: Iterable[MetricAccumulator]) -> tuple[object, .
     return tuple(item for accumulator in accumulators for item in (accumulator, accumulator._local))
 
 
+def synced_identity(accumulators: Iterable[MetricAccumulator]) -> tuple[object, ...]:
+    """Each accumulator's synchronized tensor, in order: the same objects until one is moved (`to()`)
+    or adopted (`adopt_synced()`) elsewhere."""
+    return tuple(accumulator._synced for accumulator in accumulators)
+
+
 def same_identity(first: tuple[object, ...], second: tuple[object, ...]) -> bool:
     """Whether two `state_identity`s hold the same objects (compared by `is`)."""
     return len(first) == len(second) and all(a is b for a, b in zip(first, second, strict=True))
-
-
-def rank_sharded(local: torch.Tensor) -> torch.Tensor:
-    """`local` as this rank's row of a `(world_size, *shape)` DTensor when a process group is up.
-
-    `torch.distributed.checkpoint` treats plain tensors saved under one key on
-    several ranks as replicas and keeps a single rank's copy; local metric states
-    differ per rank, so each is saved as its own shard. Plain tensors otherwise.
-    """
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return local
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import DTensor, Shard
-
-    world_size = dist.get_world_size()
-    mesh = DeviceMesh.from_group(dist.group.WORLD, local.device.type)
-    shape = (world_size, *local.shape)
-    stride = (local.numel(), *local.contiguous().stride())
-    return DTensor.from_local(
-        local.unsqueeze(0), mesh, [Shard(0)], run_check=False, shape=shape, stride=stride
-    )
-
-
-def rank_local(saved: Any, owner: str) -> torch.Tensor:
-    """The tensor to restore from a saved entry: a plain tensor, or this rank's row of `rank_sharded`."""
-    if dist.is_available():
-        from torch.distributed.tensor import DTensor
-
-        if isinstance(saved, DTensor):
-            local = saved.to_local()
-            if local.dim() == 0 or local.shape[0] != 1:
-                raise ValueError(
-                    f"{owner}: saved DTensor has local shape {tuple(local.shape)}, expected one row per rank"
-                )
-            return local[0]
-    try:
-        return torch.as_tensor(saved)
-    except (TypeError, ValueError, RuntimeError) as error:
-        raise TypeError(f"{owner}: saved state must be a tensor, got {type(saved).__name__}") from error
 
 
 def _check_state_dtype(dtype: torch.dtype, what: str) -> None:
@@ -91,9 +60,14 @@ class MetricAccumulator:
     captured `update()` after set-up stays attached. `value` is what `compute()`
     reads: the synchronized state filled by `sync()` when several ranks run, the
     local state in a single process.
+
+    Adopted with a stage (`AsyncMetricCollector.bind()`), a float64 state's updates of one entry by
+    a Python number or a 0-d tensor are staged and applied with every other metric's in a few tensor
+    ops (`UpdateStage`): at `Telemetry.step()`, before a collection, and before `local` or `value`
+    is read.
     """
 
-    __slots__ = ("_binding", "_initial", "_local", "_synced", "reduce_op")
+    __slots__ = ("_at", "_binding", "_initial", "_local", "_scalar", "_stage", "_synced", "reduce_op")
 
     def __init__(
         self,
@@ -111,20 +85,39 @@ class MetricAccumulator:
         self._synced = initial.clone()
         self._binding: Any = None
         """The `MetricBinding` of the collector keeping this state, told when `to()` moves it."""
+        self._stage: StagePart | None = None
+        """Where this state's updates are staged (None: they run at once)."""
+        self._at = 0
+        """This state's first entry in the staged buffer."""
+        self._scalar = initial.dim() == 0
 
     def __getstate__(self) -> dict[str, Any]:
-        """A copied or unpickled accumulator is bound nowhere."""
-        return {slot: getattr(self, slot) for slot in self.__slots__ if slot != "_binding"}
+        """A copied or unpickled accumulator is bound nowhere (and holds every update made)."""
+        self.apply_staged()
+        return {slot: getattr(self, slot) for slot in self.__slots__ if slot not in ("_binding", "_stage")}
 
     def __setstate__(self, state: Mapping[str, Any]) -> None:
         for slot, value in state.items():
             setattr(self, slot, value)
         self._binding = None
+        self._stage = None
 
     @property
     def local(self) -> torch.Tensor:
-        """The rank-local state, updated in place."""
+        """The rank-local state, updated in place (staged updates applied first)."""
+        self.apply_staged()
         return self._local
+
+    @property
+    def stage(self) -> UpdateStage | None:
+        """The stage this state's updates go to (None: they run at once)."""
+        return None if self._stage is None else self._stage.stage
+
+    def apply_staged(self) -> None:
+        """Apply the updates staged for this state's bucket (with every other state's there: one
+        flush)."""
+        if self._stage is not None:
+            self._stage.flush()
 
     @property
     def initial(self) -> torch.Tensor:
@@ -139,7 +132,7 @@ class MetricAccumulator:
         window's state.)"""
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             return self._synced
-        return self._local
+        return self.local
 
     @property
     def shape(self) -> torch.Size:
@@ -155,6 +148,10 @@ class MetricAccumulator:
 
     def update(self, value: torch.Tensor | float) -> None:
         """Fold `value` (already reduced to this accumulator's shape) into the local state."""
+        stage = self._stage
+        if stage is not None and self._scalar and stage.accepts(value):
+            stage.fold(self._at, value, self.reduce_op)
+            return
         local = self._writable()
         if self.reduce_op is ReduceOp.SUM:
             local.add_(value)
@@ -166,18 +163,86 @@ class MetricAccumulator:
         else:
             local.copy_(torch.minimum(local, value))
 
-    def add_at(self, index: int, value: torch.Tensor | float) -> None:
-        """Add `value` (a number or a 0-d tensor) to entry `index` of the local state's first dim,
-        leaving every other entry as it is (NaN and Inf included); SUM only."""
+    def update_at(self, index: int | tuple[int, ...], value: torch.Tensor | float) -> None:
+        """Fold `value` (a number or a 0-d tensor) into entry `index` of the local state by this
+        accumulator's reduce op (add, max or min), leaving every other entry as it is (NaN and Inf
+        included). An `index` of fewer dims than the state folds into that whole slice."""
+        stage = self._stage
+        if stage is not None and stage.accepts(value):
+            offset = self._offset(index)
+            if offset is not None:
+                stage.fold(offset, value, self.reduce_op)
+                return
+        entry = self._writable()[index]
+        if self.reduce_op is ReduceOp.SUM:
+            entry.add_(value)
+        elif self.reduce_op is ReduceOp.MAX:
+            entry.clamp_(min=value)
+        else:
+            entry.clamp_(max=value)
+
+    def add_at(self, index: int | tuple[int, ...], value: torch.Tensor | float) -> None:
+        """`update_at` of a SUM accumulator: add `value` to entry `index` only."""
         if self.reduce_op is not ReduceOp.SUM:
             raise TypeError(f"add_at needs a SUM accumulator, got {self.reduce_op.name}")
-        self._writable()[index].add_(value)
+        self.update_at(index, value)
 
-    def add_product(self, value: torch.Tensor, weight: torch.Tensor) -> None:
-        """Add `value * weight` (broadcast to this accumulator's shape) in one fused op; SUM only."""
+    def add_product(self, value: torch.Tensor | float, weight: torch.Tensor | float) -> None:
+        """Add `value * weight` (broadcast to this accumulator's shape, computed in its dtype);
+        SUM only."""
         if self.reduce_op is not ReduceOp.SUM:
             raise TypeError(f"add_product needs a SUM accumulator, got {self.reduce_op.name}")
-        self._writable().addcmul_(value, weight)
+        stage = self._stage
+        if stage is not None and self._scalar and stage.accepts(value) and stage.accepts(weight):
+            stage.add_product(self._at, value, weight)
+            return
+        local = self._writable()
+        if isinstance(weight, torch.Tensor):
+            if isinstance(value, torch.Tensor):
+                local.addcmul_(value, weight)
+            else:
+                local.add_(weight, alpha=value)
+        elif isinstance(value, torch.Tensor):
+            local.add_(value, alpha=weight)
+        else:
+            local.add_(float(value) * float(weight))
+
+    def add_at_flat(self, positions: torch.Tensor, values: torch.Tensor) -> None:
+        """Add `values` (broadcast to `positions`' shape) at the flat `positions` of the local state
+        (repeats add up), in one op, at once: a batch's many entries (a histogram's buckets); SUM
+        only."""
+        if self.reduce_op is not ReduceOp.SUM:
+            raise TypeError(f"add_at_flat needs a SUM accumulator, got {self.reduce_op.name}")
+        local = self._writable()
+        (local if local.dim() == 1 else local.view(-1)).index_put_((positions,), values, accumulate=True)
+
+    def count_nonfinite_at(self, index: int, value: torch.Tensor) -> None:
+        """Add the number of NaN and +-Inf entries of the floating point (or complex) tensor `value`
+        to entry `index` (no host sync); SUM only."""
+        stage = self._stage
+        if (
+            stage is not None
+            and value.dtype in COUNTED_DTYPES
+            and stage.accepts(value)
+            and (offset := self._offset(index)) is not None
+        ):
+            stage.count_nonfinite(offset, value)
+            return
+        self.add_at(index, nonfinite_count(value))
+
+    def _offset(self, index: int | tuple[int, ...]) -> int | None:
+        """Entry `index`'s offset in the staged buffer (None for a slice or an index out of range:
+        indexing the state says what is wrong)."""
+        shape, offset, stride = self._local.shape, self._at, 1
+        indices = index if isinstance(index, tuple) else (index,)
+        if len(indices) != len(shape):
+            return None
+        for position, size in zip(reversed(indices), reversed(shape), strict=True):
+            if type(position) is not int or not -size <= position < size:
+                return None
+            offset += (position % size) * stride
+            stride *= size
+        return offset
 
     def _writable(self) -> torch.Tensor:
         """The local state to update in place. Under torch.compile, a view of it: AOT autograd
@@ -187,7 +252,7 @@ class MetricAccumulator:
 
     def reset(self) -> None:
         """Restore the initial state in place."""
-        self._local.copy_(self._initial)
+        self.local.copy_(self._initial)
 
     def sync(self, group: GroupLike = None) -> None:
         """Reduce the local state across `group` into `value` (one collective)."""
@@ -198,15 +263,18 @@ class MetricAccumulator:
     def to(self, device: torch.device | str) -> MetricAccumulator:
         """Move every tensor to `device`; call before capturing CUDA graphs."""
         self._initial = self._initial.to(device)
-        self._local = self._local.to(device)
+        self._local = self.local.to(device)
         self._synced = self._synced.to(device)
+        self._stage = None
         if self._binding is not None:
             self._binding.stale = True
         return self
 
-    def adopt(self, storage: torch.Tensor) -> None:
+    def adopt(self, storage: torch.Tensor, staged: tuple[StagePart, int] | None = None) -> None:
         """Keep the local state in `storage` from now on (a view of the same shape, dtype and device,
-        e.g. a slice of a collector's flat buffer); the current values are copied into it."""
+        e.g. a slice of a collector's flat buffer); the current values are copied into it.
+        `staged`: where updates of the state are staged from now on (the stage part of `storage`'s
+        buffer, and the state's offset in it); None: they run at once."""
         if storage.shape != self._local.shape or storage.dtype != self._local.dtype:
             raise ValueError(
                 f"MetricAccumulator.adopt: storage is {storage.dtype}{tuple(storage.shape)}, expected "
@@ -216,24 +284,28 @@ class MetricAccumulator:
             raise ValueError(
                 f"MetricAccumulator.adopt: storage is on {storage.device}, not {self._local.device}"
             )
-        storage.copy_(self._local)
+        storage.copy_(self.local)
         self._local = storage
+        self._stage, self._at = staged if staged is not None else (None, 0)
+
+    def adopt_synced(self, storage: torch.Tensor) -> None:
+        """Keep the synchronized state in `storage` from now on (a view of the same shape and dtype,
+        e.g. a slice of a packed sync's buffer, which a sync then reduces in place); the current
+        values are copied into it."""
+        storage.copy_(self._synced)
+        self._synced = storage
 
     def reading(self, state: torch.Tensor) -> MetricAccumulator:
         """A twin of this accumulator whose local state and `value` are `state` (e.g. a collection
         window's reduced state), bound nowhere; this accumulator is left as it is."""
         twin = MetricAccumulator.__new__(MetricAccumulator)
         twin.reduce_op, twin._initial, twin._local, twin._synced = self.reduce_op, self._initial, state, state
-        twin._binding = None
+        twin._binding, twin._stage, twin._at, twin._scalar = None, None, 0, state.dim() == 0
         return twin
-
-    def flat_views(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """1-D views of the local and the synchronized state (valid until `to()`), for packed syncs."""
-        return self._local.view(-1), self._synced.view(-1)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The local state (a per-rank DTensor shard under a process group, see `rank_sharded`)."""
-        return {"local": rank_sharded(self._local.detach().clone())}
+        return {"local": rank_sharded(self.local.detach().clone())}
 
     def load_state_dict(self, state: Mapping[str, Any], *, owner: str = "MetricAccumulator") -> None:
         """Copy a saved local state in place; raise `ValueError` naming `owner` on mismatch."""
@@ -244,7 +316,7 @@ class MetricAccumulator:
             raise ValueError(
                 f"{owner}: saved state has shape {tuple(saved.shape)}, expected {tuple(self._local.shape)}"
             )
-        self._local.copy_(saved)
+        self.local.copy_(saved)
 
     def __repr__(self) -> str:
         return (

@@ -113,19 +113,29 @@ class WeightedMeanMetric(Metric):
     def update(self, value: Any, weight: Any = 1.0) -> None:
         """Add `value` with `weight` (a scalar, or a tensor of the same shape as `value`)."""
         weighted_sum, total_weight = self.weighted_sum, self.total_weight
-        local_sum = weighted_sum._local
-        # The common case first (a loss and its token count: bench/README.md). Torch refuses what
-        # `_ready_scalars` leaves to it (a weight of another shape, another dtype or device) before
-        # anything is written: those take the full path below, which says what is wrong.
-        if self._float_state and self._ready_scalars(value, weight, local_sum):
-            try:
-                local_sum.addcmul_(value, weight)
-            except RuntimeError:
-                pass  # refused before anything was written: the full path says why
-            else:
-                total_weight._local.add_(weight)
-                return
-        device = local_sum.device
+        # The common case (a loss and its token count: two 0-d operands) is checked in one
+        # expression; the rest takes the full prologue, which converts the inputs and says what is
+        # wrong with them.
+        scalars = self._float_state and self._ready_scalars(value, weight, weighted_sum.device)
+        if not scalars:
+            value, weight = self._checked(value, weight)
+            scalars = self._float_state and not (value.dim() or weight.dim())
+        if scalars:
+            # Two 0-d operands: the product and the weight, in the state dtype (no reduction).
+            weighted_sum.add_product(value, weight)
+            total_weight.update(weight)
+            return
+        weight = weight.expand(value.shape)
+        # Both sums before any state changes: either can raise (an integer state overflowing).
+        weighted = self._batch_sum(weighted_sum, value, weight)
+        weights = self._batch_sum(total_weight, weight)
+        weighted_sum.update(weighted)
+        total_weight.update(weights)
+
+    def _checked(self, value: Any, weight: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """The full prologue: both inputs as tensors on the metric's device, shapes that fit, a weight
+        not negative (read where values may be read), nan_policy applied (masked entries count 0)."""
+        device = self.weighted_sum.device
         value, mask = self._begin_update(value, "value", device)
         weight, weight_mask = self._input(weight, "weight", device)
         if weight.dim() > 0 and weight.shape != value.shape:
@@ -133,31 +143,16 @@ class WeightedMeanMetric(Metric):
                 f"{self.display_name()}: weight has shape {tuple(weight.shape)}, expected the shape of "
                 f"value {tuple(value.shape)} or a scalar"
             )
-        compiling = torch.compiler.is_compiling()
-        # `is_cpu`, not `device.type == "cpu"`: 0.3 µs against 1.5 µs, on every update
-        if not compiling and (self.nan_policy == "error" or local_sum.is_cpu) and _any_negative(weight):
+        if self._inspects_values(weight) and _any_negative(weight):
             raise ValueError(f"{self.display_name()}: weight must be non-negative, got a negative weight")
-        if mask is None and weight_mask is None and value.dim() == 0 and self._float_state:
-            # The common case (a loss and its token count): two fused ops in the state dtype
-            # (0-d operands promote to it), no reductions.
-            if compiling:
-                weighted_sum.add_product(value, weight)
-                total_weight.update(weight)
-            else:  # the same ops on the local tensors, without the compile workaround's view
-                local_sum.addcmul_(value, weight)
-                total_weight._local.add_(weight)
-            return
+        if mask is None and weight_mask is None:
+            return value, weight
         weight = weight.expand(value.shape)
-        if mask is not None:
-            if weight_mask is not None:
-                mask = mask & weight_mask
-            value = torch.where(mask, value, 0)
-            weight = torch.where(mask, weight, 0)
-        # Both sums before any state changes: either can raise (an integer state overflowing).
-        weighted = self._batch_sum(weighted_sum, value, weight)
-        weights = self._batch_sum(total_weight, weight)
-        weighted_sum.update(weighted)
-        total_weight.update(weights)
+        if mask is not None and weight_mask is not None:
+            mask = mask & weight_mask
+        elif mask is None:
+            mask = weight_mask
+        return torch.where(mask, value, 0), torch.where(mask, weight, 0)
 
 
 def _any_negative(tensor: torch.Tensor) -> bool:
@@ -192,7 +187,9 @@ class _ExtremumMetric(Metric):
             return
         if mask is not None:
             value = torch.where(mask, value, self.extremum.initial)
-        self.extremum.update(value.amax() if self._op is ReduceOp.MAX else value.amin())
+        if value.dim():
+            value = value.amax() if self._op is ReduceOp.MAX else value.amin()
+        self.extremum.update(value)
 
 
 class MaxMetric(_ExtremumMetric):

@@ -9,9 +9,10 @@ from typing import Any, ClassVar
 
 import torch
 
-from torchtelemetry.metric._accumulator import MetricAccumulator, rank_local, rank_sharded
+from torchtelemetry.metric._accumulator import MetricAccumulator
 from torchtelemetry.metric._batched import BatchedRule
 from torchtelemetry.metric._inputs import NAN_POLICIES, NanPolicy, UpdateInputs
+from torchtelemetry.metric._shards import rank_local, rank_sharded
 from torchtelemetry.sync import GroupLike
 
 __all__ = ["DEFAULT_LABEL_NAME", "Metric", "MetricExample", "MetricKind", "NanPolicy"]

@@ -1,4 +1,4 @@
-"""Classification metrics: accuracy, confusion matrix (precision/recall/F1), binary AUROC."""
+"""Classification metrics: accuracy, confusion matrix (precision/recall/F1)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import torch
 
 from torchtelemetry.metric._accumulator import DEFAULT_STATE_DTYPE, MetricAccumulator, ReduceOp
 from torchtelemetry.metric._base import Metric, MetricExample
-from torchtelemetry.metric._batched import BatchedRule, States
+from torchtelemetry.metric._batched import BatchedRule
 
-__all__ = ["AccuracyMetric", "BinaryAUROCMetric", "ConfusionMatrixMetric", "confusion_scores"]
+__all__ = ["AccuracyMetric", "ConfusionMatrixMetric", "confusion_scores"]
 
 
 class _LabelledMetric(Metric):
@@ -56,21 +56,27 @@ class _LabelledMetric(Metric):
         preds, mask = self._begin_update(preds, "preds")
         return preds, None if mask is None else mask.all(dim=-1)
 
-    def _valid(self, target: torch.Tensor, num_classes: int | None) -> torch.Tensor:
-        """Entries that count: not `ignore_index`, and (device-side) inside [0, num_classes). Each
-        kernel launch costs the training thread on a GPU: none is spent on an all-true mask."""
+    def _valid(self, target: torch.Tensor, num_classes: int | None) -> torch.Tensor | None:
+        """The entries that count, or None when every entry does: not `ignore_index`, and inside
+        [0, num_classes). Where values may be read (the CPU) a label outside the range raises, so the
+        range needs no mask there; on a device it is masked (no read). Each op launched costs the
+        training thread on a GPU: none is spent on a mask of all true."""
         valid = None if self.ignore_index is None else target != self.ignore_index
-        if num_classes is not None:
-            in_range = (target >= 0) & (target < num_classes)
-            if self._inspects_values(target) and bool(
-                (~in_range if valid is None else valid & ~in_range).any()
-            ):
+        if num_classes is None:
+            return valid
+        if self._inspects_values(target):
+            if not target.numel():
+                return valid
+            labels = target if valid is None else torch.where(valid, target, 0)
+            low, high = (bound.tolist() for bound in torch.aminmax(labels))
+            if low < 0 or high >= num_classes:
                 raise ValueError(
                     f"{self.display_name()}: target has labels outside [0, {num_classes}); "
                     "set ignore_index for labels to skip"
                 )
-            valid = in_range if valid is None else valid & in_range
-        return torch.ones_like(target, dtype=torch.bool) if valid is None else valid
+            return valid
+        in_range = target.clamp(0, num_classes - 1) == target
+        return in_range if valid is None else valid & in_range
 
 
 class AccuracyMetric(_LabelledMetric):
@@ -150,9 +156,13 @@ class AccuracyMetric(_LabelledMetric):
             hit = preds == target
         valid = self._valid(target, num_classes)
         if finite is not None:
-            valid = valid & finite
-        self.correct.update((hit & valid).sum(dtype=self.correct.dtype))
-        self.total.update(valid.sum(dtype=self.total.dtype))
+            valid = finite if valid is None else valid & finite
+        if valid is None:
+            self.correct.update(hit.sum(dtype=self.correct.dtype))
+            self.total.update(hit.numel())
+        else:
+            self.correct.update((hit & valid).sum(dtype=self.correct.dtype))
+            self.total.update(valid.sum(dtype=self.total.dtype))
 
 
 class ConfusionMatrixMetric(_LabelledMetric):
@@ -219,17 +229,15 @@ class ConfusionMatrixMetric(_LabelledMetric):
         labels = preds.argmax(dim=-1) if preds.is_floating_point() else preds.long()
         valid = self._valid(target, self.num_classes)
         if finite is not None:
-            valid = valid & finite
+            valid = finite if valid is None else valid & finite
         pred_ok = (labels >= 0) & (labels < self.num_classes)
-        if self._inspects_values(labels) and bool((valid & ~pred_ok).any()):
+        if self._inspects_values(labels) and bool((~pred_ok if valid is None else valid & ~pred_ok).any()):
             raise ValueError(
                 f"{self.display_name()}: predictions have labels outside [0, {self.num_classes})"
             )
-        valid = valid & pred_ok
-        cells = torch.where(valid, target * self.num_classes + labels, 0).reshape(-1)
-        counts = torch.zeros(self.num_classes**2, dtype=self.matrix.dtype, device=cells.device)
-        counts.index_add_(0, cells, valid.reshape(-1).to(counts.dtype))
-        self.matrix.update(counts.view(self.num_classes, self.num_classes))
+        valid = pred_ok if valid is None else valid & pred_ok
+        cells = torch.where(valid, target * self.num_classes + labels, 0)
+        self.matrix.add_at_flat(cells, valid.to(self.matrix.dtype))
 
 
 def confusion_scores(matrix: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -271,88 +279,3 @@ def _in_top_k(logits: torch.Tensor, target: torch.Tensor, k: int) -> torch.Tenso
     above = ~own_nan & ((logits > own) | nan)
     tied = torch.where(own_nan, nan, logits == own) & earlier
     return (above | tied).sum(dim=-1) < k
-
-
-def _auroc(states: States, constants: None) -> torch.Tensor:
-    """The trapezoid rule over the binned ROC curves `[..., num_bins]`, thresholds from high to low."""
-    tp = states["positives"].flip(-1).cumsum(-1)
-    fp = states["negatives"].flip(-1).cumsum(-1)
-    zeros = tp.new_zeros((*tp.shape[:-1], 1))
-    tpr = torch.cat([zeros, tp / tp[..., -1:]], dim=-1)
-    fpr = torch.cat([zeros, fp / fp[..., -1:]], dim=-1)
-    return torch.trapezoid(tpr, fpr, dim=-1)
-
-
-class BinaryAUROCMetric(Metric):
-    """Area under the ROC curve from binned score histograms (exact for the binned scores).
-
-    Scores are probabilities in [0, 1] (or logits with `from_logits=True`),
-    bucketed into `num_bins` equal bins per class; ties inside a bin count half,
-    as in the exact AUROC. `compute()`: the AUROC by the trapezoid rule over thresholds from high to
-    low; NaN with one class only.
-
-    Example:
-        >>> metric = BinaryAUROCMetric()
-        >>> metric.update(torch.tensor([0.1, 0.4, 0.35, 0.8]), torch.tensor([0, 0, 1, 1]))
-        >>> metric.compute().item()
-        0.75
-    """
-
-    batched = BatchedRule(_auroc)
-
-    @classmethod
-    def examples(cls) -> tuple[MetricExample, ...]:
-        scores, labels = torch.tensor([0.1, 0.4, 0.35, 0.8, 0.6]), torch.tensor([0, 0, 1, 1, 0])
-        return (
-            MetricExample("probabilities", (scores, labels), (torch.tensor([0.9]), torch.tensor([1]))),
-            MetricExample("logits and bool target", (torch.logit(scores), labels.bool()), from_logits=True),
-        )
-
-    def __init__(
-        self,
-        *,
-        num_bins: int = 1024,
-        from_logits: bool = False,
-        dtype: torch.dtype = DEFAULT_STATE_DTYPE,
-        **options: Any,
-    ) -> None:
-        super().__init__(**options)
-        if num_bins < 2:
-            raise ValueError(f"{self.display_name()}: num_bins must be at least 2, got {num_bins}")
-        self.num_bins = num_bins
-        self.from_logits = from_logits
-        self.positives = MetricAccumulator(torch.zeros(num_bins), ReduceOp.SUM, dtype=dtype)
-        self.negatives = MetricAccumulator(torch.zeros(num_bins), ReduceOp.SUM, dtype=dtype)
-
-    def configuration(self) -> dict[str, Any]:
-        return {**super().configuration(), "num_bins": self.num_bins, "from_logits": self.from_logits}
-
-    def update(self, preds: Any, target: Any) -> None:
-        """Add scores `preds` with binary labels `target` (0/1 integers or booleans)."""
-        preds, _ = self._begin_update(preds, "preds")  # non-finite scores are never counted
-        target = self._as_tensor(target, "target")
-        if not preds.is_floating_point():
-            raise TypeError(f"{self.display_name()}: preds must be floating point scores, got {preds.dtype}")
-        if target.is_floating_point():
-            raise TypeError(
-                f"{self.display_name()}: target must be 0/1 integers or booleans, got {target.dtype}"
-            )
-        if preds.shape != target.shape:
-            raise ValueError(
-                f"{self.display_name()}: preds have shape {tuple(preds.shape)}, target {tuple(target.shape)}"
-            )
-        if self._inspects_values(target) and bool(((target != 0) & (target != 1)).any()):
-            raise ValueError(f"{self.display_name()}: target must be 0 or 1")
-        scores = torch.sigmoid(preds) if self.from_logits else preds
-        valid = torch.isfinite(scores)
-        bins = (scores.nan_to_num(0.0).clamp(0, 1) * self.num_bins).long().clamp_(max=self.num_bins - 1)
-        positive = (target != 0) & valid
-        negative = (target == 0) & valid
-        bins = bins.reshape(-1)
-        dtype, device = self.positives.dtype, bins.device
-        pos = torch.zeros(self.num_bins, dtype=dtype, device=device)
-        neg = torch.zeros(self.num_bins, dtype=dtype, device=device)
-        pos.index_add_(0, bins, positive.reshape(-1).to(dtype))
-        neg.index_add_(0, bins, negative.reshape(-1).to(dtype))
-        self.positives.update(pos)
-        self.negatives.update(neg)

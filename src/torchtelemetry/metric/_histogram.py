@@ -77,6 +77,9 @@ class HistogramMetric(Metric):
         self.bounds = torch.tensor(bounds, dtype=torch.float64)
         # v <= b exactly when v <= floor(b), for an integer v: integers compare in int64, exactly.
         self.integer_bounds = torch.tensor([_floor_int64(b) for b in bounds], dtype=torch.int64)
+        self._one = torch.ones((), dtype=dtype)
+        """What one value adds to its bucket."""
+        self._bounds_by_dtype: dict[torch.dtype, torch.Tensor] = {}
         self.counts = MetricAccumulator(torch.zeros(len(bounds) + 1), ReduceOp.SUM, dtype=dtype)
         self.sum = MetricAccumulator(0, ReduceOp.SUM, dtype=dtype)
         self.count = MetricAccumulator(0, ReduceOp.SUM, dtype=dtype)
@@ -84,24 +87,33 @@ class HistogramMetric(Metric):
     def update(self, value: Any) -> None:
         """Add every entry of `value` to its bucket."""
         value, mask = self._begin_update(value)
-        value = value.reshape(-1)
-        mask = None if mask is None else mask.reshape(-1)
-        weights = torch.ones_like(value, dtype=self.counts.dtype)
         if mask is not None:
-            weights = mask.to(weights.dtype)
             value = torch.where(mask, value, 0)
+        elif not value.is_floating_point():
+            value = value.long()
         # Compare in the value's own precision, so that a float32 0.1 falls in the bucket `le=0.1` closes.
-        if value.is_floating_point():
-            buckets = torch.bucketize(value, self.bounds.to(value.dtype))
-        else:
-            buckets = torch.bucketize(value.to(torch.int64), self.integer_bounds)
-        counts = torch.zeros(self.bounds.numel() + 1, dtype=self.counts.dtype, device=value.device)
-        counts.index_add_(0, buckets, weights)
+        buckets = torch.bucketize(value, self._bounds_as(value))
         # The sum first: the only update that can fail (a float value into an integer state dtype,
         # an integer state overflowing), and it fails before any state has changed.
-        self.sum.update(self._batch_sum(self.sum, value, None if mask is None else weights))
-        self.counts.update(counts)
-        self.count.update(weights.sum())
+        weights = None if mask is None else mask.to(self.counts.dtype)
+        self.sum.update(self._batch_sum(self.sum, value, weights))
+        self.counts.add_at_flat(buckets, self._one if weights is None else weights)
+        self.count.update(value.numel() if weights is None else weights.sum())
+
+    def _bounds_as(self, value: torch.Tensor) -> torch.Tensor:
+        """The bounds to compare `value` with, cast once per dtype: in the value's own floating point
+        precision, or for int64 the integer bounds (integers compare exactly, at any size)."""
+        bounds = self._bounds_by_dtype.get(value.dtype)
+        if bounds is None:
+            bounds = self.bounds.to(value.dtype) if value.is_floating_point() else self.integer_bounds
+            if not torch.compiler.is_compiling():  # a compiled graph keeps its own (no recompile)
+                self._bounds_by_dtype[value.dtype] = bounds
+        return bounds
+
+    def to(self, device: torch.device | str) -> HistogramMetric:
+        super().to(device)
+        self._bounds_by_dtype = {}
+        return self
 
     def configuration(self) -> dict[str, Any]:
         return {**super().configuration(), "bins": list(self.bins)}

@@ -15,7 +15,7 @@ import torch
 if TYPE_CHECKING:
     from torchtelemetry.metric._accumulator import MetricAccumulator
 
-__all__ = ["NAN_POLICIES", "NanPolicy", "UpdateInputs"]
+__all__ = ["NAN_POLICIES", "READY_DTYPES", "NanPolicy", "UpdateInputs", "nonfinite_count"]
 
 NanPolicy = Literal["error", "ignore", "propagate"]
 NAN_POLICIES: tuple[str, ...] = get_args(NanPolicy)
@@ -39,7 +39,7 @@ _WIDENED: dict[torch.dtype, torch.dtype | None] = {
 }
 # Real dtypes every op takes as they are: a tensor of one of them on the metric's device, outside
 # autograd, goes into the update unconverted.
-_READY = frozenset(
+READY_DTYPES = frozenset(
     {
         torch.bool,
         torch.uint8,
@@ -55,11 +55,27 @@ _READY = frozenset(
 )
 
 
-_INTEGRAL = frozenset(dtype for dtype in _READY if not dtype.is_floating_point)
+_INTEGRAL = frozenset(dtype for dtype in READY_DTYPES if not dtype.is_floating_point)
 """Ready dtypes no tensor of which can require a gradient."""
 _TENSOR = torch.Tensor
 _is_dynamo_compiling = torch.compiler.is_dynamo_compiling
 """Bound once: `_ready_scalars` pays one global read for each."""
+
+
+def nonfinite_count(value: torch.Tensor) -> torch.Tensor:
+    """The number of NaN and +-Inf entries of a floating point or complex tensor, as a 0-d tensor on
+    its device (no sync), with one temporary the size of the input: `x - x` is NaN exactly where `x`
+    is not finite, and `ne_` marks those in place. (`isfinite` decomposes into four kernels and
+    four temporaries, one of them of the input's dtype.)"""
+    if value.requires_grad:
+        value = value.detach()
+    if value.dtype.itemsize == 1:
+        value = value.float()  # float8 has no arithmetic kernels; float32 holds it exactly
+    elif value.is_complex():
+        value = value.abs()  # Inf where a part is infinite, else NaN where a part is NaN
+    bad = value - value
+    bad.ne_(bad)
+    return bad if bad.dim() == 0 else bad.sum(dtype=torch.float64)
 
 
 class UpdateInputs:
@@ -84,32 +100,36 @@ class UpdateInputs:
             self._check_thread()
         return self._input(value, what, device)
 
-    def _ready_scalars(self, value: Any, weight: Any, state: torch.Tensor) -> bool:
+    def _ready_scalars(self, value: Any, weight: Any, device: torch.device) -> bool:
         """The prologue of the common case, in one expression (a loss and its token count): a 0-d
-        tensor `value` and a tensor `weight` of ready dtypes outside autograd, under nan_policy
-        "propagate", on the metric's thread; for a CPU `state` a CPU value and a weight not
-        negative, for a state on a device no CPU operand (a CUDA graph would keep its value). True:
-        both go into `state`'s kernels as they are, and the kernels refuse the rest (a weight not
-        0-d, a device they do not take) before they write; False: the caller runs `_begin_update`.
-        About a third of the full prologue's cost (bench/README.md)."""
-        try:
-            return (
-                type(value) is _TENSOR
-                and type(weight) is _TENSOR
-                and not _is_dynamo_compiling()
-                and threading.get_ident() == self._thread
-                and self.nan_policy == "propagate"
-                and value.dtype in _READY
-                and not (value.requires_grad or value.dim())
-                and ((dtype := weight.dtype) in _INTEGRAL or (dtype in _READY and not weight.requires_grad))
-                and (
-                    value.is_cpu and weight.item() >= 0
-                    if state.is_cpu
-                    else not (value.is_cpu or weight.is_cpu)
+        tensor `value` of a ready dtype outside autograd, and a `weight` that is one too or a Python
+        number (int or float) >= 0, both on the metric's `device`, under nan_policy "propagate", on
+        the metric's thread; a CPU weight tensor is read (not negative), as the full prologue reads
+        it. True: both go into the update as they are; False: the caller runs `_begin_update`. About
+        a third of the full prologue's cost (bench/README.md)."""
+        kind = type(weight)
+        return (
+            type(value) is _TENSOR
+            and not _is_dynamo_compiling()
+            and threading.get_ident() == self._thread
+            and self.nan_policy == "propagate"
+            and value.dtype in READY_DTYPES
+            and not (value.requires_grad or value.dim())
+            and value.device == device
+            and (
+                (kind is float or kind is int) and weight >= 0
+                if kind is not _TENSOR
+                else (
+                    (
+                        (dtype := weight.dtype) in _INTEGRAL
+                        or (dtype in READY_DTYPES and not weight.requires_grad)
+                    )
+                    and not weight.dim()
+                    and weight.device == device
+                    and (not weight.is_cpu or weight.item() >= 0)
                 )
             )
-        except (RuntimeError, TypeError):  # item() of a weight that is not one real number
-            return False
+        )
 
     def _input(
         self, value: Any, what: str, device: torch.device | None = None
@@ -121,7 +141,7 @@ class UpdateInputs:
         common case: three attribute reads and no call)."""
         if not (
             isinstance(value, torch.Tensor)
-            and value.dtype in _READY
+            and value.dtype in READY_DTYPES
             and not value.requires_grad
             and value.device == (device or self.device)
         ):

@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
 
-from torchtelemetry.metric._accumulator import MetricAccumulator, same_identity, state_identity
+from torchtelemetry.metric._accumulator import (
+    MetricAccumulator,
+    same_identity,
+    state_identity,
+    synced_identity,
+)
+from torchtelemetry.metric._staging import UpdateStage
 from torchtelemetry.metric._tree import metric_leaves, named_accumulators
-from torchtelemetry.sync import BucketLayout, GroupLike, reduce_buffers, resolve_group
+from torchtelemetry.sync import BucketKey, BucketLayout, GroupLike, reduce_buffers, resolve_group
 
 __all__ = ["SyncHandle", "sync_accumulators", "sync_metrics"]
 
@@ -47,7 +54,7 @@ def sync_metrics(metrics: Any, group: GroupLike = None, *, async_op: bool = Fals
     leaves, spec = pytree.tree_flatten(metrics)
     key = ("tree", *map(id, leaves))
     views = _SYNC_VIEWS.get(key)
-    if views is None or views.spec != spec or not _unchanged(views, _tree_accumulators(leaves)):
+    if views is None or views.spec != spec or not views.unchanged(_tree_accumulators(leaves)):
         configs = {name: metric.configuration() for name, metric in metric_leaves(metrics)}
         views = _cache_views(key, named_accumulators(metrics), spec, leaves, configs)
     return _run_views(views, group, async_op)
@@ -62,27 +69,37 @@ def sync_accumulators(
     """`sync_metrics` for named accumulators."""
     key = ("accumulators", *accumulators, *map(id, accumulators.values()))
     views = _SYNC_VIEWS.get(key)
-    if views is None or not _unchanged(views, accumulators.values()):
+    if views is None or not views.unchanged(tuple(accumulators.values())):
         views = _cache_views(key, accumulators, None, [])
     return _run_views(views, group, async_op)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _SyncViews:
-    """The flat views a sync of one set of accumulators reads and writes, and their bucket layout:
-    built once and reused while the accumulators (and their local tensors) stay the same."""
+    """What a sync of one set of accumulators reads and writes, built once and reused while the
+    accumulators (and their local and synchronized tensors) stay the same: every synchronized state
+    is a view of one packed buffer per bucket, which a sync fills from the locals (one `cat` per
+    bucket) and reduces in place (one collective per bucket), so nothing is copied back."""
 
     layout: BucketLayout
     accumulators: tuple[MetricAccumulator, ...]
     locals: tuple[torch.Tensor, ...]
-    """Flat views of each accumulator's local tensor."""
-    synced: tuple[torch.Tensor, ...]
-    """Flat views of each accumulator's synchronized tensor, written in place by a sync."""
+    """Each accumulator's local tensor, flat."""
+    buffers: dict[BucketKey, torch.Tensor]
+    """The packed synchronized states (MIN entries negated while a sync is in flight)."""
     identity: tuple[object, ...]
-    """`state_identity` of the accumulators when built: the views hold while it is the same."""
+    """`state_identity` and `synced_identity` of the accumulators when built: the views hold while
+    they are the same."""
+    stages: tuple[UpdateStage, ...]
+    """Where the accumulators' updates are staged: applied before the locals are read."""
     spec: Any
     leaves: tuple[Any, ...]
     """The PyTree's leaves, kept alive so that the ids in the cache key stay theirs."""
+    in_flight: SyncHandle | None = None
+    """The last sync, until waited for: the next one waits for it (they share the buffers)."""
+
+    def unchanged(self, accumulators: Sequence[MetricAccumulator]) -> bool:
+        return same_identity(self.identity, _identity(accumulators))
 
 
 # Sync views by (kind, *names or ids); a few recent ones, so alternating trees stay cached
@@ -90,6 +107,10 @@ class _SyncViews:
 # Process-global: `sync_metrics` is a function, so its views are cached per process.
 _SYNC_VIEWS: OrderedDict[tuple, _SyncViews] = OrderedDict()
 _MAX_SYNC_VIEWS = 16
+
+
+def _identity(accumulators: Sequence[MetricAccumulator]) -> tuple[object, ...]:
+    return state_identity(accumulators) + synced_identity(accumulators)
 
 
 def _cache_views(
@@ -100,15 +121,17 @@ def _cache_views(
     configs: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> _SyncViews:
     accs = tuple(accumulators.values())
-    flat = [acc.flat_views() for acc in accs]
+    layout = BucketLayout([(name, acc.local, acc.reduce_op) for name, acc in accumulators.items()], configs)
+    buffers = layout.storage([acc.local for acc in accs])
+    for acc, view in zip(accs, layout.views(buffers), strict=True):
+        acc.adopt_synced(view)
     views = _SyncViews(
-        layout=BucketLayout(
-            [(name, acc.local, acc.reduce_op) for name, acc in accumulators.items()], configs
-        ),
+        layout=layout,
         accumulators=accs,
-        locals=tuple(local for local, _ in flat),
-        synced=tuple(synced for _, synced in flat),
-        identity=state_identity(accs),
+        locals=tuple(acc.local.view(-1) for acc in accs),
+        buffers=buffers,
+        identity=_identity(accs),
+        stages=tuple({id(stage): stage for acc in accs if (stage := acc.stage) is not None}.values()),
         spec=spec,
         leaves=tuple(leaves),
     )
@@ -119,20 +142,27 @@ def _cache_views(
     return views
 
 
-def _tree_accumulators(leaves: list[Any]) -> Iterator[MetricAccumulator]:
-    return (accumulator for leaf in leaves for accumulator in leaf._accumulators.values())
-
-
-def _unchanged(views: _SyncViews, accumulators: Iterable[MetricAccumulator]) -> bool:
-    """Whether the metrics still hold the accumulators (and local tensors) `views` were built on."""
-    return same_identity(views.identity, state_identity(accumulators))
-
-
 def _run_views(views: _SyncViews, group: GroupLike, async_op: bool) -> SyncHandle | None:
-    buffers = views.layout.pack(views.locals)
-    works = reduce_buffers(views.layout, buffers, resolve_group(group, op="sync_metrics"), async_op=async_op)
-    handle = SyncHandle(works, lambda: views.layout.unpack_into(buffers, views.synced))
+    if views.in_flight is not None:
+        views.in_flight.wait()
+    for stage in views.stages:
+        stage.flush()
+    views.layout.pack_into(views.locals, views.buffers)
+    works = reduce_buffers(
+        views.layout, views.buffers, resolve_group(group, op="sync_metrics"), async_op=async_op
+    )
+    handle = SyncHandle(works, functools.partial(_finish, views))
+    views.in_flight = handle
     if async_op:
         return handle
     handle.wait()
     return None
+
+
+def _tree_accumulators(leaves: list[Any]) -> tuple[MetricAccumulator, ...]:
+    return tuple(accumulator for leaf in leaves for accumulator in leaf._accumulators.values())
+
+
+def _finish(views: _SyncViews) -> None:
+    views.layout.negate_min_(views.buffers)
+    views.in_flight = None

@@ -128,7 +128,8 @@ class WindowPublisher:
         """No more values will be logged at the steps of the collections in flight: they may be submitted."""
         with self._lock:
             for window in self._in_flight:
-                window.released.set()
+                if not window.released.is_set():  # set() takes the event's lock: every step, otherwise
+                    window.released.set()
 
     def publish(self, in_flight: InFlight, results: Sequence[Any]) -> None:
         """Build the report of `in_flight` (`results` per leaf); once released, submit it and what

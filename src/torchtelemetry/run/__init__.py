@@ -5,9 +5,14 @@ the heartbeat and the hang monitor, goodput's lasting state, captures and traces
 `torchtelemetry.report.signals`.
 """
 
+from torchtelemetry.run._capture import CaptureRun, CaptureSettings
+from torchtelemetry.run._dumps import HangCaptures, flight_recorder_on
 from torchtelemetry.run._goodput import GoodputLedger
+from torchtelemetry.run._hangs import BeatLedger, Hang, RankBeat, Reading, find_hang, hang_values
+from torchtelemetry.run._heartbeat import Heartbeat
 from torchtelemetry.run._identity import RunIdentity, launcher_run_id, resolve_run_identity
 from torchtelemetry.run._progress import ProgressFile, ProgressRecord, RunProgress, progress_path
+from torchtelemetry.run._watch import HangSettings, HangWatch, watch_hangs
 
 __all__ = [
     # identity and attempts, the progress file, goodput's lasting state
@@ -19,4 +24,20 @@ __all__ = [
     "launcher_run_id",
     "progress_path",
     "resolve_run_identity",
+    # hangs: each rank's heartbeat, the exporting rank's monitor, the next rank's deputy (docs/signals.md)
+    "BeatLedger",
+    "Hang",
+    "HangSettings",
+    "HangWatch",
+    "Heartbeat",
+    "RankBeat",
+    "Reading",
+    "find_hang",
+    "hang_values",
+    "watch_hangs",
+    # captures: the evidence of a verdict on the rank it names (docs/signals.md, Captures)
+    "CaptureRun",
+    "CaptureSettings",
+    "HangCaptures",
+    "flight_recorder_on",
 ]

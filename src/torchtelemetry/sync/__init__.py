@@ -6,7 +6,7 @@ The lowest layer: `torchtelemetry.metric` builds `Metric.sync()` and `sync_metri
 
 from torchtelemetry.sync._buckets import BucketKey, BucketLayout, ReduceOp
 from torchtelemetry.sync._cost import LINK_BYTES_PER_S, STEP_LATENCY_S, WindowCost, ring_all_reduce
-from torchtelemetry.sync._exchange import GATHER_LIMIT_BYTES, Slot, WindowExchange, window_cost
+from torchtelemetry.sync._exchange import GATHER_LIMIT_BYTES, Slot, WindowExchange, slot_holding, window_cost
 from torchtelemetry.sync._functional import Reduction, all_gather, per_rank, reduce, reduce_custom
 from torchtelemetry.sync._group import GroupLike, comm_device, group_rank, group_world_size, resolve_group
 from torchtelemetry.sync._reduce import LayoutMismatchError, forget_group, reduce_buffers
@@ -35,5 +35,6 @@ __all__ = [
     "reduce_custom",
     "resolve_group",
     "ring_all_reduce",
+    "slot_holding",
     "window_cost",
 ]

@@ -148,8 +148,8 @@ class BucketLayout:
     def storage(self, tensors: Sequence[torch.Tensor]) -> dict[BucketKey, torch.Tensor]:
         """New flat buffers holding `tensors` as they are, laid out as `pack` lays them out.
 
-        With each entry then kept in its view (`views`), a pack is one copy per bucket
-        (`pack_storage`) instead of one per entry.
+        With each entry then kept in its view (`views`), a pack is one copy per bucket instead of
+        one per entry.
         """
         if len(tensors) != len(self._shapes):
             raise ValueError(f"pack: got {len(tensors)} tensors for a layout of {len(self._shapes)}")
@@ -157,6 +157,12 @@ class BucketLayout:
             key: torch.cat([_flat(tensors[i]) for i in bucket.entries])
             for key, bucket in self._buckets.items()
         }
+
+    def pack_into(self, tensors: Sequence[torch.Tensor], buffers: dict[BucketKey, torch.Tensor]) -> None:
+        """`pack` into existing `buffers` (one `cat` per bucket); MIN entries negated."""
+        for key, bucket in self._buckets.items():
+            torch.cat([_flat(tensors[i]) for i in bucket.entries], out=buffers[key])
+        self.negate_min_(buffers)
 
     def views(self, buffers: dict[BucketKey, torch.Tensor]) -> list[torch.Tensor]:
         """Each entry's view into `buffers`, in entry order and in its own shape (no negation)."""
@@ -169,10 +175,6 @@ class BucketLayout:
     def pack(self, tensors: Sequence[torch.Tensor]) -> dict[BucketKey, torch.Tensor]:
         """New flat buffers holding `tensors` (in entry order); MIN entries negated."""
         return self.negate_min_(self.storage(tensors))
-
-    def pack_storage(self, storage: dict[BucketKey, torch.Tensor]) -> dict[BucketKey, torch.Tensor]:
-        """`pack` of the entries kept in `storage` (see `storage`): one copy per bucket."""
-        return self.negate_min_({key: buffer.clone() for key, buffer in storage.items()})
 
     def negate_min_(self, buffers: dict[BucketKey, torch.Tensor]) -> dict[BucketKey, torch.Tensor]:
         """Negate (or negate back), in place, the MIN part at the end of each bucket; returns `buffers`."""
@@ -192,22 +194,6 @@ class BucketLayout:
             for key, bucket in self._buckets.items()
         }
         return self.views(self.negate_min_(restored))
-
-    def unpack_into(self, buffers: dict[BucketKey, torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
-        """Copy each entry into `outputs[i]` (flat 1-D tensors of the entries' sizes, entry order).
-
-        Faster than `unpack` for many entries; negates the MIN parts of `buffers` back in place.
-        """
-        targets: list[torch.Tensor] = []
-        pieces: list[torch.Tensor] = []
-        for key, bucket in self._buckets.items():
-            buffer = buffers[key]
-            if bucket.negate_from < buffer.numel():
-                _negate_(buffer[bucket.negate_from :])
-            targets.extend(outputs[i] for i in bucket.entries)
-            pieces.extend(buffer.split(bucket.sizes))
-        if targets:
-            torch._foreach_copy_(targets, pieces)
 
     def __len__(self) -> int:
         return len(self._shapes)

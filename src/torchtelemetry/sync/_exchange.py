@@ -23,7 +23,15 @@ from torchtelemetry.sync._cost import WindowCost, ring_all_reduce
 from torchtelemetry.sync._group import group_rank, group_world_size
 from torchtelemetry.sync._reduce import reduce_buffers, verify_layout
 
-__all__ = ["GATHER_LIMIT_BYTES", "Slot", "WindowExchange", "gathers", "slot_regions", "window_cost"]
+__all__ = [
+    "GATHER_LIMIT_BYTES",
+    "Slot",
+    "WindowExchange",
+    "gathers",
+    "slot_holding",
+    "slot_regions",
+    "window_cost",
+]
 
 GATHER_LIMIT_BYTES = 1 << 20
 """The largest gather buffer (world size x packed bytes): what the gather costs in memory, and about
@@ -56,6 +64,20 @@ def slot_regions(layout: BucketLayout) -> tuple[dict[BucketKey, tuple[int, int, 
         regions[key] = (offset, nbytes, dtype)
         offset += _aligned(nbytes)
     return regions, max(offset, _ALIGN)
+
+
+def slot_holding(layout: BucketLayout, tensors: list[torch.Tensor]) -> Slot:
+    """A new slot holding `tensors` (in `layout`'s entry order) as they are, MIN entries not negated:
+    storage laid out as every slot of `layout` is, so that one copy of its bytes fills a slot."""
+    regions, slot_bytes = slot_regions(layout)
+    device = tensors[0].device if tensors else torch.device("cpu")
+    data = torch.zeros(slot_bytes, dtype=torch.uint8, device=device)
+    buffers = {
+        key: data[start : start + nbytes].view(dtype) for key, (start, nbytes, dtype) in regions.items()
+    }
+    for key, packed in layout.storage(tensors).items():
+        buffers[key].copy_(packed)
+    return Slot(data, buffers, None)
 
 
 def _per_bucket(bucket_bytes: list[int], world_size: int) -> WindowCost:

@@ -1,12 +1,12 @@
 """Built-in training signals, one small object each (`Signal`), routed by a `SignalSet`.
 
 Step time, data wait, tokens and samples with their rates, model FLOPs, learning rate, peak memory;
-and for health: phases, the sync wait and straggler scores, the non-finite sentinel and spike
-scores, memory health, goodput, GPU health (NVML), and per layer (`watch_layers`) the norms and
-where a NaN was born. Adding a signal is one module and its test, and a line in `builtin_signals`.
-docs/signals.md lists every name, unit and cost. Hangs are not a window's signal (a hang stops the
-windows): `_hang` holds where the training thread is (`Heartbeat`) and the names and logic of the
-hang report the exporting rank's monitor exports.
+and for health: phases, the sync wait and straggler scores, the non-finite sentinel and spike scores, memory
+health, goodput, GPU health (NVML), and per layer (`watch_layers`) the norms and where a NaN was
+born. Adding a signal is one module and its test, and a line in `builtin_signals`. docs/signals.md
+lists every name, unit and cost. Hangs are not a window's signal (a hang stops the windows):
+`torchtelemetry.run` watches them; `_hang` holds the names of the hang report and the phase labels
+the heartbeat reserves. `_captures` carries the run's capture orders and outcomes in the window.
 """
 
 from __future__ import annotations
@@ -29,18 +29,30 @@ from torchtelemetry.report.signals._builtin import (
     cuda_only_descriptors,
     signal_descriptors,
 )
+from torchtelemetry.report.signals._captures import (
+    CAPTURE_DESCRIPTORS,
+    CAPTURE_REASONS,
+    CAPTURE_TRIGGERS,
+    IDLE,
+    CaptureOrder,
+    CaptureOutcomes,
+    CaptureReport,
+    Captures,
+    CaptureSource,
+    CaptureWindow,
+    Verdict,
+    check_capture_reason,
+)
 from torchtelemetry.report.signals._clock import EventClock, HostClock, HostTimer, PhaseClock, PhaseTimer
 from torchtelemetry.report.signals._data_wait import DATA_PHASE, DataWait
 from torchtelemetry.report.signals._goodput import Goodput, GoodputReading, GoodputSource, goodput_gauges
 from torchtelemetry.report.signals._hang import (
     BETWEEN_PHASES,
+    CLOSED_PHASE,
     COLLECT_PHASE,
     HANG_DESCRIPTORS,
-    Hang,
-    Heartbeat,
-    RankBeat,
-    find_hang,
-    hang_values,
+    HEARTBEAT_LABELS,
+    UNKNOWN_PHASE,
 )
 from torchtelemetry.report.signals._layer_model import ROOT_LAYER, copies
 from torchtelemetry.report.signals._layers import (
@@ -66,6 +78,7 @@ from torchtelemetry.report.signals._set import SignalSet
 from torchtelemetry.report.signals._spikes import MIN_HISTORY, Spikes
 from torchtelemetry.report.signals._step_time import StepTime
 from torchtelemetry.report.signals._stragglers import (
+    DEFAULT_SYNC_PHASE,
     MIN_COST,
     MIN_EXCESS,
     MIN_NOISE_WINDOWS,
@@ -77,14 +90,24 @@ from torchtelemetry.report.signals._sync_wait import SYNC_WAIT, SyncWait
 from torchtelemetry.report.signals._throughput import Count, ModelFlopsSignal, check_count
 
 __all__ = [
+    "CAPTURE_DESCRIPTORS",
+    "CAPTURE_REASONS",
+    "CAPTURE_TRIGGERS",
+    "CaptureOrder",
+    "CaptureOutcomes",
+    "CaptureReport",
+    "CaptureSource",
+    "CaptureWindow",
+    "IDLE",
+    "Captures",
+    "Verdict",
+    "check_capture_reason",
     "BETWEEN_PHASES",
+    "CLOSED_PHASE",
     "COLLECT_PHASE",
     "HANG_DESCRIPTORS",
-    "Hang",
-    "Heartbeat",
-    "RankBeat",
-    "find_hang",
-    "hang_values",
+    "HEARTBEAT_LABELS",
+    "UNKNOWN_PHASE",
     "DEFAULT_SPIKE_SIGMA",
     "DEFAULT_SPIKE_WINDOWS",
     "DEFAULT_TOP_K",
@@ -104,6 +127,7 @@ __all__ = [
     "signal_descriptors",
     "DATA_PHASE",
     "DEFAULT_PHASES",
+    "DEFAULT_SYNC_PHASE",
     "MIN_COST",
     "MIN_EXCESS",
     "MIN_HISTORY",

@@ -34,6 +34,7 @@ __all__ = [
     "highest_rank",
     "lowest_rank",
     "median",
+    "median_rank",
 ]
 
 
@@ -84,6 +85,9 @@ class Signal:
     """Short name, the key of this signal's `host_values` and state."""
     keywords: tuple[str, ...] = ()
     """`Telemetry.step()` keywords this signal takes."""
+    flush_reads_state: ClassVar[bool] = False
+    """Whether `flush` reads the window's state (derives a state from another): such a signal is
+    flushed after every other, so that the host values they staged are applied in one go."""
 
     def __init__(self, context: SignalContext) -> None:
         self.context = context
@@ -107,9 +111,9 @@ class Signal:
         takes (the heartbeat reads where the thread is from them)."""
         return {}
 
-    def watch_gradient_sync(self, model: Any, phase: str, hook: Any, state: Any) -> bool:
-        """`Telemetry.watch_gradient_sync(model, phase=...)`: True if this signal times `model`'s
-        gradient all-reduce (it registers the hook), False if it only takes note of `phase`."""
+    def watch_gradient_sync(self, model: Any, phase: str) -> bool:
+        """`Telemetry.watch_gradient_sync(model, phase=...)`: True if this signal times the wait for
+        `model`'s gradient collective, False if it only takes note of `phase`."""
         return False
 
     def watch_layers(
@@ -184,12 +188,9 @@ class RankValues(Metric):
         )
 
     def write(self, index: int, value: float) -> None:
-        """Fold host `value` into this rank's slot of quantity `index` (one kernel, no copy)."""
-        slot = self.values.local[index, self.rank]
-        if self.op is ReduceOp.MAX:
-            slot.clamp_(min=value)
-        else:
-            slot.clamp_(max=value)
+        """Fold host `value` into this rank's slot of quantity `index` (staged with the window's other
+        host values when bound: no op of its own)."""
+        self.values.update_at((index, self.rank), value)
 
     def configuration(self) -> dict[str, Any]:
         """The quantities: ranks must hold the same ones, in the same order."""
@@ -225,3 +226,10 @@ def lowest_rank(values: Mapping[int, float]) -> int:
 
 def median(values: Mapping[int, float]) -> float:
     return statistics.median(values.values())
+
+
+def median_rank(values: Mapping[int, float]) -> int:
+    """The rank holding the lower median value (ordered by value, then rank): of two ranks, the
+    one with the smaller value."""
+    ordered = sorted(values, key=lambda rank: (values[rank], rank))
+    return ordered[(len(ordered) - 1) // 2]

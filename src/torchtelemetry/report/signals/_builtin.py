@@ -8,9 +8,11 @@ import torch
 
 from torchtelemetry.metric import Metric, SumMetric
 from torchtelemetry.report._flops import ModelFlops
+from torchtelemetry.report._memory import AllocatorStats
 from torchtelemetry.report._ranks import RankSeriesLimit
 from torchtelemetry.report._values import MetricDescriptor
 from torchtelemetry.report.signals._base import Signal, SignalContext
+from torchtelemetry.report.signals._captures import CAPTURE_DESCRIPTORS, Captures, CaptureSource
 from torchtelemetry.report.signals._data_wait import DataWait
 from torchtelemetry.report.signals._goodput import Goodput, GoodputSource
 from torchtelemetry.report.signals._hang import HANG_DESCRIPTORS
@@ -56,27 +58,30 @@ def builtin_signals(
     spike_windows: int = DEFAULT_SPIKE_WINDOWS,
     goodput: GoodputSource | None = None,
     nvml: bool = False,
+    captures: CaptureSource | None = None,
     every: int = 10,
     max_layer_series: int = DEFAULT_MAX_LAYER_SERIES,
 ) -> list[Signal]:
     """Every built-in signal of one `Telemetry` (its `TelemetryConfig` fields of the same names;
     `leaves` are the user's metrics, `flops` from `ModelFlops.resolve`, `goodput` the run's goodput
-    state, without which goodput is only described), in the order they derive:
-    a signal that reads another's window values comes after it (model FLOPs after the counts, the
-    phases after the data wait and the sync wait)."""
+    state, without which goodput is only described, `captures` the run's captures, none without),
+    in the order they derive: a signal that reads another's window values comes after it (model
+    FLOPs after the counts, the phases after the data wait and the sync wait, the captures last)."""
     watched = watched_metrics(leaves, nonfinite)
+    # One reading of the CUDA allocator per window for every memory signal.
+    allocator = AllocatorStats(context.device, background=True) if context.device.type == "cuda" else None
     signals: list[Signal] = [
         StepTime(context),
         DataWait(context),
         Count(context, "tokens", "tokens", "Tokens trained on", "Token throughput"),
         Count(context, "samples", "samples", "Samples trained on", "Sample throughput"),
         LearningRate(context),
-        PeakMemory(context),
+        PeakMemory(context, allocator),
         SyncWait(context),
         Phases(context, phases, top_k=straggler_top_k),
         NonFiniteSentinel(context, watched),
         Spikes(context, tuple(watched), sigma=spike_sigma, windows=spike_windows),
-        MemoryHealth(context),
+        MemoryHealth(context, allocator),
         Goodput(context, goodput),
         LayerStatistics(context, every=every, max_layer_series=max_layer_series),
     ]
@@ -84,6 +89,8 @@ def builtin_signals(
         signals.insert(4, ModelFlopsSignal(context, flops))
     reader = open_nvml(context.device) if nvml and context.device.type == "cuda" else None
     signals.append(GpuHealth(context, reader))  # without a reader: nothing exported, no thread
+    if captures is not None:
+        signals.append(Captures(context, captures))
     return signals
 
 
@@ -120,10 +127,11 @@ def builtin_descriptors(max_rank_series: int = 1) -> list[MetricDescriptor]:
 
 def signal_descriptors() -> list[MetricDescriptor]:
     """Every name the built-in signals can export, in every shape: the values per rank both as one
-    series per rank and as a run above `max_rank_series` ranks exports them; and a hang report's."""
+    series per rank and as a run above `max_rank_series` ranks exports them; a hang report's and the
+    captures'."""
     found: dict[str, MetricDescriptor] = {}
     for max_rank_series in (1, 0):
         described = RankSeriesLimit(1, max_rank_series).describe(builtin_descriptors(max_rank_series))
         found.update((d.name, d) for d in described)
-    found.update((d.name, d) for d in HANG_DESCRIPTORS)
+    found.update((d.name, d) for d in (*HANG_DESCRIPTORS, *CAPTURE_DESCRIPTORS))
     return list(found.values())

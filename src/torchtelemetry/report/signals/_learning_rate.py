@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import numbers
 from collections.abc import Mapping
 from typing import Any
@@ -58,7 +57,8 @@ class LearningRate(Signal):
         self._value = float(value)
 
     def flush(self, duration_s: float, *, final: bool = False) -> None:
-        self.metric.extremum.local.clamp_(min=-math.inf if self._value is None else self._value)
+        if self._value is not None:
+            self.metric.extremum.update(self._value)
 
     def derive(self, window: dict[str, ReportValue], timing: WindowTiming) -> None:
         if not self._seen:

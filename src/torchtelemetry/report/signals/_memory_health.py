@@ -95,7 +95,7 @@ class MemoryHealth(Signal):
     def flush(self, duration_s: float, *, final: bool = False) -> None:
         values = {"rss": float(resident_bytes())}
         if self.allocator is not None:
-            reading = self.allocator.read()
+            reading = self.allocator.read(self, now=final)
             values.update(
                 allocated=reading.allocated,
                 reserved=reading.reserved,
@@ -104,9 +104,13 @@ class MemoryHealth(Signal):
                 ooms=reading.ooms,
             )
             assert self.headroom is not None
-            self.headroom.write(0, self.allocator.free_bytes())
+            self.headroom.write(0, reading.free)
         for index, quantity in enumerate(self.quantities):
             self.ranks.write(index, values[quantity])
+
+    def close(self) -> None:
+        if self.allocator is not None:
+            self.allocator.close()
 
     def derive(self, window: dict[str, ReportValue], timing: WindowTiming) -> None:
         for quantity in self.quantities:

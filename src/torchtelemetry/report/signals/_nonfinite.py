@@ -27,7 +27,14 @@ from typing import Any, ClassVar
 
 import torch
 
-from torchtelemetry.metric import DEFAULT_STATE_DTYPE, Metric, MetricAccumulator, MetricKind, ReduceOp
+from torchtelemetry.metric import (
+    DEFAULT_STATE_DTYPE,
+    Metric,
+    MetricAccumulator,
+    MetricKind,
+    ReduceOp,
+    nonfinite_count,
+)
 from torchtelemetry.report._values import MetricDescriptor, ReportValue
 from torchtelemetry.report.signals._base import Signal, SignalContext, WindowTiming, by_index
 
@@ -59,37 +66,27 @@ class NonFiniteCounts(Metric):
         self._host = [0] * watched
         self._seen_by = torch.tensor(float(rank), dtype=DEFAULT_STATE_DTYPE)
         self._unseen = torch.tensor(math.inf, dtype=DEFAULT_STATE_DTYPE)
-        self._slots: list[torch.Tensor] = []
-        self._slots_of: torch.Tensor | None = None
 
     def count(self, index: int, value: Any) -> None:
         """Count the non-finite entries of `value`, in whatever form a metric takes it: on the
-        device for tensors (no sync, one temporary the size of the input), on the host for host data
-        (Python numbers, numpy scalars and arrays, lists)."""
+        device for tensors (no sync; a 0-d one staged with the step's updates when bound, a batch
+        with one temporary the size of the input), on the host for host data (Python numbers,
+        numpy scalars and arrays, lists)."""
         if isinstance(value, torch.Tensor):
-            if not (value.is_floating_point() or value.is_complex()):
-                return  # integers and booleans are never non-finite
-            # A 0-d CPU tensor (which metrics take on any device) adds as a scalar: no copy.
-            self._slot(index).add_(nonfinite_count(value))
+            if value.is_floating_point() or value.is_complex():  # integers and booleans never are
+                self.counts.count_nonfinite_at(index, value)
         elif isinstance(value, float):  # Python floats and numpy float64
             if not math.isfinite(value):
                 self._host[index] += 1
         elif not isinstance(value, int):
             self._host[index] += host_nonfinite(value)
 
-    def _slot(self, index: int) -> torch.Tensor:
-        """The view of watched metric `index`'s count (kept while the state keeps its storage)."""
-        local = self.counts.local
-        if self._slots_of is not local:
-            self._slots, self._slots_of = list(local.unbind(0)), local
-        return self._slots[index]
-
     def flush(self) -> None:
         """Add the host counts; mark this rank in `first_rank` where it saw any (device ops only:
         the window's local state starts at +inf, and only this rank writes to it)."""
         for index, count in enumerate(self._host):
             if count:
-                self._slot(index).add_(count)
+                self.counts.add_at(index, count)
         self._host = [0] * len(self._host)
         torch.where(self.counts.local > 0, self._seen_by, self._unseen, out=self.first_rank.local)
 
@@ -127,22 +124,6 @@ class CountingUpdate:
 _NAMED = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
 
 
-def nonfinite_count(value: torch.Tensor) -> torch.Tensor:
-    """The number of NaN and +-Inf entries of a floating point or complex tensor, as a 0-d tensor on
-    its device (no sync), with one temporary the size of the input: `x - x` is NaN exactly where `x`
-    is not finite, and `ne_` marks those in place. (`isfinite` decomposes into four kernels and
-    four temporaries, one of them of the input's dtype.)"""
-    if value.requires_grad:
-        value = value.detach()
-    if value.dtype.itemsize == 1:
-        value = value.float()  # float8 has no arithmetic kernels; float32 holds it exactly
-    elif value.is_complex():
-        value = value.abs()  # Inf where a part is infinite, else NaN where a part is NaN
-    bad = value - value
-    bad.ne_(bad)
-    return bad if bad.dim() == 0 else bad.sum(dtype=DEFAULT_STATE_DTYPE)
-
-
 def host_nonfinite(value: Any) -> int:
     """The non-finite entries of host data (numpy scalars and arrays, nested lists); 0 for what no
     metric takes (it refuses it itself). Reads host memory only, never a device's."""
@@ -159,6 +140,7 @@ class NonFiniteSentinel(Signal):
     """Counts the non-finite values fed to the metrics at `paths` (see the module)."""
 
     name = "nonfinite"
+    flush_reads_state = True
 
     def __init__(self, context: SignalContext, watched: Mapping[str, Metric]) -> None:
         super().__init__(context)

@@ -52,11 +52,15 @@ class PeakMemory(Signal):
 
     def flush(self, duration_s: float, *, final: bool = False) -> None:
         if self.allocator is None:
-            self.peak.extremum.local.clamp_(min=resident_peak())
+            self.peak.extremum.update(resident_peak())
         else:
-            reading = self.allocator.read()
-            self.peak.extremum.local.clamp_(min=reading.peak_allocated)
-            self.memory["max_active"].extremum.local.clamp_(min=reading.peak_active)
-            self.memory["max_reserved"].extremum.local.clamp_(min=reading.peak_reserved)
-            self.memory["alloc_retries"].total.local.add_(reading.alloc_retries)
-            self.memory["ooms"].total.local.add_(reading.ooms)
+            reading = self.allocator.read(self, now=final)
+            self.peak.extremum.update(reading.peak_allocated)
+            self.memory["max_active"].extremum.update(reading.peak_active)
+            self.memory["max_reserved"].extremum.update(reading.peak_reserved)
+            self.memory["alloc_retries"].total.update(reading.alloc_retries)
+            self.memory["ooms"].total.update(reading.ooms)
+
+    def close(self) -> None:
+        if self.allocator is not None:
+            self.allocator.close()

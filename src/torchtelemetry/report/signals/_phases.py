@@ -7,9 +7,12 @@ on every device, exported per rank under its own name `train/data_wait`. Per win
 
 - `train/phase/<name>`: seconds per step, one series per rank (up to `max_rank_series` ranks);
 - over ranks, labelled `phase`, at any world size: `train/phases/{min,median,max}` (seconds),
-  `train/phases/{min,max}_rank` (rank ids, as values) and `train/phases/share` (percent of the
-  window's wall time the median rank spent in the phase; nested phases overlap);
-- the straggler scores of `_stragglers` (with the sync wait of `_sync_wait`).
+  `train/phases/{min,median,max}_rank` (rank ids, as values; the median's is the lower median's)
+  and `train/phases/share` (percent of the window's wall time the median rank spent in the phase;
+  nested phases overlap);
+- the straggler scores of `_stragglers` (with the sync wait of `_sync_wait`; the phase that holds the
+  gradient collective, "backward" unless `watch_gradient_sync(phase=)` names another, is left
+  out of them in a multi-rank run that does not measure that wait).
 
 A phase that no rank entered in a window is left out of that window's report.
 """
@@ -32,18 +35,21 @@ from torchtelemetry.report.signals._base import (
     highest_rank,
     lowest_rank,
     median,
+    median_rank,
 )
 from torchtelemetry.report.signals._clock import EventClock, HostClock, PhaseClock, PhaseTimer
 from torchtelemetry.report.signals._data_wait import DATA_PHASE, DATA_WAIT
+from torchtelemetry.report.signals._hang import HEARTBEAT_LABELS
 from torchtelemetry.report.signals._stragglers import StragglerScores
 from torchtelemetry.report.signals._sync_wait import SYNC_WAIT
 
-__all__ = ["DEFAULT_PHASES", "PhaseTimes", "Phases", "check_phase_names"]
+__all__ = ["DEFAULT_PHASES", "MEDIAN_RANK", "PhaseTimes", "Phases", "check_phase_names"]
 
 DEFAULT_PHASES = ("forward", "backward", "optimizer")
 """`TelemetryConfig.phases` by default; a phase no rank enters costs its state, never a series."""
 PHASE = "train/phase"
 PHASES = "train/phases"
+MEDIAN_RANK = f"{PHASES}/median_rank"
 
 
 class PhaseTimes(Metric):
@@ -71,13 +77,12 @@ class PhaseTimes(Metric):
 
     def add(self, seconds: Sequence[float], steps: int) -> None:
         """Add host seconds per phase (in declared order) covering `steps` steps to this rank's column
-        (no copy, no sync)."""
-        column = self.seconds.local[:, self.rank]
+        (host numbers, staged with the window's other host values when bound; no sync)."""
         for row, value in zip(self._rows, seconds, strict=True):
             if value:
-                column[row].add_(value)
+                self.seconds.add_at((row, self.rank), value)
         if steps:
-            self.steps.local[self.rank].add_(steps)
+            self.steps.add_at(self.rank, steps)
 
     def configuration(self) -> dict[str, Any]:
         """The phase names: ranks must declare the same ones (in any order)."""
@@ -113,14 +118,14 @@ class Phases(Signal):
         self._clock = clock
         self._timers = {name: PhaseTimer(clock, index, name) for index, name in enumerate(self.phases)}
         self._steps = 0
-        self.stragglers = StragglerScores(top_k)
+        self.stragglers = StragglerScores(top_k, warn=context.rank == 0)
 
     def timers(self) -> dict[str, PhaseTimer]:
         """The context manager of every declared phase."""
         return dict(self._timers)
 
-    def watch_gradient_sync(self, model: Any, phase: str, hook: Any, state: Any) -> bool:
-        """The wait in `phase`'s all-reduce is taken out of its straggler scores."""
+    def watch_gradient_sync(self, model: Any, phase: str) -> bool:
+        """`phase` holds the gradient collective: its straggler scores are taken less the wait."""
         self.stragglers.sync_phase = phase
         return False
 
@@ -145,7 +150,8 @@ class Phases(Signal):
             for stat in ("min", "median", "max")
         ]
         out += [
-            by_phase(f"{stat}_rank", "", f"Rank with the {stat} seconds per step") for stat in ("min", "max")
+            by_phase(f"{stat}_rank", "", f"Rank with the {stat} seconds per step")
+            for stat in ("min", "median", "max")
         ]
         out.append(by_phase("share", "percent", "Percent of the window's wall time the median rank spent"))
         return out + self.stragglers.descriptors()
@@ -155,7 +161,8 @@ class Phases(Signal):
 
     def flush(self, duration_s: float, *, final: bool = False) -> None:
         for seconds, steps in self._clock.take(self._steps, wait=final):
-            self.times.add(seconds, steps)
+            if self.phases:  # no phase: no window state to add to
+                self.times.add(seconds, steps)
         self._steps = 0
 
     def derive(self, window: dict[str, ReportValue], timing: WindowTiming) -> None:
@@ -173,17 +180,19 @@ class Phases(Signal):
         if not times:
             return
         stats: dict[str, dict[str, float]] = {
-            stat: {} for stat in ("min", "median", "max", "min_rank", "max_rank", "share")
+            stat: {} for stat in ("min", "median", "max", "min_rank", "median_rank", "max_rank", "share")
         }
         for name, by_rank in times.items():
             low, high = lowest_rank(by_rank), highest_rank(by_rank)
             stats["min"][name], stats["min_rank"][name] = by_rank[low], float(low)
             stats["max"][name], stats["max_rank"][name] = by_rank[high], float(high)
             stats["median"][name] = median(by_rank)
+            stats["median_rank"][name] = float(median_rank(by_rank))
             if timing.duration_s > 0 and timing.steps > 0:
                 stats["share"][name] = 100 * stats["median"][name] * timing.steps / timing.duration_s
         window.update({f"{PHASES}/{stat}": values for stat, values in stats.items() if values})
-        window.update(self.stragglers.score(times, stats["share"], finite_by_rank(window.get(SYNC_WAIT))))
+        step_s = timing.duration_s / timing.steps if timing.duration_s > 0 and timing.steps > 0 else 0.0
+        window.update(self.stragglers.score(times, step_s, finite_by_rank(window.get(SYNC_WAIT))))
 
     def state_dict(self) -> dict[str, Any]:
         return {"own_best": self.stragglers.state_dict()}
@@ -196,7 +205,8 @@ class Phases(Signal):
 
 
 def check_phase_names(phases: Sequence[str]) -> tuple[str, ...]:
-    """`phases` as a tuple, each a legal single path segment, none twice, not the data phase."""
+    """`phases` as a tuple, each a legal single path segment, none twice, not the data phase nor a
+    label of the heartbeat's own (`HEARTBEAT_LABELS`)."""
     if isinstance(phases, str):
         raise TypeError(f"TelemetryConfig.phases must be a sequence of names, got the string {phases!r}")
     names = tuple(phases)
@@ -211,6 +221,14 @@ def check_phase_names(phases: Sequence[str]) -> tuple[str, ...]:
         raise ValueError(
             f"TelemetryConfig.phases: {DATA_PHASE!r} is the data wait, timed by Telemetry.data_wait() "
             "(also as phase('data')); leave it out"
+        )
+    reserved = sorted(set(names) & set(HEARTBEAT_LABELS))
+    if reserved:
+        raise ValueError(
+            f"TelemetryConfig.phases: {reserved} are labels of the hang heartbeat's own "
+            f"({', '.join(HEARTBEAT_LABELS)}: not in a phase, waiting for a window's collection, "
+            "closed, unknown), so a hang report could not tell your phase from them; rename it "
+            "(e.g. 'collect_rollouts')"
         )
     if len(set(names)) != len(names):
         raise ValueError(f"TelemetryConfig.phases: names repeat in {names}")

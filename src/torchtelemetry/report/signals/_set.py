@@ -11,8 +11,6 @@ from torchtelemetry.report._values import MetricDescriptor, ReportValue
 from torchtelemetry.report.signals._base import Signal, WindowTiming
 from torchtelemetry.report.signals._clock import HostTimer, PhaseTimer
 from torchtelemetry.report.signals._data_wait import DATA_PHASE
-from torchtelemetry.report.signals._hang import Heartbeat
-from torchtelemetry.report.signals._sync_wait import CommHook
 
 __all__ = ["SignalSet"]
 
@@ -37,6 +35,9 @@ class SignalSet:
             raise ValueError(f"SignalSet: signal names, step keywords or phases {repeated} are used twice")
         self._by_keyword = {keyword: signal for signal in self.signals for keyword in signal.keywords}
         self._timers = dict(timers)
+        self._flush_order = sorted(self.signals, key=lambda signal: signal.flush_reads_state)
+        self._stepped = [signal for signal in self.signals if type(signal).on_step is not Signal.on_step]
+        """The signals that take note of every step (the others' `on_step` does nothing)."""
 
     @property
     def keywords(self) -> frozenset[str]:
@@ -61,8 +62,8 @@ class SignalSet:
         """One step ended with `inputs` (keyword -> value, None for not given): every value is
         checked before any is recorded, so a bad one leaves the step unrecorded."""
         given = {keyword: value for keyword, value in inputs.items() if value is not None}
-        unknown = sorted(set(given) - set(self._by_keyword))
-        if unknown:
+        if not given.keys() <= self._by_keyword.keys():
+            unknown = sorted(given.keys() - self._by_keyword.keys())
             raise TypeError(
                 f"Telemetry.step: no signal takes {unknown} (signals take {sorted(self._by_keyword)})"
             )
@@ -70,7 +71,7 @@ class SignalSet:
             self._by_keyword[keyword].check(keyword, value)
         for keyword, value in given.items():
             self._by_keyword[keyword].record(keyword, value)
-        for signal in self.signals:
+        for signal in self._stepped:
             signal.on_step(step, step_time)
 
     def data_wait_timer(self) -> PhaseTimer | HostTimer:
@@ -95,16 +96,18 @@ class SignalSet:
             "the window's collective"
         )
 
-    def record_into(self, beat: Heartbeat) -> None:
-        """Let `beat` read where the training thread is from every phase's and the data wait's timer."""
-        beat.timers = tuple(self._timers.values())
+    @property
+    def section_timers(self) -> tuple[PhaseTimer | HostTimer, ...]:
+        """The timer of every phase and of the data wait: where the hang heartbeat reads which
+        sections the training thread is inside."""
+        return tuple(self._timers.values())
 
-    def watch_gradient_sync(self, model: Any, phase: str, hook: CommHook | None, state: Any) -> None:
-        """Time `model`'s gradient all-reduce (a DDP communication hook), held by phase `phase`."""
+    def watch_gradient_sync(self, model: Any, phase: str) -> None:
+        """Time the wait for `model`'s gradient collective, held by phase `phase`."""
         if phase == DATA_PHASE or phase not in self._timers:
             raise self._undeclared("Telemetry.watch_gradient_sync", phase)
-        if not any([signal.watch_gradient_sync(model, phase, hook, state) for signal in self.signals]):
-            raise ValueError("Telemetry.watch_gradient_sync: no signal here times the gradient all-reduce")
+        if not any([signal.watch_gradient_sync(model, phase) for signal in self.signals]):
+            raise ValueError("Telemetry.watch_gradient_sync: no signal here times the gradient collective")
 
     def watch_layers(
         self,
@@ -127,7 +130,10 @@ class SignalSet:
             raise ValueError("Telemetry.watch_layers: no signal here watches layers")
 
     def flush(self, duration_s: float, *, final: bool = False) -> None:
-        for signal in self.signals:
+        """Every signal hands its host values to the window's state: staged by the state's collector
+        and applied with the step's updates (one host row, one copy); the signals whose flush reads the
+        state go last, so that it is applied once."""
+        for signal in self._flush_order:
             signal.flush(duration_s, final=final)
 
     def host_values(self) -> dict[str, Any]:

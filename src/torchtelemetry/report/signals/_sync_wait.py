@@ -1,27 +1,45 @@
-"""The sync wait: time each rank spends in the gradient all-reduce of synchronous data parallel.
+"""The sync wait: time each rank's backward stays blocked on the gradient collective after its own
+gradients are computed.
 
-Every rank leaves DDP's gradient all-reduce together, so the time a rank spends in it is the time
-it waited for the last rank to arrive, plus the transfer: the rank that waits least is the one the
-others wait for. `Telemetry.watch_gradient_sync(model)` registers a DDP communication hook (DDP's
-own all-reduce, or the hook given) that times, per backward, from the launch of its last bucket
-(every gradient computed) to the completion of every bucket: the time the step is blocked on the
-collective. The gradient work DDP overlaps with the earlier buckets' all-reduce is not waiting and is
-not counted (timed from the first bucket's launch, it was: 12-18 ms of a 17 ms backward on an H200,
-in a world of one). Host time on CPU, where gloo completes the future on its own thread; on CUDA a
-timing event recorded at the launch and one in the completion callback (on the stream that waits
-for the collective), read at a later window once both completed (`query()`, never a wait on the
-training thread). Exported per rank as `train/sync_wait`, seconds per step,
-and taken out of the phase that holds the all-reduce by the straggler scores (`_stragglers`).
+Every rank leaves the gradient all-reduce of synchronous data parallel together, so the time a rank
+spends blocked there after its last gradient is ready is the time it waited for the last rank to
+arrive, plus the transfer's tail: the rank that waits least is the one the others wait for.
+`Telemetry.watch_gradient_sync(model)` measures it without touching the communication: it registers
+no communication hook and changes no gradient, so DDP's own process group, a user's comm hook
+(compression, PowerSGD) and FSDP2 all stay as they are. Per backward pass through `model`:
+
+- a forward hook on `model` marks the outputs' gradients (a tensor hook that returns nothing): when
+  the first of them arrives, a backward through the model has begun, and a callback is queued on
+  the autograd engine (`queue_callback`, once per graph task);
+- that callback runs when every node of the backward has run, every gradient computed, and marks
+  the start: callbacks run in the order queued, and DDP queues its `finalize_backward` only when
+  its last bucket is ready (FSDP2 its own at its first pre-backward hook, after this one: the
+  forward hook is registered first). It queues a second callback, which runs after every callback
+  queued before it: after DDP's `finalize_backward` waited for its buckets' all-reduce. It marks
+  the end.
+
+End minus start, summed over the backward passes of a step (gradient accumulation under `no_sync()`
+adds only the engine's bookkeeping, microseconds: no collective runs), is the wait. Host time on CPU
+(gloo blocks the callback until the collective is done); on CUDA a timing event recorded on the
+backward's current stream at each mark (DDP's finalize makes that stream wait for NCCL), read at a
+later window once both completed (`query()`, never a wait on the training thread). Exported per rank
+as `train/sync_wait`, seconds per step, and taken out of the phase that holds the collective by the
+straggler scores (`_stragglers`). Under FSDP2 the all-gathers (and on CPU the reduce-scatters) wait
+inside the forward and the backward, before the last gradient: only the tail after it is measured,
+and `watch_gradient_sync` says so once. `close()` removes the forward hooks.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
-from collections.abc import Callable
+import weakref
 from typing import Any
 
 import torch
+from torch.autograd import Variable
+from torch.utils._pytree import tree_leaves
 
 from torchtelemetry.metric import Metric, MetricKind, PerRankMetric
 from torchtelemetry.report._values import MetricDescriptor, ReportValue
@@ -31,12 +49,11 @@ __all__ = ["SYNC_WAIT", "SyncWait"]
 
 SYNC_WAIT = "train/sync_wait"
 
-CommHook = Callable[[Any, Any], torch.futures.Future]
-"""A DDP communication hook: `(state, bucket) -> Future` of the reduced bucket."""
+logger = logging.getLogger(__name__)
 
 
 class SyncWait(Signal):
-    """Seconds per step each rank spends in DDP's gradient all-reduce (once a model is watched)."""
+    """Seconds per step each rank's backward waits for the gradient collective (once a model is watched)."""
 
     name = "sync_wait"
 
@@ -46,67 +63,74 @@ class SyncWait(Signal):
             context.world_size,
             context.rank,
             unit="seconds",
-            description="Seconds per step in the gradient all-reduce (waiting for the other ranks), per rank",
+            description="Seconds per step the backward waited for the gradient collective, per rank",
         ).to(context.device)
         self._lock = threading.Lock()
-        self._on_cuda = context.device.type == "cuda"
-        self._started: Any = None  # the open span's start: perf_counter() or a CUDA event
-        self._in_flight = 0
-        self._last_launched = False
+        self._device = context.device
+        self._task = -1  # the autograd graph task whose end is being timed
         self._seconds = 0.0
         self._spans: list[tuple[Any, Any]] = []  # CUDA events not yet read
         self._steps = 0
-        self._watched = False
+        self._watched: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._watching = False
+        self._closed = False
 
-    def watch_gradient_sync(self, model: Any, phase: str, hook: CommHook | None, state: Any) -> bool:
-        """Register the timed communication hook on DDP `model` (DDP takes one hook, once)."""
-        register = getattr(model, "register_comm_hook", None)
-        if register is None:
+    def watch_gradient_sync(self, model: Any, phase: str) -> bool:
+        """Time the backward passes through `model` (a forward hook; `model` itself is not changed)."""
+        if not isinstance(model, torch.nn.Module):
             raise TypeError(
-                f"Telemetry.watch_gradient_sync: {type(model).__name__} has no register_comm_hook; pass "
-                "the DistributedDataParallel module"
+                f"Telemetry.watch_gradient_sync: model must be a torch.nn.Module (the DDP or FSDP2 "
+                f"module, or the module they wrap), got {type(model).__name__}"
             )
-        if hook is None:
-            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
-            hook = allreduce_hook
-
-        def timed(hook_state, bucket):  # type: ignore[no-untyped-def]
-            self._launched(bucket.is_last())
-            return hook(hook_state, bucket).then(self._completed)
-
-        # Unannotated: DDP compares a hook's annotations with its own types, and this module's
-        # are strings (postponed evaluation).
-        register(state, timed)
-        self._watched = True
+        self._watching = True
+        if model not in self._watched:
+            self._watched.add(model)
+            # First: FSDP2's own post-forward hook then marks the outputs after this one, so its
+            # final callback is queued after the one that marks the gradients computed.
+            self._handles.append(model.register_forward_hook(self._forward, prepend=True))
+            if _sharded_by_fsdp2(model):
+                logger.warning(
+                    "Telemetry.watch_gradient_sync: %s is sharded by fully_shard (FSDP2), whose "
+                    "all-gathers (and on CPU the reduce-scatters) wait inside the forward and the "
+                    "backward; train/sync_wait measures the wait after the last gradient only, so a "
+                    "rank that waits there can still score slow in those phases (docs/signals.md)",
+                    type(model).__name__,
+                )
         return True
 
-    # -- the threads DDP runs the hook and its callbacks on ---------------------------------
+    # -- the threads the autograd engine runs hooks and callbacks on ------------------------
 
-    def _launched(self, last: bool) -> None:
-        with self._lock:
-            self._in_flight += 1
-            if last:  # every gradient is computed: from here on the step waits for the collective
-                self._started = self._mark()
-                self._last_launched = True
+    def _forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        for tensor in tree_leaves(output):
+            if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                tensor.register_hook(self._backward_began)
 
-    def _completed(self, future: torch.futures.Future) -> Any:
+    def _backward_began(self, grad: torch.Tensor) -> None:
+        task = torch._C._current_graph_task_id()
         with self._lock:
-            self._in_flight -= 1
-            if self._last_launched and not self._in_flight and self._started is not None:
-                ended = self._mark()
-                if self._on_cuda:
-                    self._spans.append((self._started, ended))
-                else:
-                    self._seconds += ended - self._started
-                self._started, self._last_launched = None, False
-        return future.value()
+            if task == self._task or self._closed:
+                return
+            self._task = task
+        Variable._execution_engine.queue_callback(self._gradients_computed)
+
+    def _gradients_computed(self) -> None:
+        started = self._mark()
+        Variable._execution_engine.queue_callback(lambda: self._collective_done(started))
+
+    def _collective_done(self, started: Any) -> None:
+        ended = self._mark()
+        with self._lock:
+            if self._device.type == "cuda":
+                self._spans.append((started, ended))
+            else:
+                self._seconds += ended - started
 
     def _mark(self) -> Any:
-        if not self._on_cuda:
+        if self._device.type != "cuda":
             return time.perf_counter()
         event = torch.cuda.Event(enable_timing=True)
-        event.record()
+        event.record(torch.cuda.current_stream(self._device))
         return event
 
     # -- the training thread ---------------------------------------------------------------
@@ -134,10 +158,26 @@ class SyncWait(Signal):
             else:
                 with self._lock:
                     self._spans.append((started, ended))
-        if self._watched:
+        if self._watching:
             self.wait.update_total(seconds, float(self._steps))
         self._steps = 0
 
     def derive(self, window: dict[str, ReportValue], timing: WindowTiming) -> None:
-        if not self._watched:
+        if not self._watching:
             window.pop(SYNC_WAIT, None)
+
+    def close(self) -> None:
+        """Remove the forward hooks; a backward already under way is no longer timed."""
+        with self._lock:
+            self._closed = True
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+def _sharded_by_fsdp2(model: torch.nn.Module) -> bool:
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(module, FSDPModule) for module in model.modules())

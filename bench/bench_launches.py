@@ -1,0 +1,379 @@
+"""What a training step costs the training thread in tensor ops and CPU time, as metrics are added.
+
+    PYTHONPATH=src:. .venv/bin/python -m bench.bench_launches [--steps 200] [--rounds 5] [--every 10]
+
+One process, one torch thread, CPU. Each step updates the metrics of a workload and ends as each
+library ends a step; every `--every` steps is a window (a logging step). Per contestant:
+
+- **ops**: ATen ops dispatched on the training thread per step (counted by a `TorchDispatchMode`,
+  tests/ops.py; hardware-independent: on a GPU each counted op is about one kernel launch), the
+  median over the non-window steps and over the window steps of a counting pass;
+- **CPU**: the thread's CPU time per step (`time.thread_time_ns`), the mean over the non-window
+  steps of a round, the fastest of `--rounds` rounds interleaved between contestants.
+
+Workloads:
+
+- **K means** (K = 1, 4, 16, 64): K weighted means updated with a 0-d float32 loss and a Python
+  int token count, as README.md's loop does.
+- **README's set**: README.md's loop: the loss (weighted by `targets.numel()`), accuracy from
+  512 x 64 logits, a grad-norm histogram (0-d, 6 bounds), three phases and the data wait, and
+  `step(tokens=, learning_rate=)`.
+
+Contestants: torchtelemetry (`Telemetry`, signals and the sentinel on as by default), torchmetrics
+(`MeanMetric`, `MulticlassAccuracy`; no histogram), torcheval (`Mean`, `MulticlassAccuracy`; no
+histogram), a hand-written floor (plain float64 tensors, the kernels each update needs, no check;
+host timers for the phases; a window: one packed copy and one zero of the states) and a packed floor
+(the same states in one buffer, the step's values stacked and added with one op each). A peer's
+window is `compute()` and `reset()` of each metric.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import platform
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from tests.ops import OpCounter
+
+import torchtelemetry as tt
+
+BINS = [0.1, 0.5, 1.0, 2.0, 5.0, 10.0]
+PHASES = ("forward", "backward", "optimizer")
+TOKENS = 512
+BATCH, CLASSES = 512, 64
+
+
+class Inputs:
+    """The tensors of one step: losses, logits, targets, a grad norm (fixed: the counts do not
+    depend on the values)."""
+
+    def __init__(self, k: int) -> None:
+        gen = torch.Generator().manual_seed(0)
+        self.losses = [torch.rand((), generator=gen) + 1 for _ in range(k)]
+        self.logits = torch.randn(BATCH, CLASSES, generator=gen)
+        self.targets = torch.randint(0, CLASSES, (BATCH,), generator=gen)
+        self.grad_norm = torch.rand((), generator=gen) * 3
+
+
+Step = Callable[[int, bool], None]
+"""step(index, window): one training step's metric work."""
+
+
+# -- torchtelemetry ----------------------------------------------------------------------------------
+
+
+def telemetry_means(k: int, every: int) -> tuple[Step, Callable[[], None]]:
+    metrics = {f"train/m{i}": tt.WeightedMeanMetric() for i in range(k)}
+    telemetry = tt.Telemetry(metrics, every=every, phases=())
+    inputs = Inputs(k)
+    means = list(metrics.values())
+
+    def step(index: int, window: bool) -> None:
+        for metric, loss in zip(means, inputs.losses, strict=True):
+            metric.update(loss, TOKENS)
+        telemetry.step(index)
+
+    return step, telemetry.close
+
+
+def telemetry_readme(every: int) -> tuple[Step, Callable[[], None]]:
+    metrics = {
+        "train": {
+            "loss": tt.WeightedMeanMetric(),
+            "accuracy": tt.AccuracyMetric(),
+            "grad_norm": tt.HistogramMetric(bins=BINS),
+        }
+    }
+    telemetry = tt.Telemetry(metrics, every=every, phases=PHASES)
+    inputs = Inputs(1)
+    train = metrics["train"]
+
+    def step(index: int, window: bool) -> None:
+        with telemetry.data_wait():
+            pass
+        for phase in PHASES:
+            with telemetry.phase(phase):
+                pass
+        train["loss"].update(inputs.losses[0], inputs.targets.numel())
+        train["accuracy"].update(inputs.logits, inputs.targets)
+        train["grad_norm"].update(inputs.grad_norm)
+        telemetry.step(index, tokens=inputs.targets.numel(), learning_rate=0.1)
+
+    return step, telemetry.close
+
+
+# -- peers -------------------------------------------------------------------------------------------
+
+
+def peer_means(library: str, k: int) -> tuple[Step, Callable[[], None]]:
+    mean = _peer_mean(library)
+    metrics = [mean() for _ in range(k)]
+    inputs = Inputs(k)
+    update = _peer_update(library)
+
+    def step(index: int, window: bool) -> None:
+        for metric, loss in zip(metrics, inputs.losses, strict=True):
+            update(metric, loss, TOKENS)
+        if window:
+            for metric in metrics:
+                metric.compute()
+                metric.reset()
+
+    return step, lambda: None
+
+
+def peer_readme(library: str) -> tuple[Step, Callable[[], None]]:
+    loss, accuracy = _peer_mean(library)(), _peer_accuracy(library)()
+    inputs = Inputs(1)
+    update = _peer_update(library)
+    timers = HostTimers()
+
+    def step(index: int, window: bool) -> None:
+        timers.time_a_step()
+        update(loss, inputs.losses[0], inputs.targets.numel())
+        accuracy.update(inputs.logits, inputs.targets)
+        if window:
+            for metric in (loss, accuracy):
+                metric.compute()
+                metric.reset()
+
+    return step, lambda: None
+
+
+def _peer_mean(library: str) -> Callable[[], Any]:
+    if library == "torchmetrics":
+        from torchmetrics.aggregation import MeanMetric
+
+        return MeanMetric
+    from torcheval.metrics import Mean
+
+    return Mean
+
+
+def _peer_accuracy(library: str) -> Callable[[], Any]:
+    if library == "torchmetrics":
+        from torchmetrics.classification import MulticlassAccuracy
+
+        return lambda: MulticlassAccuracy(num_classes=CLASSES, average="micro")
+    from torcheval.metrics import MulticlassAccuracy
+
+    return MulticlassAccuracy
+
+
+def _peer_update(library: str) -> Callable[[Any, torch.Tensor, int], None]:
+    if library == "torchmetrics":
+        return lambda metric, value, weight: metric.update(value, weight)
+    return lambda metric, value, weight: metric.update(value, weight=weight)
+
+
+# -- floors ------------------------------------------------------------------------------------------
+
+
+class HostTimers:
+    """The phases and the data wait timed on the host, as a hand-written loop would: seconds per name."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = dict.fromkeys(("data", *PHASES), 0.0)
+
+    @contextlib.contextmanager
+    def section(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        yield
+        self.seconds[name] += time.perf_counter() - start
+
+    def time_a_step(self) -> None:
+        """The data wait and the phases of a step, around nothing (what the timing itself costs)."""
+        with self.section("data"):
+            pass
+        for phase in PHASES:
+            with self.section(phase):
+                pass
+
+
+class FloorStates:
+    """Float64 states in one buffer, each a view; a window copies the buffer once and zeroes it."""
+
+    def __init__(self, sizes: list[int]) -> None:
+        self.buffer = torch.zeros(sum(sizes), dtype=torch.float64)
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        self.views = [
+            self.buffer[start : start + size].view(() if size == 1 else (size,))
+            for start, size in zip(starts, sizes, strict=True)
+        ]
+
+    def window(self) -> None:
+        self.snapshot = self.buffer.clone()
+        self.buffer.zero_()
+
+
+def floor_means(k: int) -> tuple[Step, Callable[[], None]]:
+    states = FloorStates([1] * (2 * k))
+    sums, weights = states.views[:k], states.views[k:]
+    inputs = Inputs(k)
+
+    def step(index: int, window: bool) -> None:
+        for weighted, weight, loss in zip(sums, weights, inputs.losses, strict=True):
+            weighted.add_(loss, alpha=TOKENS)
+            weight.add_(TOKENS)
+        if window:
+            states.window()
+
+    return step, lambda: None
+
+
+def packed_means(k: int) -> tuple[Step, Callable[[], None]]:
+    buffer = torch.zeros(2 * k, dtype=torch.float64)
+    sums, weights = buffer[:k], buffer[k:]
+    inputs = Inputs(k)
+
+    def step(index: int, window: bool) -> None:
+        tokens = torch.tensor([TOKENS] * k, dtype=torch.float64)
+        sums.addcmul_(torch.stack(inputs.losses), tokens)
+        weights.add_(tokens)
+        if window:
+            snapshot = buffer.clone()
+            buffer.zero_()
+            del snapshot
+
+    return step, lambda: None
+
+
+def floor_readme() -> tuple[Step, Callable[[], None]]:
+    states = FloorStates([1, 1, 1, 1, len(BINS) + 1, 1, 1])
+    weighted, weight, correct, total, counts, value_sum, value_count = states.views
+    bounds, one = torch.tensor(BINS, dtype=torch.float32), torch.ones((), dtype=torch.float64)
+    inputs = Inputs(1)
+    timers = HostTimers()
+
+    def step(index: int, window: bool) -> None:
+        timers.time_a_step()
+        tokens = inputs.targets.numel()
+        weighted.add_(inputs.losses[0], alpha=tokens)
+        weight.add_(tokens)
+        correct.add_((inputs.logits.argmax(-1) == inputs.targets).sum())
+        total.add_(inputs.targets.numel())
+        counts.index_put_((torch.bucketize(inputs.grad_norm, bounds),), one, accumulate=True)
+        value_sum.add_(inputs.grad_norm)
+        value_count.add_(1)
+        if window:
+            states.window()
+
+    return step, lambda: None
+
+
+def packed_readme() -> tuple[Step, Callable[[], None]]:
+    """The step's scalars in one buffer (loss x tokens, tokens, correct, total, grad-norm sum and
+    count): the device values stacked, weighted and added with one `index_add_`, the host counts
+    with one `add_`; the histogram's bucket with one `index_put_`."""
+    buffer = torch.zeros(6 + len(BINS) + 1, dtype=torch.float64)
+    scalars, counts = buffer[:6], buffer[6:]
+    bounds, one = torch.tensor(BINS, dtype=torch.float32), torch.ones((), dtype=torch.float64)
+    stacked_at = torch.tensor([0, 2, 4])
+    inputs = Inputs(1)
+    timers = HostTimers()
+
+    def step(index: int, window: bool) -> None:
+        timers.time_a_step()
+        tokens = inputs.targets.numel()
+        hits = (inputs.logits.argmax(-1) == inputs.targets).sum(dtype=torch.float64)
+        counts.index_put_((torch.bucketize(inputs.grad_norm, bounds),), one, accumulate=True)
+        factors = torch.tensor([tokens, 1.0, 1.0], dtype=torch.float64)
+        stacked = torch.stack([inputs.losses[0], hits, inputs.grad_norm]) * factors
+        scalars.index_add_(0, stacked_at, stacked)
+        scalars.add_(torch.tensor([0.0, tokens, 0.0, inputs.targets.numel(), 0.0, 1.0], dtype=torch.float64))
+        if window:
+            snapshot = buffer.clone()
+            buffer.zero_()
+            del snapshot
+
+    return step, lambda: None
+
+
+# -- measuring ---------------------------------------------------------------------------------------
+
+
+def contestants(k: int | None, every: int) -> dict[str, Callable[[], tuple[Step, Callable[[], None]]]]:
+    if k is None:
+        return {
+            "torchtelemetry": lambda: telemetry_readme(every),
+            "torchmetrics": lambda: peer_readme("torchmetrics"),
+            "torcheval": lambda: peer_readme("torcheval"),
+            "hand-written floor": floor_readme,
+            "packed floor": packed_readme,
+        }
+    return {
+        "torchtelemetry": lambda: telemetry_means(k, every),
+        "torchmetrics": lambda: peer_means("torchmetrics", k),
+        "torcheval": lambda: peer_means("torcheval", k),
+        "hand-written floor": lambda: floor_means(k),
+        "packed floor": lambda: packed_means(k),
+    }
+
+
+def count_ops(step: Step, steps: int, every: int) -> tuple[int, int]:
+    """Median ops per non-window step and per window step (after two warm-up windows)."""
+    for index in range(2 * every):
+        step(index, index % every == every - 1)
+    plain, windows = [], []
+    for index in range(2 * every, 2 * every + steps):
+        window = index % every == every - 1
+        with OpCounter() as counter:
+            step(index, window)
+        (windows if window else plain).append(sum(counter.ops.values()))
+    return int(statistics.median(plain)), int(statistics.median(windows))
+
+
+def cpu_per_step(step: Step, steps: int, every: int, start: int) -> tuple[float, float]:
+    """Mean thread CPU µs per non-window step and per window step over `steps` steps."""
+    plain, windows = [], []
+    for index in range(start, start + steps):
+        window = index % every == every - 1
+        begin = time.thread_time_ns()
+        step(index, window)
+        (windows if window else plain).append(time.thread_time_ns() - begin)
+    return statistics.fmean(plain) / 1e3, statistics.fmean(windows) / 1e3
+
+
+def measure(k: int | None, args: argparse.Namespace) -> dict[str, tuple[int, int, float, float]]:
+    built = {name: make() for name, make in contestants(k, args.every).items()}
+    ops = {name: count_ops(step, args.steps, args.every) for name, (step, _) in built.items()}
+    cpu = {name: [float("inf"), float("inf")] for name in built}
+    start = 2 * args.every + args.steps
+    for round_ in range(args.rounds):
+        for name, (step, _) in built.items():
+            plain, window = cpu_per_step(step, args.steps, args.every, start + round_ * args.steps)
+            cpu[name] = [min(cpu[name][0], plain), min(cpu[name][1], window)]
+    for _, close in built.values():
+        close()
+    return {name: (*ops[name], *cpu[name]) for name in built}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=200, help="steps per round (and counted)")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds; the fastest is kept")
+    parser.add_argument("--every", type=int, default=10, help="steps per window")
+    parser.add_argument("--sizes", default="1,4,16,64", help="K of the K-means workload")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    print(f"{platform.processor() or platform.machine()}, torch {torch.__version__}, every={args.every}")
+    workloads: list[int | None] = [int(size) for size in args.sizes.split(",") if size] + [None]
+    for k in workloads:
+        title = "README's set" if k is None else f"K = {k} weighted means"
+        results = measure(k, args)
+        floor_cpu = results["hand-written floor"][2]
+        print(f"\n{title}\n")
+        print("| contestant | ops per step | ops per window step | CPU µs per step | vs floor ", end="")
+        print("| window step CPU µs |")
+        print("|---|---|---|---|---|---|")
+        for name, (plain, window, cpu, window_cpu) in results.items():
+            print(f"| {name} | {plain} | {window} | {cpu:.1f} | {cpu / floor_cpu:.2f}x | {window_cpu:.1f} |")
+
+
+if __name__ == "__main__":
+    main()

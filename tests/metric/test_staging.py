@@ -1,0 +1,226 @@
+"""Staged updates (`UpdateStage`): a bound metric's updates are checked at `update()`, applied together
+in a fixed number of tensor ops, exactly as one by one, before anything reads a state; what cannot be
+staged runs at once. Counted and compared, never timed (bench/bench_launches.py times them)."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+import statistics
+import threading
+
+import pytest
+import torch
+
+import torchtelemetry as tt
+from tests.metric.examples import EXAMPLES, build, feed, staged
+from tests.metric.test_metrics import computed
+from tests.ops import OpCounter
+from tests.trees import pytree
+from torchtelemetry.collect import AsyncMetricCollector
+from torchtelemetry.metric import sync_metrics
+
+EVERY = 5
+
+
+def _pending(metric: tt.Metric) -> int:
+    stages = {id(stage): stage for acc in metric.accumulators.values() if (stage := acc.stage) is not None}
+    return sum(stage.pending for stage in stages.values())
+
+
+@pytest.mark.parametrize(("cls", "example"), EXAMPLES)
+def test_every_example_staged_ends_in_the_state_of_its_updates_one_by_one(
+    cls: type[tt.Metric], example: tt.metric.MetricExample
+) -> None:
+    """Bit for bit: staging changes when an update is applied, not what it adds (float64 arithmetic
+    in the order the updates came)."""
+    immediate = feed(build(cls, example), example, times=3)
+    bound = feed(staged(build(cls, example)), example, times=3)
+    for attr, accumulator in immediate.accumulators.items():
+        torch.testing.assert_close(
+            bound.accumulators[attr].local, accumulator.local, rtol=0, atol=0, equal_nan=True, msg=attr
+        )
+    torch.testing.assert_close(computed(bound), computed(immediate), rtol=0, atol=0, equal_nan=True)
+
+
+def test_a_loss_and_its_token_count_are_staged_and_applied_when_read() -> None:
+    metric = staged(tt.WeightedMeanMetric())
+    losses = [torch.tensor(float(step)) for step in range(4)]
+    half, tokens = torch.tensor(0.5, dtype=torch.bfloat16), torch.tensor(3)
+    with OpCounter() as counter:
+        for loss in losses:
+            metric.update(loss, 512)
+            metric.update(half, tokens)
+    # Checked and staged: no tensor op but the CPU-only read of the weight tensor (not negative).
+    assert set(counter.ops) == {"aten._local_scalar_dense.default"}, counter.ops
+    assert _pending(metric) == 16
+    assert metric.weighted_sum.local.item() == (0 + 1 + 2 + 3) * 512 + 4 * 0.5 * 3
+    assert metric.total_weight.local.item() == 4 * 515 and _pending(metric) == 0
+
+
+def _reads() -> dict[str, object]:
+    return {
+        "local": lambda m: m.weighted_sum.local.clone(),
+        "value": lambda m: m.weighted_sum.value.clone(),
+        "compute": lambda m: m.compute(),
+        "state_dict": lambda m: m.state_dict()["weighted_sum"],
+        "sync_metrics": lambda m: (sync_metrics(m), m.weighted_sum.value.clone())[1],
+        "deepcopy": lambda m: copy.deepcopy(m).weighted_sum.local.clone(),
+        "pickle": lambda m: pickle.loads(pickle.dumps(m)).weighted_sum.local.clone(),
+    }
+
+
+@pytest.mark.parametrize("read", list(_reads()))
+def test_every_read_of_a_state_applies_what_was_staged(read: str) -> None:
+    metric = staged(tt.WeightedMeanMetric())
+    metric.update(torch.tensor(2.0), 3)
+    assert _pending(metric) == 2
+    assert float(_reads()[read](metric)) in (6.0, 2.0)  # weighted sum, or the mean
+    assert _pending(metric) == 0
+    metric.update(torch.tensor(4.0), 1)
+    metric.reset()  # what was staged before a reset is gone with it
+    assert metric.weighted_sum.local.item() == 0 and _pending(metric) == 0
+
+
+def test_a_tensor_changed_in_place_before_the_flush_raises_naming_the_state() -> None:
+    """The stage reads a tensor when it applies it: a loss buffer reused (`loss.zero_()` after the
+    update) would be counted as 0. Its version counter says it changed: the flush raises, and drops
+    what was staged with it (its value is gone), keeping what was applied before."""
+    metric = staged(tt.WeightedMeanMetric(name="train/loss"))
+    metric.update(torch.tensor(1.0), 2)
+    metric.compute()
+    loss = torch.tensor(5.0)
+    metric.update(loss, 2)
+    loss.zero_()
+    with pytest.raises(RuntimeError, match=r"metric.weighted_sum.*modified in place.*value.clone\(\)"):
+        metric.compute()
+    assert metric.weighted_sum.local.item() == 2.0 and metric.total_weight.local.item() == 2.0
+
+
+def test_a_staged_state_read_on_another_thread_raises() -> None:
+    metric = staged(tt.SumMetric())
+    metric.update(torch.tensor(1.5))
+    errors: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            metric.compute()
+        except RuntimeError as error:
+            errors.append(error)
+
+    thread = threading.Thread(target=read, name="reader")
+    thread.start()
+    thread.join()
+    assert len(errors) == 1 and "read from thread 'reader'" in str(errors[0])
+    assert metric.compute().item() == 1.5  # the training thread reads it
+
+
+@pytest.mark.parametrize(
+    ("make", "update"),
+    [
+        (lambda: tt.WeightedMeanMetric(dtype=torch.float32), lambda m: m.update(torch.tensor(2.0), 3)),
+        (lambda: tt.SumMetric(dtype=torch.int64), lambda m: m.update(torch.tensor(3))),
+        (tt.SumMetric, lambda m: m.total.update(torch.tensor(2.0, requires_grad=True))),
+        (tt.SumMetric, lambda m: m.total.update(torch.tensor(1.0, device="meta"))),
+        (lambda: tt.PerRankMetric(2, 1), lambda m: m.sums.update(torch.tensor([1.0, 2.0]))),
+    ],
+    ids=["float32 state", "int64 state", "requires grad", "another device", "a vector"],
+)
+def test_what_cannot_be_staged_is_applied_at_once(make, update) -> None:
+    """Not a float64 state, or not a 0-d tensor of a real dtype on the state's device outside
+    autograd (a metric's own update converts and reduces its inputs first)."""
+    metric = staged(make())
+    try:
+        update(metric)
+    except RuntimeError:  # refused by the op itself, at once, as without a stage
+        assert _pending(metric) == 0
+        return
+    assert _pending(metric) == 0
+    reference = make()
+    update(reference)
+    torch.testing.assert_close(computed(metric), computed(reference), rtol=0, atol=0, equal_nan=True)
+
+
+def test_a_stage_past_its_bound_is_applied_without_a_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torchtelemetry.metric._staging as staging
+
+    monkeypatch.setattr(staging, "MAX_STAGED", 8)
+    metric = staged(tt.SumMetric())
+    for _ in range(20):
+        metric.update(torch.tensor(1.0))
+        assert _pending(metric) < 8
+    assert metric.compute().item() == 20.0
+
+
+def test_an_unbound_collector_stops_staging_and_keeps_what_was_staged() -> None:
+    metric = tt.WeightedMeanMetric()
+    collector = AsyncMetricCollector({"loss": metric}).bind()
+    metric.update(torch.tensor(2.0), 4)
+    assert _pending(metric) == 2
+    collector.unbind()
+    assert _pending(metric) == 0 and metric.weighted_sum.local.item() == 8.0
+    metric.update(torch.tensor(1.0), 1)
+    assert _pending(metric) == 0 and metric.compute().item() == 9.0 / 5.0
+
+
+def test_a_compiled_update_of_a_bound_metric_runs_in_its_graph() -> None:
+    """Inside torch.compile nothing is staged (the update belongs to the graph); eager updates of
+    the same bound metric are, and both land in the same state."""
+    torch.compiler.reset()
+    metric = tt.WeightedMeanMetric()
+    collector = AsyncMetricCollector({"loss": metric}).bind()
+    try:
+        compiled = torch.compile(metric.update, fullgraph=True, backend="aot_eager")
+        for step in range(3):
+            pending = _pending(metric)
+            compiled(torch.tensor(float(step)), torch.tensor(2.0))
+            assert _pending(metric) == pending  # in the graph, at once
+            metric.update(torch.tensor(1.0), 1)
+            assert _pending(metric) == pending + 2
+        assert _pending(metric) == 6
+        assert metric.weighted_sum.local.item() == (0 + 1 + 2) * 2 + 3
+        assert metric.total_weight.local.item() == 3 * 2 + 3
+    finally:
+        collector.unbind()
+
+
+def _step_ops(num_means: int) -> tuple[int, int, float]:
+    """Median ATen ops of a step (K weighted means updated, `Telemetry.step()`) on the training
+    thread, of the steps that end no window and of those that do, and the loss exported."""
+    metrics = {f"train/m{i}": tt.WeightedMeanMetric() for i in range(num_means)}
+    telemetry = tt.Telemetry(metrics, every=EVERY)
+    losses = [torch.tensor(1.0 + i) for i in range(num_means)]
+    plain, windows = [], []
+    try:
+        for step in range(6 * EVERY):
+            with OpCounter() as counter:
+                for metric, loss in zip(metrics.values(), losses, strict=True):
+                    metric.update(loss, 512)
+                telemetry.step(step)
+            if step >= 2 * EVERY:
+                (windows if step % EVERY == EVERY - 1 else plain).append(sum(counter.ops.values()))
+        telemetry.flush()
+        exported = telemetry.latest["train/m0"]
+    finally:
+        telemetry.close()
+    return int(statistics.median(plain)), int(statistics.median(windows)), exported
+
+
+def test_a_step_costs_the_same_few_ops_for_4_and_64_metrics() -> None:
+    """The staged path: the same ops per step for K = 4 and K = 64 weighted means (not 4 per metric),
+    and per window step (their host values and the snapshot: one copy each)."""
+    small, large = _step_ops(4), _step_ops(64)
+    assert small[:2] == large[:2], (small, large)
+    plain, window, exported = large
+    assert plain <= 8 and window <= 12, large
+    assert exported == 1.0
+
+
+def test_every_leaf_of_a_tree_is_staged_into_one_stage() -> None:
+    metrics = {"a": tt.WeightedMeanMetric(), "b": {"c": tt.SumMetric(), "d": tt.MaxMetric()}}
+    collector = AsyncMetricCollector(metrics).bind()
+    try:
+        stages = {id(acc.stage) for leaf in pytree.tree_leaves(metrics) for acc in leaf.accumulators.values()}
+        assert len(stages) == 1
+    finally:
+        collector.unbind()
