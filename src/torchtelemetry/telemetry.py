@@ -25,6 +25,7 @@ from torchtelemetry.export import Exporter, RunInfo
 from torchtelemetry.report import (
     DEFAULT_LAYER_STATS,
     HostTimer,
+    LayerWatch,
     MetricDescriptor,
     PhaseTimer,
     ReportValue,
@@ -272,11 +273,10 @@ class Telemetry:
         hooks. With `signals=False`, nothing.
         """
         self._require_open("watch_layers")
+        watch = LayerWatch(layers, stats, every, nonfinite, self.config.group)
         if self._signals is not None:
             self._windows.drain(block=True)  # the windows in flight were laid out without the layers
-            self._signals.watch_layers(
-                model, layers=layers, stats=stats, every=every, group=self.config.group, nonfinite=nonfinite
-            )
+            self._signals.watch_layers(model, watch)
 
     def checkpoint_saved(self, step: int) -> None:
         """Mark the checkpoint of `step` as durable (written and committed): for goodput, the

@@ -31,7 +31,23 @@ def _model() -> nn.Sequential:
 
 
 def _telemetry() -> tt.Telemetry:
-    return tt.Telemetry({"train": {"loss": tt.WeightedMeanMetric()}}, every=WINDOW, hang_after_s=None)
+    return tt.Telemetry(
+        {"train": {"loss": tt.WeightedMeanMetric()}}, every=WINDOW, hang_after_s=None, capture_on=()
+    )
+
+
+def _train(model: nn.Module, telemetry: tt.Telemetry, steps: int, before_backward=None) -> None:
+    """`steps` SGD steps of `model` on this rank's random batches; `before_backward(step)` may return
+    a hook handle, removed after that step's backward."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(steps):
+        handle = before_backward(step) if before_backward is not None else None
+        model(torch.randn(8, 6)).pow(2).mean().backward()
+        if handle is not None:
+            handle.remove()
+        optimizer.step()
+        optimizer.zero_grad()
+        telemetry.step(step)
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
@@ -136,19 +152,15 @@ def _nan_born(rank: int, world_size: int, where: str) -> dict:
     ddp = nn.parallel.DistributedDataParallel(model)
     telemetry = _telemetry()
     telemetry.watch_layers(ddp)
-    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
-    torch.manual_seed(rank)
-    for step in range(6):
+
+    def poison(step: int):
         poisoned["on"] = where == "forward" and step == 2 and rank == 1
-        handle = None
         if where == "backward" and step == 4 and rank == 1:
-            handle = model[3].weight.register_hook(lambda grad: grad * NAN)
-        ddp(torch.randn(8, 6)).pow(2).mean().backward()
-        if handle is not None:
-            handle.remove()
-        optimizer.step()
-        optimizer.zero_grad()
-        telemetry.step(step)
+            return model[3].weight.register_hook(lambda grad: grad * NAN)
+        return None
+
+    torch.manual_seed(rank)
+    _train(ddp, telemetry, 6, poison)
     telemetry.close()
     return {name: value for name, value in telemetry.latest.items() if "first_nonfinite" in name}
 
@@ -199,14 +211,8 @@ def _nan_born_under_fsdp(rank: int, world_size: int) -> dict:
     fully_shard(model, mesh=mesh)
     telemetry = _telemetry()
     telemetry.watch_layers(model)  # the gradients checked are the unsharded ones FSDP swaps in
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     torch.manual_seed(rank)
-    for step in range(4):
-        poisoned["on"] = step == 2 and rank == 1
-        model(torch.randn(8, 6)).pow(2).mean().backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        telemetry.step(step)
+    _train(model, telemetry, 4, lambda step: poisoned.update(on=step == 2 and rank == 1))
     telemetry.close()
     return {name: value for name, value in telemetry.latest.items() if "first_nonfinite" in name}
 
@@ -307,13 +313,8 @@ def _different_layers(rank: int, world_size: int) -> None:
     model = nn.parallel.DistributedDataParallel(_model())
     telemetry = _telemetry()
     telemetry.watch_layers(model, layers=["0", "1"] if rank == 0 else ["0", "3"])
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     try:
-        for step in range(WINDOW):
-            model(torch.randn(8, 6)).pow(2).mean().backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            telemetry.step(step)
+        _train(model, telemetry, WINDOW)
     finally:
         telemetry.close()
 

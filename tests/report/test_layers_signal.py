@@ -16,7 +16,7 @@ import torchtelemetry as tt
 from tests.hostsync import NoHostSync
 from torchtelemetry.metric._aggregation import _any_negative  # the CPU-only checks, exempt by design
 from torchtelemetry.metric._inputs import UpdateInputs
-from torchtelemetry.report.signals import LayerStatistics, SignalContext
+from torchtelemetry.report.signals import LayerStatistics, LayerWatch, SignalContext
 
 NAN = float("nan")
 GRAD, PARAM = "train/layer/grad_norm", "train/layer/param_norm"
@@ -31,7 +31,9 @@ def _model(width: int = 3) -> nn.Sequential:
 
 
 def _telemetry(**fields) -> tt.Telemetry:
-    return tt.Telemetry({"loss": tt.WeightedMeanMetric()}, hang_after_s=None, **{"every": 2, **fields})
+    return tt.Telemetry(
+        {"loss": tt.WeightedMeanMetric()}, hang_after_s=None, capture_on=(), **{"every": 2, **fields}
+    )
 
 
 def _norms(model: nn.Module, grads: bool) -> dict[str, float]:
@@ -220,7 +222,7 @@ def test_training_is_bit_identical_and_close_removes_every_hook() -> None:
 def test_a_watched_training_step_never_reads_a_value_on_the_host() -> None:
     model = _model()
     loss_metric = tt.WeightedMeanMetric()
-    telemetry = tt.Telemetry({"loss": loss_metric}, every=2, hang_after_s=None)
+    telemetry = tt.Telemetry({"loss": loss_metric}, every=2, hang_after_s=None, capture_on=())
     telemetry.watch_layers(model)
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
     batches = [torch.randn(2, 4) for _ in range(8)]
@@ -243,7 +245,7 @@ def test_the_checks_and_the_measurement_on_a_device_never_sync_it() -> None:
     meta = torch.device("meta")
     signal = LayerStatistics(SignalContext(world_size=4, rank=1, device=meta), every=1)
     model = _model().to(meta)
-    signal.watch_layers(model, layers=None, stats=("grad_norm", "param_norm"), every=None, group=None)
+    signal.watch_layers(model, LayerWatch())
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
     with NoHostSync():
         model(torch.randn(2, 4, device=meta)).sum().backward()

@@ -61,6 +61,7 @@ from torchtelemetry.report.signals._layers import (
     LAYER_STATS,
     LayerState,
     LayerStatistics,
+    LayerWatch,
 )
 from torchtelemetry.report.signals._learning_rate import LearningRate
 from torchtelemetry.report.signals._memory_health import MemoryHealth, memory_descriptors, resident_bytes
@@ -117,6 +118,7 @@ __all__ = [
     "LAYER_STATS",
     "LayerState",
     "LayerStatistics",
+    "LayerWatch",
     "ROOT_LAYER",
     "copies",
     "DataWait",

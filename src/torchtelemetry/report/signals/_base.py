@@ -23,6 +23,7 @@ from torchtelemetry.report._values import MetricDescriptor, ReportValue
 
 if TYPE_CHECKING:
     from torchtelemetry.report.signals._clock import HostTimer, PhaseTimer
+    from torchtelemetry.report.signals._layers import LayerWatch
 
 __all__ = [
     "RankValues",
@@ -116,18 +117,9 @@ class Signal:
         `model`'s gradient collective, False if it only takes note of `phase`."""
         return False
 
-    def watch_layers(
-        self,
-        model: Any,
-        *,
-        layers: Sequence[str] | None,
-        stats: Sequence[str],
-        every: int | None,
-        group: Any,
-        nonfinite: bool = True,
-    ) -> bool:
-        """`Telemetry.watch_layers(model, ...)` (the window reduced over `group`): True if this signal
-        watches `model`'s layers (it hooks them), False if it takes no note."""
+    def watch_layers(self, model: Any, watch: LayerWatch) -> bool:
+        """`Telemetry.watch_layers(model, ...)`: True if this signal watches `model`'s layers as
+        `watch` says (it hooks them), False if it takes no note."""
         return False
 
     def check(self, keyword: str, value: Any) -> None:

@@ -37,7 +37,14 @@ from torchtelemetry.report.signals._base import Signal, SignalContext, WindowTim
 from torchtelemetry.report.signals._layer_model import Measurement, WatchedLayers
 from torchtelemetry.sync import GroupLike, resolve_group
 
-__all__ = ["DEFAULT_LAYER_STATS", "DEFAULT_MAX_LAYER_SERIES", "LAYER_STATS", "LayerState", "LayerStatistics"]
+__all__ = [
+    "DEFAULT_LAYER_STATS",
+    "DEFAULT_MAX_LAYER_SERIES",
+    "LAYER_STATS",
+    "LayerState",
+    "LayerStatistics",
+    "LayerWatch",
+]
 
 STATE = "train/layer/window"
 GRAD_NORM = "train/layer/grad_norm"
@@ -91,6 +98,30 @@ class LayerState(Metric):
             "param_sumsq": self.param_sumsq.value.clone(),
             **{f"first_{name}": first[:, index].clone() for index, name in enumerate(PASSES)},
         }
+
+
+@dataclass(frozen=True, slots=True)
+class LayerWatch:
+    """What `Telemetry.watch_layers` is asked to watch (its arguments, checked when built), and the
+    group the windows are reduced over."""
+
+    layers: Sequence[str] | None = None
+    stats: Sequence[str] = DEFAULT_LAYER_STATS
+    every: int | None = None
+    nonfinite: bool = True
+    group: GroupLike = None
+
+    def __post_init__(self) -> None:
+        stats = self.stats
+        if isinstance(stats, str) or not set(stats) <= LAYER_STATS.keys():
+            raise ValueError(
+                f"Telemetry.watch_layers: stats must be a sequence of {sorted(LAYER_STATS)}, got {stats!r}"
+            )
+        every = self.every
+        if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+            raise ValueError(
+                f"Telemetry.watch_layers: every must be a positive number of steps or None, got {every!r}"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,32 +190,20 @@ class LayerStatistics(Signal):
             ]
         return described
 
-    def watch_layers(
-        self,
-        model: torch.nn.Module,
-        *,
-        layers: Sequence[str] | None,
-        stats: Sequence[str],
-        every: int | None,
-        group: GroupLike,
-        nonfinite: bool = True,
-    ) -> bool:
+    def watch_layers(self, model: torch.nn.Module, watch: LayerWatch) -> bool:
         if self._layers is not None:
             raise RuntimeError("Telemetry.watch_layers: layers are watched already; call it once")
-        if isinstance(stats, str) or not set(stats) <= LAYER_STATS.keys():
-            raise ValueError(
-                f"Telemetry.watch_layers: stats must be a sequence of {sorted(LAYER_STATS)}, got {stats!r}"
-            )
-        if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
-            raise ValueError(
-                f"Telemetry.watch_layers: every must be a positive number of steps or None, got {every!r}"
-            )
+        group_ranks = _group_ranks(watch.group)
         watched = WatchedLayers(
-            model, layers, device=self.context.device, group_ranks=_group_ranks(group), nonfinite=nonfinite
+            model,
+            watch.layers,
+            device=self.context.device,
+            group_ranks=group_ranks,
+            nonfinite=watch.nonfinite,
         )
         self.state.resize(watched.names, self.context.device)
-        self._layers, self._stats = watched, tuple(dict.fromkeys(stats))
-        self._every = every or self._window_every
+        self._layers, self._stats = watched, tuple(dict.fromkeys(watch.stats))
+        self._every = watch.every or self._window_every
         from torch.optim.optimizer import register_optimizer_step_pre_hook
 
         self._optimizer_hook = register_optimizer_step_pre_hook(self._before_optimizer_step)

@@ -11,6 +11,7 @@ from torchtelemetry.report._values import MetricDescriptor, ReportValue
 from torchtelemetry.report.signals._base import Signal, WindowTiming
 from torchtelemetry.report.signals._clock import HostTimer, PhaseTimer
 from torchtelemetry.report.signals._data_wait import DATA_PHASE
+from torchtelemetry.report.signals._layers import LayerWatch
 
 __all__ = ["SignalSet"]
 
@@ -109,24 +110,9 @@ class SignalSet:
         if not any([signal.watch_gradient_sync(model, phase) for signal in self.signals]):
             raise ValueError("Telemetry.watch_gradient_sync: no signal here times the gradient collective")
 
-    def watch_layers(
-        self,
-        model: Any,
-        *,
-        layers: Sequence[str] | None,
-        stats: Sequence[str],
-        every: int | None,
-        group: Any,
-        nonfinite: bool = True,
-    ) -> None:
+    def watch_layers(self, model: Any, watch: LayerWatch) -> None:
         """Watch `model`'s layers (`Telemetry.watch_layers`)."""
-        watched = [
-            signal.watch_layers(
-                model, layers=layers, stats=stats, every=every, group=group, nonfinite=nonfinite
-            )
-            for signal in self.signals
-        ]
-        if not any(watched):
+        if not any([signal.watch_layers(model, watch) for signal in self.signals]):
             raise ValueError("Telemetry.watch_layers: no signal here watches layers")
 
     def flush(self, duration_s: float, *, final: bool = False) -> None:
