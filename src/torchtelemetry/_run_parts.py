@@ -258,6 +258,8 @@ def _builtin_signals(
             spike_windows=config.spike_windows,
             goodput=goodput,
             nvml=config.nvml,
+            every=config.every,
+            max_layer_series=config.max_layer_series,
             captures=captures,
             trace_ranks=traces.trace_ranks,
             traces=traces,

@@ -12,6 +12,7 @@ from typing import Any
 from torchtelemetry.collect import DEFAULT_MAX_PENDING, DEFAULT_TIMEOUT_S, check_collection_limits
 from torchtelemetry.report import (
     CAPTURE_TRIGGERS,
+    DEFAULT_MAX_LAYER_SERIES,
     DEFAULT_PHASES,
     DEFAULT_SPIKE_SIGMA,
     DEFAULT_SPIKE_WINDOWS,
@@ -70,6 +71,10 @@ class TelemetryConfig:
     exported as min/median/max over ranks (a counter: its total over ranks) instead of one series
     per rank (0: always), so the series a run exports do not grow with its ranks. The ranks holding
     the min and max step time are exported either way, as values."""
+    max_layer_series: int = DEFAULT_MAX_LAYER_SERIES
+    """Above this many layers watched (`Telemetry.watch_layers`), the layer norms are exported for
+    this many layers only, those of largest gradient norm (non-finite ones first), plus min/median/max
+    over every layer, instead of one series per layer (0: only those three)."""
     flops_per_token: float | None = None
     """Model FLOPs of training on one token (forward and backward, e.g. 6 x parameters plus
     attention); exports `train/tflops_per_second` and `train/mfu` from `step(tokens=)`."""
@@ -121,6 +126,10 @@ class TelemetryConfig:
         for key in ("every", "queue_size"):
             if getattr(self, key) < 1:
                 raise ValueError(f"TelemetryConfig.{key} must be at least 1, got {getattr(self, key)}")
+        if self.max_layer_series < 0:
+            raise ValueError(
+                f"TelemetryConfig.max_layer_series must be at least 0, got {self.max_layer_series}"
+            )
         if self.max_rank_series < 0:
             raise ValueError(
                 f"TelemetryConfig.max_rank_series must be at least 0, got {self.max_rank_series}"

@@ -23,7 +23,9 @@ from torchtelemetry.collect import AsyncMetricCollector
 from torchtelemetry.config import TelemetryConfig
 from torchtelemetry.export import Exporter, RunInfo
 from torchtelemetry.report import (
+    DEFAULT_LAYER_STATS,
     HostTimer,
+    LayerWatch,
     MetricDescriptor,
     PhaseTimer,
     ReportValue,
@@ -255,6 +257,33 @@ class Telemetry:
         self._require_open("watch_gradient_sync")
         if self._signals is not None:
             self._signals.watch_gradient_sync(model, phase)
+
+    def watch_layers(
+        self,
+        model: torch.nn.Module,
+        stats: Sequence[str] = DEFAULT_LAYER_STATS,
+        every: int | None = None,
+        *,
+        layers: Sequence[str] | None = None,
+        nonfinite: bool = True,
+    ) -> None:
+        """Export each layer's gradient and parameter norms and where a NaN was born, on every rank.
+
+        A layer is each module of `model` that directly holds parameters, named by its path (or the
+        module paths `layers`, each with every parameter under it). `stats`: "grad_norm",
+        "param_norm". The norms are exact under DDP, FSDP2, HSDP and DTensor placements, measured on
+        the device at the step that ends each window (or every `every` steps) with no collective
+        beyond the window's; with `nonfinite`, every step each layer's output and gradients are
+        checked for NaN and Inf, one read of each (docs/signals.md, "Per-layer statistics"). Call it
+        once, after wrapping the model, on every rank, before the window it is to start in (and
+        before `load_state_dict`): it waits for the collections in flight. `close()` removes its
+        hooks. With `signals=False`, nothing.
+        """
+        self._require_open("watch_layers")
+        watch = LayerWatch(layers, stats, every, nonfinite, self.config.group)
+        if self._signals is not None:
+            self._windows.drain(block=True)  # the windows in flight were laid out without the layers
+            self._signals.watch_layers(model, watch)
 
     def checkpoint_saved(self, step: int) -> None:
         """Mark the checkpoint of `step` as durable (written and committed): for goodput, the

@@ -2,11 +2,11 @@
 
 Step time, data wait, tokens and samples with their rates, model FLOPs, learning rate, peak memory;
 and for health: phases, the sync wait and straggler scores, the non-finite sentinel and spike scores, memory
-health, goodput and GPU health (NVML). Adding a signal is one module and its test, and a line in
-`builtin_signals`. docs/signals.md lists every name, unit and cost. Hangs are not a window's
-signal (a hang stops the windows): `torchtelemetry.run` watches them; `_hang` holds the names of
-the hang report and the phase labels the heartbeat reserves. `_captures` carries the run's capture
-orders and outcomes in the window.
+health, goodput, GPU health (NVML), and per layer (`watch_layers`) the norms and where a NaN was
+born. Adding a signal is one module and its test, and a line in `builtin_signals`. docs/signals.md
+lists every name, unit and cost. Hangs are not a window's signal (a hang stops the windows):
+`torchtelemetry.run` watches them; `_hang` holds the names of the hang report and the phase labels
+the heartbeat reserves. `_captures` carries the run's capture orders and outcomes in the window.
 """
 
 from __future__ import annotations
@@ -61,6 +61,15 @@ from torchtelemetry.report.signals._hang import (
     HANG_DESCRIPTORS,
     HEARTBEAT_LABELS,
     UNKNOWN_PHASE,
+)
+from torchtelemetry.report.signals._layer_model import ROOT_LAYER, copies
+from torchtelemetry.report.signals._layers import (
+    DEFAULT_LAYER_STATS,
+    DEFAULT_MAX_LAYER_SERIES,
+    LAYER_STATS,
+    LayerState,
+    LayerStatistics,
+    LayerWatch,
 )
 from torchtelemetry.report.signals._learning_rate import LearningRate
 from torchtelemetry.report.signals._memory_health import MemoryHealth, memory_descriptors, resident_bytes
@@ -168,6 +177,14 @@ __all__ = [
     "DEFAULT_SPIKE_WINDOWS",
     "DEFAULT_TOP_K",
     "Count",
+    "DEFAULT_LAYER_STATS",
+    "DEFAULT_MAX_LAYER_SERIES",
+    "LAYER_STATS",
+    "LayerState",
+    "LayerStatistics",
+    "LayerWatch",
+    "ROOT_LAYER",
+    "copies",
     "DataWait",
     "LearningRate",
     "ModelFlopsSignal",

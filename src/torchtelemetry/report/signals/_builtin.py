@@ -16,6 +16,7 @@ from torchtelemetry.report.signals._captures import CAPTURE_DESCRIPTORS, Capture
 from torchtelemetry.report.signals._data_wait import DataWait
 from torchtelemetry.report.signals._goodput import Goodput, GoodputSource
 from torchtelemetry.report.signals._hang import HANG_DESCRIPTORS
+from torchtelemetry.report.signals._layers import DEFAULT_MAX_LAYER_SERIES, LayerStatistics
 from torchtelemetry.report.signals._learning_rate import LearningRate
 from torchtelemetry.report.signals._memory_health import MemoryHealth
 from torchtelemetry.report.signals._nonfinite import NonFiniteSentinel, watched_metrics
@@ -63,6 +64,8 @@ def builtin_signals(
     traces: TraceSink | None = None,
     timeline: SectionLog = NO_SECTIONS,
     captures: CaptureSource | None = None,
+    every: int = 10,
+    max_layer_series: int = DEFAULT_MAX_LAYER_SERIES,
 ) -> list[Signal]:
     """Every built-in signal of one `Telemetry` (its `TelemetryConfig` fields of the same names;
     `leaves` are the user's metrics, `flops` from `ModelFlops.resolve`, `goodput` the run's goodput
@@ -89,6 +92,7 @@ def builtin_signals(
         Spikes(context, tuple(watched), sigma=spike_sigma, windows=spike_windows),
         MemoryHealth(context, allocator),
         Goodput(context, goodput),
+        LayerStatistics(context, every=every, max_layer_series=max_layer_series),
     ]
     if flops is not None:
         signals.insert(4, ModelFlopsSignal(context, flops))
