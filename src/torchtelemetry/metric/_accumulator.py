@@ -234,6 +234,8 @@ class MetricAccumulator:
         """Entry `index`'s offset in the staged buffer (None for a slice or an index out of range:
         indexing the state says what is wrong)."""
         shape, offset, stride = self._local.shape, self._at, 1
+        if type(index) is int and len(shape) == 1:  # an entry of a vector (a signal's per-path state)
+            return offset + index % shape[0] if -shape[0] <= index < shape[0] else None
         indices = index if isinstance(index, tuple) else (index,)
         if len(indices) != len(shape):
             return None

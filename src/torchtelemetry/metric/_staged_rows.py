@@ -1,113 +1,166 @@
-"""`StagedRows`: the staged entries of one buffer, their operands kept by position until a flush
-gathers them into float64 rows on the buffer's device."""
+"""`StagedRows`: the staged entries of one buffer, their operands kept in order until a flush
+gathers them into a float64 block on the buffer's device."""
 
 from __future__ import annotations
 
 import array
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 __all__ = ["StagedRows"]
 
-CACHED_SIZES = 64
-"""Row tensors kept per size (distinct numbers of updates staged between flushes)."""
+CACHED = 64
+"""Blocks (one per number of entries) and plans (one per pattern of entries) kept per rows."""
 _STAGED = torch.float64
 
 
 class StagedRows:
-    """Entries staged for one buffer: each its offset in the buffer and one operand per row (`count`
-    rows), a Python number (kept on the host) or a 0-d tensor (copied at the flush: one
-    `_foreach_copy_` per dtype into its float64 slot)."""
+    """Entries staged for one buffer: each a mark (an int the caller gives: where it goes) and
+    `count` operands, each a Python number (kept on the host) or a 0-d tensor (copied at the flush:
+    one `_foreach_copy_` per dtype into its float64 slot). The operands of n entries fill an
+    (n, count) float64 block in the order they came.
+
+    A step stages the same entries every time, so what a flush needs beyond the operands (which
+    slots each dtype's tensors go to, and what the caller's `prepare` makes of the marks: index
+    tensors) is a plan made once per pattern of marks and operand kinds and kept."""
+
+    __slots__ = (
+        "_blocks",
+        "_by_dtype",
+        "_plans",
+        "count",
+        "device",
+        "kinds",
+        "marks",
+        "operands",
+        "tensors",
+        "versions",
+    )
 
     def __init__(self, count: int, device: torch.device) -> None:
         self.count = count
         self.device = device
-        self.offsets: list[int] = []
-        """Each entry's offset in the buffer."""
-        self._host: list[list[Any]] = [[] for _ in range(count)]
-        self._first = self._host[0]
-        self._numbers = False
-        self._tensors: dict[torch.dtype, tuple[list[int], list[torch.Tensor]]] = {}
-        self.versions: list[tuple[torch.Tensor, int, int]] = []
-        """(tensor, its version when staged, position): a tensor changed in place since is caught."""
-        self._buffers: dict[int, tuple[tuple[torch.Tensor, ...], torch.Tensor, Any, list[torch.Tensor]]] = {}
+        self.marks: list[int] = []
+        """Each entry's mark."""
+        self.kinds: list[torch.dtype | None] = []
+        """Each operand's kind, in order: None for a number, else the tensor's dtype."""
+        self.operands: list[Any] = []
+        """Each operand, in order: the number, or 0.0 where a tensor is copied."""
+        self.tensors: list[torch.Tensor] = []
+        self.versions: list[int] = []
+        """Each staged tensor's version when staged: one changed in place since is caught."""
+        self._by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        self._blocks: dict[int, tuple[torch.Tensor, Any, list[torch.Tensor]]] = {}
+        self._plans: dict[tuple[tuple[int, ...], tuple[torch.dtype | None, ...]], tuple[Any, ...]] = {}
 
-    def add(self, offset: int, first: Any, second: Any = None) -> None:
-        """Stage an entry at buffer `offset`: `first` in row 0 and (two rows) `second` in row 1."""
-        position = len(self.offsets)
-        self.offsets.append(offset)
+    def add(self, mark: int, operand: Any) -> None:
+        """Stage an entry of one operand (`count` 1)."""
+        self.marks.append(mark)
+        kind = type(operand)
+        if kind is float or kind is int:
+            self.kinds.append(None)
+            self.operands.append(operand)
+        else:
+            self._tensor(operand)
+
+    def add_pair(self, mark: int, first: Any, second: Any) -> None:
+        """Stage an entry of two operands (`count` 2)."""
+        self.marks.append(mark)
+        kinds, operands = self.kinds, self.operands
         kind = type(first)
         if kind is float or kind is int:
-            self._first.append(first)
-            self._numbers = True
+            kinds.append(None)
+            operands.append(first)
         else:
-            self._first.append(0.0)
-            self._tensor(first, position)
-        if self.count == 1:
-            return
+            self._tensor(first)
         kind = type(second)
         if kind is float or kind is int:
-            self._host[1].append(second)
-            self._numbers = True
+            kinds.append(None)
+            operands.append(second)
         else:
-            self._host[1].append(0.0)
-            self._tensor(second, 1 << 32 | position)
+            self._tensor(second)
 
-    def _tensor(self, operand: torch.Tensor, slot: int) -> None:
-        group = self._tensors.get(operand.dtype)
+    def _tensor(self, operand: torch.Tensor) -> None:
+        dtype = operand.dtype
+        self.kinds.append(dtype)
+        self.operands.append(0.0)
+        group = self._by_dtype.get(dtype)
         if group is None:
-            group = self._tensors[operand.dtype] = ([], [])
-        group[0].append(slot)
-        group[1].append(operand)
-        self.versions.append((operand, operand._version, slot & 0xFFFFFFFF))
-
-    def __len__(self) -> int:
-        return len(self.offsets)
+            group = self._by_dtype[dtype] = []
+        group.append(operand)
+        self.tensors.append(operand)
+        self.versions.append(operand._version)
 
     def changed(self) -> list[int]:
-        """Offsets of the entries whose staged tensor was modified in place since it was staged."""
-        return [
-            self.offsets[position]
-            for tensor, version, position in self.versions
-            if tensor._version != version
-        ]
+        """Marks of the entries whose staged tensor was modified in place since it was staged."""
+        if [tensor._version for tensor in self.tensors] == self.versions:
+            return []
+        changed, tensor = [], 0
+        for position, kind in enumerate(self.kinds):
+            if kind is not None:
+                if self.tensors[tensor]._version != self.versions[tensor]:
+                    changed.append(self.marks[position // self.count])
+                tensor += 1
+        return changed
 
-    def gather(self) -> tuple[torch.Tensor, ...]:
-        """The staged operands as float64 tensors of n entries on the device, one per row."""
-        n = len(self.offsets)
-        rows, flat, host, views = self._buffer(n)
-        if self._numbers:
-            numbers = array.array("d", self._first if self.count == 1 else self._first + self._host[1])
+    def gather(self, prepare: Callable[[list[int]], Any]) -> tuple[tuple[torch.Tensor, ...], Any]:
+        """The staged operands as float64 columns of n entries on the device (one per operand of an
+        entry), and what `prepare(marks)` made of this pattern's marks (kept with its plan)."""
+        key = (tuple(self.marks), tuple(self.kinds))
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plan(key, prepare)
+        columns, flat, host, views, prepared = plan
+        operands = self.operands
+        if len(self.tensors) != len(operands):  # numbers among them
+            numbers = array.array("d", operands)
             if host is not None:  # the CPU: the tensor is this host memory
                 host[:] = numbers
             else:  # one copy, from pinned memory on CUDA (the caching host allocator keeps it until done)
                 staged = torch.frombuffer(numbers, dtype=_STAGED)
                 flat.copy_(staged.pin_memory() if self.device.type == "cuda" else staged, non_blocking=True)
-        for slots, operands in self._tensors.values():
-            torch._foreach_copy_([views[(slot >> 32) * n + (slot & 0xFFFFFFFF)] for slot in slots], operands)
-        return rows
+        for dtype, tensors in self._by_dtype.items():
+            torch._foreach_copy_(views[dtype], tensors)
+        return columns, prepared
 
-    def _buffer(self, n: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor, Any, list[torch.Tensor]]:
-        """The rows for `n` positions (views of one flat tensor), that tensor, (on the CPU) the host
-        array it lives in and a 0-d view of every slot; made once per size."""
-        found = self._buffers.get(n)
+    def _plan(
+        self, key: tuple[tuple[int, ...], tuple[torch.dtype | None, ...]], prepare: Callable[[list[int]], Any]
+    ) -> tuple[Any, ...]:
+        marks, kinds = key
+        flat, host, slots = self._block(len(marks))
+        views: dict[torch.dtype, list[torch.Tensor]] = {}
+        for slot, kind in enumerate(kinds):
+            if kind is not None:
+                views.setdefault(kind, []).append(slots[slot])
+        columns = tuple(flat.view(len(marks), self.count).unbind(1))
+        plan = (columns, flat, host, views, prepare(list(marks)))
+        if len(self._plans) >= CACHED:
+            del self._plans[next(iter(self._plans))]
+        self._plans[key] = plan
+        return plan
+
+    def _block(self, n: int) -> tuple[torch.Tensor, Any, list[torch.Tensor]]:
+        """The flat float64 tensor of n entries, (on the CPU) the host array it lives in, and a 0-d
+        view of every slot; made once per size."""
+        found = self._blocks.get(n)
         if found is None:
             if self.device.type == "cpu":
                 host: Any = array.array("d", bytes(8 * self.count * n))
                 flat = torch.frombuffer(host, dtype=_STAGED)
             else:
                 host, flat = None, torch.zeros(self.count * n, dtype=_STAGED, device=self.device)
-            found = (tuple(flat.split(n)), flat, host, list(flat.unbind(0)))
-            if len(self._buffers) >= CACHED_SIZES:
-                del self._buffers[next(iter(self._buffers))]
-            self._buffers[n] = found
+            found = (flat, host, list(flat.unbind(0)))
+            if len(self._blocks) >= CACHED:
+                del self._blocks[next(iter(self._blocks))]
+            self._blocks[n] = found
         return found
 
     def clear(self) -> None:
-        self.offsets.clear()
-        for row in self._host:
-            row.clear()
-        self._numbers = False
-        self._tensors.clear()
+        self.marks.clear()
+        self.kinds.clear()
+        self.operands.clear()
+        self.tensors.clear()
         self.versions.clear()
+        self._by_dtype.clear()

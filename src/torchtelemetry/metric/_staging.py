@@ -40,8 +40,6 @@ COUNTED_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.
 """Dtypes of the 0-d tensors whose non-finite count is staged (the others are counted at once)."""
 MAX_STAGED = 4096
 """Entries staged before a flush runs at once (a loop that never calls `Telemetry.step()`)."""
-_CACHED = 64
-"""Index tensors and row buffers kept per stage (distinct update patterns, distinct sizes)."""
 _STAGED = torch.float64
 _is_compiling = torch.compiler.is_compiling
 
@@ -55,21 +53,14 @@ class StagePart:
         """`UpdateStage.accepts` of the stage."""
         self.buffer = buffer
         self._names = sorted(names)
-        self._constants: dict[tuple[torch.dtype, tuple[int, ...]], torch.Tensor] = {}
 
-    def constant(self, values: tuple[int, ...], dtype: torch.dtype = torch.int64) -> torch.Tensor:
-        """`values` as a tensor on the buffer's device, made once per pattern of updates (a
-        non-blocking copy, from pinned memory on CUDA) and kept."""
-        found = self._constants.get((dtype, values))
-        if found is None:
-            host = torch.tensor(values, dtype=dtype)
-            if self.buffer.device.type == "cuda":
-                host = host.pin_memory()
-            found = host.to(self.buffer.device, non_blocking=True)
-            if len(self._constants) >= _CACHED:
-                del self._constants[next(iter(self._constants))]
-            self._constants[dtype, values] = found
-        return found
+    def constant(self, values: list[int] | list[bool], dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        """`values` as a tensor on the buffer's device (a non-blocking copy, from pinned memory on
+        CUDA): made once per pattern of updates, kept with its plan (`StagedRows.gather`)."""
+        host = torch.tensor(values, dtype=dtype)
+        if self.buffer.device.type == "cuda":
+            host = host.pin_memory()
+        return host.to(self.buffer.device, non_blocking=True)
 
     def name(self, offset: int) -> str:
         """The state holding buffer entry `offset`."""
@@ -78,17 +69,19 @@ class StagePart:
 
     def flush(self) -> None:
         """Apply what is staged here (see `UpdateStage.flush`)."""
-        if not self.pending:
+        pending = self.pending
+        if not pending:
             return
-        self.stage.check_thread(self.pending)
+        self.stage.check_thread(pending)
         try:
-            changed = sorted({self.name(offset) for offset in self.changed()})
+            changed = self.changed()
             if changed:
                 raise RuntimeError(
-                    f"metric states {changed}: a tensor given to update() was modified in place before "
-                    "the update was applied (at the next Telemetry.step() or read of the state), so the "
-                    "value it had is gone and the updates staged with it are dropped; pass a tensor "
-                    "nothing writes to afterwards (e.g. value.clone(), or the result of an operation)"
+                    f"metric states {sorted({self.name(offset) for offset in changed})}: a tensor given to "
+                    "update() was modified in place before the update was applied (at the next "
+                    "Telemetry.step() or read of the state), so the value it had is gone and the updates "
+                    "staged with it are dropped; pass a tensor nothing writes to afterwards (e.g. "
+                    "value.clone(), or the result of an operation)"
                 )
             self.apply()
         finally:
@@ -120,51 +113,53 @@ class StagePart:
 
 class _Sums(StagePart):
     """Sums: rows (value, factor) added as value x factor at their offsets by one `index_add_`.
-    A non-finite count stages its value with factor 0: x * 0 is NaN exactly when x is not finite."""
+    A non-finite count stages its value with factor 0 (x * 0 is NaN exactly when x is not finite),
+    marked by its offset's complement (`~offset`, negative)."""
 
     def __init__(self, stage: UpdateStage, buffer: torch.Tensor, names: list[tuple[int, str]]) -> None:
         super().__init__(stage, buffer, names)
         self._rows = StagedRows(2, buffer.device)
-        self._counted: list[int] = []
-        """Positions of the non-finite counts."""
 
     def fold(self, offset: int, value: torch.Tensor | float, op: ReduceOp) -> None:
         rows = self._rows
-        rows.add(offset, value, 1.0)
-        if len(rows) >= MAX_STAGED:
+        rows.add_pair(offset, value, 1.0)
+        if len(rows.marks) >= MAX_STAGED:
             self.flush()
 
     def add_product(self, offset: int, value: torch.Tensor | float, weight: torch.Tensor | float) -> None:
         rows = self._rows
-        rows.add(offset, value, weight)
-        if len(rows) >= MAX_STAGED:
+        rows.add_pair(offset, value, weight)
+        if len(rows.marks) >= MAX_STAGED:
             self.flush()
 
     def count_nonfinite(self, offset: int, value: torch.Tensor) -> None:
-        self._counted.append(len(self._rows))
-        self.add_product(offset, value, 0.0)
+        rows = self._rows
+        rows.add_pair(~offset, value, 0.0)
+        if len(rows.marks) >= MAX_STAGED:
+            self.flush()
 
     @property
     def pending(self) -> int:
-        return len(self._rows)
+        return len(self._rows.marks)
 
     def changed(self) -> list[int]:
-        return self._rows.changed()
+        return [mark if mark >= 0 else ~mark for mark in self._rows.changed()]
 
     def apply(self) -> None:
-        values, factors = self._rows.gather()
+        (values, factors), (offsets, counted) = self._rows.gather(self._prepare)
         added = values * factors
-        if self._counted:
-            flags = [False] * len(self._rows)
-            for position in self._counted:
-                flags[position] = True
-            counted = self.constant(tuple(flags), torch.bool)
+        if counted is not None:
             added = torch.where(counted, added.ne(added), added)
-        self.buffer.index_add_(0, self.constant(tuple(self._rows.offsets)), added)
+        self.buffer.index_add_(0, offsets, added)
+
+    def _prepare(self, marks: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The offsets of a pattern of entries, and which of them are non-finite counts (None: none)."""
+        counted = [mark < 0 for mark in marks]
+        offsets = self.constant([mark if mark >= 0 else ~mark for mark in marks])
+        return offsets, self.constant(counted, torch.bool) if any(counted) else None
 
     def clear(self) -> None:
         self._rows.clear()
-        self._counted.clear()
 
 
 class _Extrema(StagePart):
@@ -179,21 +174,21 @@ class _Extrema(StagePart):
     def fold(self, offset: int, value: torch.Tensor | float, op: ReduceOp) -> None:
         rows = self._minima if op is ReduceOp.MIN else self._maxima
         rows.add(offset, value)
-        if len(rows) >= MAX_STAGED:
+        if len(rows.marks) >= MAX_STAGED:
             self.flush()
 
     @property
     def pending(self) -> int:
-        return len(self._maxima) + len(self._minima)
+        return len(self._maxima.marks) + len(self._minima.marks)
 
     def changed(self) -> list[int]:
         return self._maxima.changed() + self._minima.changed()
 
     def apply(self) -> None:
         for reduce, rows in (("amax", self._maxima), ("amin", self._minima)):
-            if len(rows):
-                (values,) = rows.gather()
-                self.buffer.scatter_reduce_(0, self.constant(tuple(rows.offsets)), values, reduce)
+            if rows.marks:
+                (values,), offsets = rows.gather(self.constant)
+                self.buffer.scatter_reduce_(0, offsets, values, reduce)
 
     def clear(self) -> None:
         self._maxima.clear()

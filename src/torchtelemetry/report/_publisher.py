@@ -126,6 +126,8 @@ class WindowPublisher:
 
     def release(self) -> None:
         """No more values will be logged at the steps of the collections in flight: they may be submitted."""
+        if not self._in_flight:  # every step between windows; only this thread adds to it
+            return
         with self._lock:
             for window in self._in_flight:
                 if not window.released.is_set():  # set() takes the event's lock: every step, otherwise

@@ -37,6 +37,9 @@ class LearningRate(Signal):
 
     def check(self, keyword: str, value: Any) -> None:
         """A real number, or a 0-d CPU tensor of one (a device tensor would be read with a host sync)."""
+        kind = type(value)
+        if kind is float or kind is int:  # the common case, first
+            return
         if isinstance(value, torch.Tensor):
             if value.dim() == 0 and value.is_cpu and not (value.is_complex() or value.dtype is torch.bool):
                 return

@@ -37,8 +37,10 @@ class SignalSet:
         self._by_keyword = {keyword: signal for signal in self.signals for keyword in signal.keywords}
         self._timers = dict(timers)
         self._flush_order = sorted(self.signals, key=lambda signal: signal.flush_reads_state)
-        self._stepped = [signal for signal in self.signals if type(signal).on_step is not Signal.on_step]
-        """The signals that take note of every step (the others' `on_step` does nothing)."""
+        self._on_step = [
+            signal.on_step for signal in self.signals if type(signal).on_step is not Signal.on_step
+        ]
+        """The `on_step` of the signals that take note of every step (the others' does nothing)."""
 
     @property
     def keywords(self) -> frozenset[str]:
@@ -62,18 +64,22 @@ class SignalSet:
     def record_step(self, step: int, step_time: float | None, inputs: Mapping[str, Any]) -> None:
         """One step ended with `inputs` (keyword -> value, None for not given): every value is
         checked before any is recorded, so a bad one leaves the step unrecorded."""
-        given = {keyword: value for keyword, value in inputs.items() if value is not None}
-        if not given.keys() <= self._by_keyword.keys():
-            unknown = sorted(given.keys() - self._by_keyword.keys())
+        routed = [
+            (keyword, value, self._by_keyword.get(keyword))
+            for keyword, value in inputs.items()
+            if value is not None
+        ]
+        if any(signal is None for _, _, signal in routed):
+            unknown = sorted(keyword for keyword, _, signal in routed if signal is None)
             raise TypeError(
                 f"Telemetry.step: no signal takes {unknown} (signals take {sorted(self._by_keyword)})"
             )
-        for keyword, value in given.items():
-            self._by_keyword[keyword].check(keyword, value)
-        for keyword, value in given.items():
-            self._by_keyword[keyword].record(keyword, value)
-        for signal in self._stepped:
-            signal.on_step(step, step_time)
+        for keyword, value, signal in routed:
+            signal.check(keyword, value)
+        for keyword, value, signal in routed:
+            signal.record(keyword, value)
+        for on_step in self._on_step:
+            on_step(step, step_time)
 
     def data_wait_timer(self) -> PhaseTimer | HostTimer:
         """The timer of the data wait (the phase "data")."""

@@ -123,6 +123,9 @@ def check_count(name: str, value: Any) -> None:
     Tensors are read on the CPU only (on an accelerator the check would cost a host sync per step),
     as `SumMetric(kind="counter")` does.
     """
+    kind = type(value)
+    if (kind is int or kind is float) and math.isfinite(value) and value >= 0:  # the common case, first
+        return
     keyword = name.rsplit("/", 1)[1]
     if isinstance(value, torch.Tensor):
         if value.is_complex() or value.dtype == torch.bool:
