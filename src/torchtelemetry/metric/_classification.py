@@ -19,20 +19,21 @@ class _LabelledMetric(Metric):
     num_classes: int | None
     ignore_index: int | None
 
-    def _labels(self, target: Any) -> torch.Tensor:
-        """Integer class labels as int64 (a uint8 label times the class count must not wrap)."""
-        target = self._as_tensor(target, "target")
+    def _labels(self, target: Any, device: torch.device) -> torch.Tensor:
+        """Integer class labels as int64 (a uint8 label times the class count must not wrap), on
+        `device` (the metric's)."""
+        if type(target) is torch.Tensor and target.dtype is torch.int64 and target.device == device:
+            return target  # the common case: int64 labels on the device (outside autograd, as integers are)
+        target = self._as_tensor(target, "target", device)
         if target.is_floating_point() or target.dtype == torch.bool:
             raise TypeError(
                 f"{self.display_name()}: target must hold integer class labels, got dtype {target.dtype}"
             )
         return target.long()
 
-    def _num_classes(self, preds: torch.Tensor) -> int | None:
-        return preds.shape[-1] if preds.is_floating_point() else self.num_classes
-
-    def _check_preds(self, preds: torch.Tensor, target: torch.Tensor) -> None:
-        if preds.is_floating_point():
+    def _check_preds(self, preds: torch.Tensor, target: torch.Tensor, logits: bool) -> None:
+        """`logits`: whether `preds` are floating point (logits or probabilities), else labels."""
+        if logits:
             if preds.dim() != target.dim() + 1 or preds.shape[:-1] != target.shape:
                 raise ValueError(
                     f"{self.display_name()}: logits have shape {tuple(preds.shape)}, expected "
@@ -49,11 +50,11 @@ class _LabelledMetric(Metric):
                 f"{preds.dtype}, expected integer labels of the target's shape {tuple(target.shape)}"
             )
 
-    def _begin_labelled(self, preds: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _begin_labelled(self, preds: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The prologue with nan_policy on logits: "error" raises on NaN or Inf; "ignore" gives the
         samples whose logits are all finite (the others are skipped); "propagate" gives None (they
         count as argmax / top-k rank them: NaN above everything)."""
-        preds, mask = self._begin_update(preds, "preds")
+        preds, mask = self._begin_update(preds, "preds", device)
         return preds, None if mask is None else mask.all(dim=-1)
 
     def _valid(self, target: torch.Tensor, num_classes: int | None) -> torch.Tensor | None:
@@ -68,8 +69,8 @@ class _LabelledMetric(Metric):
             if not target.numel():
                 return valid
             labels = target if valid is None else torch.where(valid, target, 0)
-            low, high = (bound.tolist() for bound in torch.aminmax(labels))
-            if low < 0 or high >= num_classes:
+            low, high = torch.aminmax(labels)
+            if low.tolist() < 0 or high.tolist() >= num_classes:
                 raise ValueError(
                     f"{self.display_name()}: target has labels outside [0, {num_classes}); "
                     "set ignore_index for labels to skip"
@@ -140,19 +141,21 @@ class AccuracyMetric(_LabelledMetric):
 
     def update(self, preds: Any, target: Any) -> None:
         """Count correct predictions; `preds` are logits/probabilities or integer labels."""
-        preds, finite = self._begin_labelled(preds)
-        target = self._labels(target)
-        self._check_preds(preds, target)
-        num_classes = self._num_classes(preds)
-        if preds.is_floating_point():
-            if self.top_k > preds.shape[-1]:
-                raise ValueError(
-                    f"{self.display_name()}: top_k={self.top_k} exceeds the {preds.shape[-1]} classes"
-                )
-            hit = _in_top_k(preds, target, self.top_k)
+        device = self.device
+        preds, finite = self._begin_labelled(preds, device)
+        target = self._labels(target, device)
+        logits = preds.is_floating_point()
+        self._check_preds(preds, target, logits)
+        if logits:
+            classes = preds.shape[-1]
+            if self.top_k > classes:
+                raise ValueError(f"{self.display_name()}: top_k={self.top_k} exceeds the {classes} classes")
+            hit = preds.argmax(dim=-1) == target if self.top_k == 1 else _in_top_k(preds, target, self.top_k)
+            num_classes: int | None = classes
         elif self.top_k != 1:
             raise ValueError(f"{self.display_name()}: top_k={self.top_k} needs logits, got labels")
         else:
+            num_classes = self.num_classes
             hit = preds == target
         valid = self._valid(target, num_classes)
         if finite is not None:
@@ -223,10 +226,12 @@ class ConfusionMatrixMetric(_LabelledMetric):
 
     def update(self, preds: Any, target: Any) -> None:
         """Count (target, prediction) pairs; `preds` are logits or integer labels."""
-        preds, finite = self._begin_labelled(preds)
-        target = self._labels(target)
-        self._check_preds(preds, target)
-        labels = preds.argmax(dim=-1) if preds.is_floating_point() else preds.long()
+        device = self.device
+        preds, finite = self._begin_labelled(preds, device)
+        target = self._labels(target, device)
+        logits = preds.is_floating_point()
+        self._check_preds(preds, target, logits)
+        labels = preds.argmax(dim=-1) if logits else preds.long()
         valid = self._valid(target, self.num_classes)
         if finite is not None:
             valid = finite if valid is None else valid & finite
@@ -267,11 +272,9 @@ def _safe_ratio(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Ten
 
 
 def _in_top_k(logits: torch.Tensor, target: torch.Tensor, k: int) -> torch.Tensor:
-    """Whether each target is among the `k` highest logits; ties go to the lower class index and
-    NaN ranks above every number (`argmax`'s order, which gives top-1). Targets outside `[0, C)`
+    """Whether each target is among the `k` (> 1) highest logits; ties go to the lower class index
+    and NaN ranks above every number (`argmax`'s order, which gives top-1). Targets outside `[0, C)`
     give an arbitrary answer: the caller masks them."""
-    if k == 1:
-        return logits.argmax(dim=-1) == target
     index = target.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)
     own = logits.gather(-1, index)
     nan, own_nan = logits.isnan(), own.isnan()

@@ -59,7 +59,8 @@ _INTEGRAL = frozenset(dtype for dtype in READY_DTYPES if not dtype.is_floating_p
 """Ready dtypes no tensor of which can require a gradient."""
 _TENSOR = torch.Tensor
 _is_dynamo_compiling = torch.compiler.is_dynamo_compiling
-"""Bound once: `_ready_scalars` pays one global read for each."""
+_is_compiling = torch.compiler.is_compiling
+"""Bound once: a prologue pays one global read for each."""
 
 
 def nonfinite_count(value: torch.Tensor) -> torch.Tensor:
@@ -96,7 +97,7 @@ class UpdateInputs:
         self, value: Any, what: str = "value", device: torch.device | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The prologue of a built-in `update()`: the thread check, then `_input(value)`."""
-        if not torch.compiler.is_dynamo_compiling() and threading.get_ident() != self._thread:
+        if not _is_dynamo_compiling() and threading.get_ident() != self._thread:
             self._check_thread()
         return self._input(value, what, device)
 
@@ -163,12 +164,13 @@ class UpdateInputs:
                 "or torn); build the metric on the thread that updates it"
             )
 
-    def _check_into_state(self, tensor: torch.Tensor, state: MetricAccumulator, what: str) -> None:
-        """Raise if floating point `tensor` would be added to an integer state (it cannot hold it)."""
-        if tensor.is_floating_point() and not state.dtype.is_floating_point:
+    def _check_into_state(self, tensor: torch.Tensor, dtype: torch.dtype, what: str) -> None:
+        """Raise if floating point `tensor` would be added to a state of integer `dtype` (it cannot
+        hold it)."""
+        if not dtype.is_floating_point and tensor.is_floating_point():
             raise TypeError(
                 f"{self.display_name()}: {what} has dtype {tensor.dtype}, but the metric's state is "
-                f"{state.dtype}; pass integers, or build the metric with a floating point dtype="
+                f"{dtype}; pass integers, or build the metric with a floating point dtype="
             )
 
     def _batch_sum(
@@ -181,9 +183,9 @@ class UpdateInputs:
         where values may be read: on CPU, or under nan_policy="error"); nothing is changed.
         """
         dtype = state.dtype
-        self._check_into_state(value, state, "value")
+        self._check_into_state(value, dtype, "value")
         if weight is not None:
-            self._check_into_state(weight, state, "weight")
+            self._check_into_state(weight, dtype, "weight")
             batch = (value.to(dtype) * weight.to(dtype)).sum()
         elif value.dim() == 0:
             batch = value  # added into the state in its dtype: a 0-d operand takes the state's
@@ -281,9 +283,7 @@ class UpdateInputs:
 
     def _inspects_values(self, tensor: torch.Tensor) -> bool:
         """Whether value checks may read tensor data: never a device sync, never in a compiled graph."""
-        if torch.compiler.is_compiling():
-            return False
-        return self.nan_policy == "error" or tensor.is_cpu
+        return (self.nan_policy == "error" or tensor.is_cpu) and not _is_compiling()
 
     def _check_finite(self, tensor: torch.Tensor, what: str) -> None:
         """Under nan_policy="error", raise on NaN or Inf (a host sync on accelerators)."""

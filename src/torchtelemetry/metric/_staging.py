@@ -21,6 +21,7 @@ tensor is read at the flush: modified in place in between, the flush raises nami
 from __future__ import annotations
 
 import bisect
+import math
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -54,7 +55,7 @@ class StagePart:
         self.buffer = buffer
         self._names = sorted(names)
 
-    def constant(self, values: list[int] | list[bool], dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    def constant(self, values: list[int] | list[float], dtype: torch.dtype = torch.int64) -> torch.Tensor:
         """`values` as a tensor on the buffer's device (a non-blocking copy, from pinned memory on
         CUDA): made once per pattern of updates, kept with its plan (`StagedRows.gather`)."""
         host = torch.tensor(values, dtype=dtype)
@@ -148,15 +149,17 @@ class _Sums(StagePart):
     def apply(self) -> None:
         (values, factors), (offsets, counted) = self._rows.gather(self._prepare)
         added = values * factors
-        if counted is not None:
-            added = torch.where(counted, added.ne(added), added)
+        if counted is not None:  # a count's 0 or NaN -> 0 or 1; NaN stays NaN elsewhere
+            added = torch.where(added.isnan(), counted, added)
         self.buffer.index_add_(0, offsets, added)
 
     def _prepare(self, marks: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The offsets of a pattern of entries, and which of them are non-finite counts (None: none)."""
-        counted = [mark < 0 for mark in marks]
+        """The offsets of a pattern of entries, and (None: no non-finite count among them) what a
+        NaN product becomes in each: 1 in a count, NaN elsewhere."""
         offsets = self.constant([mark if mark >= 0 else ~mark for mark in marks])
-        return offsets, self.constant(counted, torch.bool) if any(counted) else None
+        if all(mark >= 0 for mark in marks):
+            return offsets, None
+        return offsets, self.constant([1.0 if mark < 0 else math.nan for mark in marks], _STAGED)
 
     def clear(self) -> None:
         self._rows.clear()
