@@ -193,7 +193,12 @@ class MetricAccumulator:
         if self.reduce_op is not ReduceOp.SUM:
             raise TypeError(f"add_product needs a SUM accumulator, got {self.reduce_op.name}")
         stage = self._stage
-        if stage is not None and self._scalar and stage.accepts(value) and stage.accepts(weight):
+        if (
+            stage is not None
+            and self._scalar
+            and stage.accepts(value)
+            and ((kind := type(weight)) is float or kind is int or stage.accepts(weight))
+        ):  # a number is staged whenever a tensor is
             stage.add_product(self._at, value, weight)
             return
         local = self._writable()

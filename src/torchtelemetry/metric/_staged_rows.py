@@ -26,28 +26,15 @@ class StagedRows:
     slots each dtype's tensors go to, and what the caller's `prepare` makes of the marks: index
     tensors) is a plan made once per pattern of marks and operand kinds and kept."""
 
-    __slots__ = (
-        "_blocks",
-        "_by_dtype",
-        "_plans",
-        "count",
-        "device",
-        "kinds",
-        "marks",
-        "operands",
-        "tensors",
-        "versions",
-    )
+    __slots__ = ("_blocks", "_by_dtype", "_plans", "count", "device", "marks", "slots", "tensors", "versions")
 
     def __init__(self, count: int, device: torch.device) -> None:
         self.count = count
         self.device = device
         self.marks: list[int] = []
         """Each entry's mark."""
-        self.kinds: list[torch.dtype | None] = []
-        """Each operand's kind, in order: None for a number, else the tensor's dtype."""
-        self.operands: list[Any] = []
-        """Each operand, in order: the number, or 0.0 where a tensor is copied."""
+        self.slots: list[Any] = []
+        """Each operand's kind and value, in order: (None, the number) or (the tensor's dtype, 0.0)."""
         self.tensors: list[torch.Tensor] = []
         self.versions: list[int] = []
         """Each staged tensor's version when staged: one changed in place since is caught."""
@@ -55,37 +42,38 @@ class StagedRows:
         self._blocks: dict[int, tuple[torch.Tensor, Any, list[torch.Tensor]]] = {}
         self._plans: dict[tuple[tuple[int, ...], tuple[torch.dtype | None, ...]], tuple[Any, ...]] = {}
 
-    def add(self, mark: int, operand: Any) -> None:
-        """Stage an entry of one operand (`count` 1)."""
-        self.marks.append(mark)
+    def add(self, mark: int, operand: Any) -> int:
+        """Stage an entry of one operand (`count` 1); returns the entries staged."""
+        marks = self.marks
+        marks.append(mark)
         kind = type(operand)
         if kind is float or kind is int:
-            self.kinds.append(None)
-            self.operands.append(operand)
+            self.slots.extend((None, operand))
         else:
             self._tensor(operand)
+        return len(marks)
 
-    def add_pair(self, mark: int, first: Any, second: Any) -> None:
-        """Stage an entry of two operands (`count` 2)."""
-        self.marks.append(mark)
-        kinds, operands = self.kinds, self.operands
-        kind = type(first)
+    def add_pair(self, mark: int, first: Any, second: Any) -> int:
+        """Stage an entry of two operands (`count` 2); returns the entries staged."""
+        marks = self.marks
+        marks.append(mark)
+        kind, other = type(first), type(second)
+        if (kind is float or kind is int) and (other is float or other is int):
+            self.slots.extend((None, first, None, second))
+            return len(marks)
         if kind is float or kind is int:
-            kinds.append(None)
-            operands.append(first)
+            self.slots.extend((None, first))
         else:
             self._tensor(first)
-        kind = type(second)
-        if kind is float or kind is int:
-            kinds.append(None)
-            operands.append(second)
+        if other is float or other is int:
+            self.slots.extend((None, second))
         else:
             self._tensor(second)
+        return len(marks)
 
     def _tensor(self, operand: torch.Tensor) -> None:
         dtype = operand.dtype
-        self.kinds.append(dtype)
-        self.operands.append(0.0)
+        self.slots.extend((dtype, 0.0))
         group = self._by_dtype.get(dtype)
         if group is None:
             group = self._by_dtype[dtype] = []
@@ -98,7 +86,7 @@ class StagedRows:
         if [tensor._version for tensor in self.tensors] == self.versions:
             return []
         changed, tensor = [], 0
-        for position, kind in enumerate(self.kinds):
+        for position, kind in enumerate(self.slots[0::2]):
             if kind is not None:
                 if self.tensors[tensor]._version != self.versions[tensor]:
                     changed.append(self.marks[position // self.count])
@@ -108,14 +96,14 @@ class StagedRows:
     def gather(self, prepare: Callable[[list[int]], Any]) -> tuple[tuple[torch.Tensor, ...], Any]:
         """The staged operands as float64 columns of n entries on the device (one per operand of an
         entry), and what `prepare(marks)` made of this pattern's marks (kept with its plan)."""
-        key = (tuple(self.marks), tuple(self.kinds))
+        slots = self.slots
+        key = (tuple(self.marks), tuple(slots[0::2]))
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plan(key, prepare)
         columns, flat, host, views, prepared = plan
-        operands = self.operands
-        if len(self.tensors) != len(operands):  # numbers among them
-            numbers = array.array("d", operands)
+        if 2 * len(self.tensors) != len(slots):  # numbers among them
+            numbers = array.array("d", slots[1::2])
             if host is not None:  # the CPU: the tensor is this host memory
                 host[:] = numbers
             else:  # one copy, from pinned memory on CUDA (the caching host allocator keeps it until done)
@@ -159,8 +147,7 @@ class StagedRows:
 
     def clear(self) -> None:
         self.marks.clear()
-        self.kinds.clear()
-        self.operands.clear()
+        self.slots.clear()
         self.tensors.clear()
         self.versions.clear()
         self._by_dtype.clear()

@@ -122,21 +122,15 @@ class _Sums(StagePart):
         self._rows = StagedRows(2, buffer.device)
 
     def fold(self, offset: int, value: torch.Tensor | float, op: ReduceOp) -> None:
-        rows = self._rows
-        rows.add_pair(offset, value, 1.0)
-        if len(rows.marks) >= MAX_STAGED:
+        if self._rows.add_pair(offset, value, 1.0) >= MAX_STAGED:
             self.flush()
 
     def add_product(self, offset: int, value: torch.Tensor | float, weight: torch.Tensor | float) -> None:
-        rows = self._rows
-        rows.add_pair(offset, value, weight)
-        if len(rows.marks) >= MAX_STAGED:
+        if self._rows.add_pair(offset, value, weight) >= MAX_STAGED:
             self.flush()
 
     def count_nonfinite(self, offset: int, value: torch.Tensor) -> None:
-        rows = self._rows
-        rows.add_pair(~offset, value, 0.0)
-        if len(rows.marks) >= MAX_STAGED:
+        if self._rows.add_pair(~offset, value, 0.0) >= MAX_STAGED:
             self.flush()
 
     @property
@@ -175,9 +169,7 @@ class _Extrema(StagePart):
         self._minima = StagedRows(1, buffer.device)
 
     def fold(self, offset: int, value: torch.Tensor | float, op: ReduceOp) -> None:
-        rows = self._minima if op is ReduceOp.MIN else self._maxima
-        rows.add(offset, value)
-        if len(rows.marks) >= MAX_STAGED:
+        if (self._minima if op is ReduceOp.MIN else self._maxima).add(offset, value) >= MAX_STAGED:
             self.flush()
 
     @property

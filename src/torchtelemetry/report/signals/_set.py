@@ -64,20 +64,22 @@ class SignalSet:
     def record_step(self, step: int, step_time: float | None, inputs: Mapping[str, Any]) -> None:
         """One step ended with `inputs` (keyword -> value, None for not given): every value is
         checked before any is recorded, so a bad one leaves the step unrecorded."""
+        by_keyword = self._by_keyword
         routed = [
-            (keyword, value, self._by_keyword.get(keyword))
+            (keyword, value, by_keyword.get(keyword))
             for keyword, value in inputs.items()
             if value is not None
         ]
-        if any(signal is None for _, _, signal in routed):
-            unknown = sorted(keyword for keyword, _, signal in routed if signal is None)
-            raise TypeError(
-                f"Telemetry.step: no signal takes {unknown} (signals take {sorted(self._by_keyword)})"
-            )
+        for _, _, signal in routed:
+            if signal is None:
+                unknown = sorted(keyword for keyword, _, signal in routed if signal is None)
+                raise TypeError(
+                    f"Telemetry.step: no signal takes {unknown} (signals take {sorted(by_keyword)})"
+                )
         for keyword, value, signal in routed:
-            signal.check(keyword, value)
+            signal.check(keyword, value)  # type: ignore[union-attr]
         for keyword, value, signal in routed:
-            signal.record(keyword, value)
+            signal.record(keyword, value)  # type: ignore[union-attr]
         for on_step in self._on_step:
             on_step(step, step_time)
 
