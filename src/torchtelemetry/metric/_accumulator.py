@@ -24,6 +24,7 @@ __all__ = [
 
 DEFAULT_STATE_DTYPE = torch.float64
 """State dtype of the built-in metrics: integers stay exact up to 2**53."""
+_is_compiling = torch.compiler.is_compiling
 
 
 def state_identity(accumulators: Iterable[MetricAccumulator]) -> tuple[object, ...]:
@@ -255,7 +256,7 @@ class MetricAccumulator:
         """The local state to update in place. Under torch.compile, a view of it: AOT autograd
         silently drops an in-place update of a 0-d float64/int CPU graph input, but keeps one
         made through a view of it (eagerly the view would only cost time)."""
-        return self._local.view_as(self._local) if torch.compiler.is_compiling() else self._local
+        return self._local.view_as(self._local) if _is_compiling() else self._local
 
     def reset(self) -> None:
         """Restore the initial state in place."""
