@@ -11,7 +11,14 @@ import torchtelemetry as tt
 from tests.report.windows import collect_window, context
 from torchtelemetry.metric import metric_leaves
 from torchtelemetry.report import ModelFlops, RankSeriesLimit
-from torchtelemetry.report.signals import Signal, SignalSet, builtin_descriptors, builtin_signals
+from torchtelemetry.report.signals import (
+    LayerWatch,
+    Phases,
+    Signal,
+    SignalSet,
+    builtin_descriptors,
+    builtin_signals,
+)
 
 
 def _signals(max_rank_series: int = 64, **overrides) -> tuple[SignalSet, dict]:
@@ -125,3 +132,25 @@ def test_a_failed_set_up_leaves_the_users_metrics_as_they_were() -> None:
     with pytest.raises(ValueError, match=r"\['train/tokens'\] are defined twice"):
         tt.Telemetry({"train": {"loss": loss, "tokens": tt.SumMetric()}})
     assert "update" not in loss.__dict__, "the sentinel's counting stays only while a Telemetry runs"
+
+
+def test_the_model_watches_reach_their_one_signal_and_say_when_it_is_off() -> None:
+    """`watch_gradient_sync` and `watch_layers` are no hooks every signal has: the set finds the one
+    signal of each (and tells the phases which phase holds the collective); without it, it says so."""
+    signals, _ = _signals()
+    (phases,) = [signal for signal in signals.signals if isinstance(signal, Phases)]
+    model = torch.nn.Linear(2, 2)
+    signals.watch_gradient_sync(model, "forward")
+    assert phases.stragglers.sync_phase == "forward"
+    signals.watch_layers(model, LayerWatch())
+    with pytest.raises(RuntimeError, match=r"layers are watched already"):
+        signals.watch_layers(model, LayerWatch())
+    signals.close()
+    alone = SignalSet([Phases(context(), ("forward", "backward"))])
+    with pytest.raises(ValueError, match=r"the sync wait signal \('sync_wait'\) is not in this SignalSet"):
+        alone.watch_gradient_sync(model, "backward")
+    with pytest.raises(
+        ValueError, match=r"the layer statistics signal \('layers'\) is not in this SignalSet"
+    ):
+        alone.watch_layers(model, LayerWatch())
+    alone.close()

@@ -55,6 +55,7 @@ class DataWait(Signal):
         )
 
     def timers(self) -> dict[str, HostTimer]:
+        """The data wait's timer, as the phase "data" (`Telemetry.data_wait()`)."""
         return {DATA_PHASE: self._timer}
 
     def metrics(self) -> dict[str, Metric]:

@@ -190,7 +190,8 @@ class LayerStatistics(Signal):
             ]
         return described
 
-    def watch_layers(self, model: torch.nn.Module, watch: LayerWatch) -> bool:
+    def watch_layers(self, model: torch.nn.Module, watch: LayerWatch) -> None:
+        """Hook `model`'s layers and the optimizers' steps as `watch` says (`Telemetry.watch_layers`)."""
         if self._layers is not None:
             raise RuntimeError("Telemetry.watch_layers: layers are watched already; call it once")
         group_ranks = _group_ranks(watch.group)
@@ -207,7 +208,6 @@ class LayerStatistics(Signal):
         from torch.optim.optimizer import register_optimizer_step_pre_hook
 
         self._optimizer_hook = register_optimizer_step_pre_hook(self._before_optimizer_step)
-        return True
 
     # -- training thread ---------------------------------------------------------------------
 

@@ -135,10 +135,10 @@ class Phases(Signal):
         """The context manager of every declared phase."""
         return dict(self._timers)
 
-    def watch_gradient_sync(self, model: Any, phase: str) -> bool:
-        """`phase` holds the gradient collective: its straggler scores are taken less the wait."""
+    def set_sync_phase(self, phase: str) -> None:
+        """`phase` holds the gradient collective (`Telemetry.watch_gradient_sync(phase=)`): its
+        straggler scores are taken less the wait."""
         self.stragglers.sync_phase = phase
-        return False
 
     def metrics(self) -> dict[str, Metric]:
         return {PHASE: self.times} if self.phases else {}
