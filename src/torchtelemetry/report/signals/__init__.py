@@ -63,14 +63,13 @@ from torchtelemetry.report.signals._hang import (
     UNKNOWN_PHASE,
 )
 from torchtelemetry.report.signals._layer_model import ROOT_LAYER, copies
-from torchtelemetry.report.signals._layers import (
+from torchtelemetry.report.signals._layer_state import (
     DEFAULT_LAYER_STATS,
-    DEFAULT_MAX_LAYER_SERIES,
     LAYER_STATS,
     LayerState,
-    LayerStatistics,
     LayerWatch,
 )
+from torchtelemetry.report.signals._layers import DEFAULT_MAX_LAYER_SERIES, LayerStatistics
 from torchtelemetry.report.signals._learning_rate import LearningRate
 from torchtelemetry.report.signals._memory_health import MemoryHealth, memory_descriptors, resident_bytes
 from torchtelemetry.report.signals._nonfinite import CountingUpdate, NonFiniteSentinel, watched_metrics

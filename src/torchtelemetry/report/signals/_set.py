@@ -11,7 +11,8 @@ from torchtelemetry.report._values import MetricDescriptor, ReportValue
 from torchtelemetry.report.signals._base import Signal, WindowTiming
 from torchtelemetry.report.signals._clock import HostTimer, PhaseTimer
 from torchtelemetry.report.signals._data_wait import DATA_PHASE, DataWait
-from torchtelemetry.report.signals._layers import LayerStatistics, LayerWatch
+from torchtelemetry.report.signals._layer_state import LayerWatch
+from torchtelemetry.report.signals._layers import LayerStatistics
 from torchtelemetry.report.signals._phases import Phases
 from torchtelemetry.report.signals._sync_wait import SyncWait
 from torchtelemetry.report.signals._trace_sampling import TraceSampling
