@@ -4,9 +4,9 @@ agree on, the checkpoint state of the whole, and the order everything stops in.
 `start_run` builds this rank's parts (`_run_parts`, rank-local), agrees with the other ranks that
 every rank got this far (and on global rank 0's run id), starts the hang watch and binds the
 collector; when any of it fails, what was started is closed again and every rank raises.
-`StartedRun` then holds the parts, re-describes the run to each part that names it when the run id
-changes (`adopt_run`), saves and restores their state (`state_dict`, `load_state_dict`) and closes
-them in the order that loses nothing (`close`).
+`StartedRun` then holds the parts: it re-describes the run to each part that names it when the run id
+changes (`adopt_run`), saves and restores their state (`state_dict`, `load_state_dict`), collects the
+last window (`collect_last`) and closes them in the order that loses nothing (`close`).
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ class StartedRun:
     collector: AsyncMetricCollector
     """The bound collector of the user's and the signals' metrics."""
     windows: StepWindows
+    """The window bookkeeping (the heartbeat's one writer)."""
     identity: RunIdentity
     """The run id every rank agreed on (without the group suffix) and its source."""
     run: RunInfo
