@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 import torchtelemetry as tt
 from tests.distributed import run_ranks
+from tests.step_inputs import step_inputs
 
 EVERY = 3
 STEPS = 10  # windows end at steps 2, 5, 8; close() exports the partial window ending at 9
@@ -41,7 +42,10 @@ def _train_two_ranks(rank: int, world_size: int, path: str) -> dict[str, Any]:
         metrics["train"]["loss"].update(torch.tensor([_loss_value(rank, step)]), torch.tensor([rank + 1.0]))
         metrics["train"]["seen"].update(torch.tensor(2.0 + rank))
         metrics["train"]["worst"].update(torch.tensor(float(step * (rank + 1))))
-        telemetry.step(step, tokens=torch.tensor(10 * (rank + 1)), samples=rank + 1, learning_rate=0.1 * step)
+        telemetry.step(
+            step,
+            **step_inputs(tokens=torch.tensor(10 * (rank + 1)), samples=rank + 1, learning_rate=0.1 * step),
+        )
     telemetry.close()
     return {"latest": telemetry.latest, "exporting": telemetry.is_exporting}
 
@@ -69,7 +73,7 @@ def test_two_ranks_export_exact_windows_and_close_exports_the_partial_window(tmp
     path = tmp_path / "metrics.jsonl"
     results = run_ranks(_train_two_ranks, 2, str(path))
     assert [r["exporting"] for r in results] == [True, False]
-    host_timed = {"train/tokens_per_second", "train/samples_per_second"}
+    host_timed = {"train/tokens_per_second", "train/samples_per_second", "train/phases/share"}
     host_timed |= {"train/goodput", "train/goodput/wall_time", "train/goodput/productive_time"}
     same = [{k: v for k, v in r["latest"].items() if k not in host_timed} for r in results]
     assert same[0] == same[1], "every rank sees the same collected results"

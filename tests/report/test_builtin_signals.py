@@ -9,6 +9,7 @@ import torch
 
 import torchtelemetry as tt
 from tests.report.windows import collect_window, context
+from tests.step_inputs import step_inputs
 from torchtelemetry.metric import metric_leaves
 from torchtelemetry.report import ModelFlops, RankSeriesLimit
 from torchtelemetry.report.signals import Signal, SignalSet, builtin_descriptors, builtin_signals
@@ -40,9 +41,7 @@ def _feed(signals: SignalSet, metrics: dict, steps: int) -> None:
         with signals.phase("backward"):
             pass
         signals.record_step(
-            step,
-            None if step == 0 else 0.01,
-            {"tokens": torch.tensor(128), "samples": 4, "learning_rate": 1e-3, "data_time": 0.001},
+            step, None if step == 0 else 0.01, step_inputs(tokens=torch.tensor(128), samples=4)
         )
 
 
@@ -81,6 +80,21 @@ def test_every_signal_is_one_object_with_a_unique_name_and_keywords() -> None:
     with pytest.raises(TypeError, match=r"no signal takes \['token'\]"):
         signals.record_step(0, None, {"token": 3})
     signals.close()
+
+
+def test_every_step_keyword_has_a_sample_input_its_signal_accepts() -> None:
+    """What the tests' training loops feed `step()` (tests/step_inputs.py): one sample per keyword,
+    declared by the signal that takes it."""
+    signals, _ = _signals()
+    try:
+        for signal in signals.signals:
+            samples = signal.sample_inputs()
+            assert set(samples) == set(signal.keywords), signal.name
+            for keyword, value in samples.items():
+                signal.check(keyword, value)
+        assert set(step_inputs()) == signals.keywords
+    finally:
+        signals.close()
 
 
 def test_step_routes_each_keyword_to_the_signal_that_declares_it() -> None:

@@ -272,6 +272,13 @@ def dashboard_generator() -> Any:
     return module
 
 
+def unplaced_descriptors() -> list[MetricDescriptor]:
+    """The built-in signals no fixed panel shows (`unplaced_names()` of dashboards/generate.py: a
+    panel of its own is optional): the discovery variables list them like the run's own metrics."""
+    unplaced = dashboard_generator().unplaced_names()
+    return [d for d in signal_descriptors() if sample_names(d) & unplaced]
+
+
 def generated_training_dashboard() -> str:
     """What dashboards/generate.py writes to dashboards/training.json."""
     return dashboard_generator().render()

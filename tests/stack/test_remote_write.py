@@ -26,6 +26,7 @@ from tests.distributed import free_port, run_ranks
 from tests.servers import PrometheusServer, PushgatewayServer, VictoriaMetricsServer
 from tests.stack._live import check_dashboards, wait_for_ranks
 from tests.stack._stack import PROMETHEUS_DIR, TREES, feed, load_yaml
+from tests.step_inputs import step_inputs
 from torchtelemetry.export import NAMESPACE
 
 AGENT_CONFIG = PROMETHEUS_DIR / "prometheus-agent.yml"
@@ -77,7 +78,7 @@ def _train(
             with telemetry.data_wait():
                 time.sleep(0.002)
             feed(TREE, metrics, generator)
-            telemetry.step(step, tokens=8 * 16, samples=8, learning_rate=1e-3 / (1 + step))
+            telemetry.step(step, **step_inputs(tokens=8 * 16, samples=8, learning_rate=1e-3 / (1 + step)))
             time.sleep(0.02 * (1 + rank))
             step += 1
     finally:

@@ -36,6 +36,7 @@ from tests.stack._stack import (
     panels,
     substitute,
 )
+from tests.step_inputs import step_inputs
 
 WORLD_SIZE = 2
 JOB = "torchtelemetry"
@@ -85,7 +86,9 @@ def _train(
                 feed(tree, metrics, generator)
             with telemetry.phase("backward"):
                 time.sleep(0.001 * (1 + rank))
-            telemetry.step(step, tokens=TOKENS, samples=SAMPLES, learning_rate=1e-3 / (1 + step))
+            telemetry.step(
+                step, **step_inputs(tokens=TOKENS, samples=SAMPLES, learning_rate=1e-3 / (1 + step))
+            )
             time.sleep(0.02 * (1 + rank))  # rank 1 is the slower one
             step += 1
     finally:

@@ -2,8 +2,9 @@
 
 Step time, data wait, tokens and samples with their rates, model FLOPs, learning rate, peak memory;
 and for health: phases, the sync wait and straggler scores, the non-finite sentinel and spike scores, memory
-health, goodput and GPU health (NVML). Adding a signal is one module and its test, and a line in
-`builtin_signals`. docs/signals.md lists every name, unit and cost. Hangs are not a window's
+health, goodput and GPU health (NVML). Adding a signal is one module, its test, a line in
+`builtin_signals` and its doc rows (docs/signals.md, "Adding a signal", which lists every name, unit
+and cost). Hangs are not a window's
 signal (a hang stops the windows): `torchtelemetry.run` watches them; `_hang` holds the names of
 the hang report and the phase labels the heartbeat reserves. `_captures` carries the run's capture
 orders and outcomes in the window.

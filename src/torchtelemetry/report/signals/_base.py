@@ -4,8 +4,11 @@ A signal knows its names, units and kinds (`descriptors`), the device state it k
 (`metrics`, reduced with the user's metrics in the window's one collective), what it takes per
 step (`keywords`, routed from `Telemetry.step()`), how it hands host values to that state once per
 window (`flush`, training thread, no host sync), and how it turns a collected window into what is
-exported (`derive`, on the thread that publishes reports). Adding a signal is one module and its
-test; `SignalSet` routes to it.
+exported (`derive`, on the thread that publishes reports). A counter's window value is the
+window's increment (the publisher keeps the running total). Adding a signal takes this module's
+subclass in a module of its own, its test, its line in `builtin_signals()` and its rows in
+docs/signals.md (and README.md for a `step()` keyword); the registry and the training dashboard are
+regenerated from the objects, and `SignalSet` routes to it (docs/signals.md, "Adding a signal").
 """
 
 from __future__ import annotations
@@ -121,6 +124,12 @@ class Signal:
 
     def record(self, keyword: str, value: Any) -> None:
         """Take a checked value of one step (host arithmetic, or in-place device ops: never a sync)."""
+
+    def sample_inputs(self) -> dict[str, Any]:
+        """A value `check` accepts for each of `keywords`, as a training step would give it: what the
+        tests' training loops feed `Telemetry.step()`, so a new keyword reaches every loop that feeds
+        them all without being named there (as a metric's `examples()` reach the metric suites)."""
+        return {}
 
     def on_step(self, step: int, step_time: float | None) -> None:
         """Step `step` ended; `step_time` is the host time since the previous one (None for the first)."""
