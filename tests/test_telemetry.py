@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 import time
 from pathlib import Path
@@ -174,6 +175,28 @@ def test_names_that_clash_with_the_built_in_signals_are_rejected() -> None:
 def test_illegal_metric_names_fail_at_construction() -> None:
     with pytest.raises(tt.report.InvalidMetricNameError, match="grad norm"):
         tt.Telemetry({"grad norm": tt.MaxMetric()}, [], signals=False)
+
+
+NOT_MAPPINGS = {
+    "a list": ([tt.SumMetric()], "the metric tree is a list"),
+    "a tuple": ((tt.SumMetric(), tt.MaxMetric()), "the metric tree is a tuple"),
+    "a bare Metric": (tt.SumMetric(), "the metric tree is a SumMetric"),
+    "a list in a dict": ({"train": [tt.SumMetric()]}, "'train' in the metric tree is a list"),
+    "a tuple deeper": (
+        {"train": {"losses": (tt.SumMetric(),)}},
+        "'train/losses' in the metric tree is a tuple",
+    ),
+}
+
+
+@pytest.mark.parametrize(("metrics", "problem"), list(NOT_MAPPINGS.values()), ids=list(NOT_MAPPINGS))
+def test_a_metric_tree_that_is_not_a_mapping_is_refused_naming_where(metrics: Any, problem: str) -> None:
+    """Its metrics would be named by position (a list exported as `0`); the functional API keeps
+    taking any PyTree, named by position as it was given."""
+    with pytest.raises(TypeError, match=re.escape(problem) + r".*not a mapping of names to Metrics"):
+        tt.Telemetry(metrics, [])
+    assert tt.sync_and_compute(metrics) is not None
+    assert tt.sync_metrics(metrics) is None
 
 
 def test_above_the_rank_series_limit_step_time_becomes_min_median_max() -> None:

@@ -25,7 +25,7 @@ from torchtelemetry.export import (
     RunInfo,
     exporters_from_spec,
 )
-from torchtelemetry.metric import Metric, metric_leaves
+from torchtelemetry.metric import Metric, named_metric_leaves
 from torchtelemetry.report import (
     HANG_DESCRIPTORS,
     MetricDescriptor,
@@ -107,7 +107,7 @@ def assemble_run(metrics: Any, exporters: Sequence[Exporter] | str, config: Tele
     again when a later step fails."""
     resolved = resolve_group(config.group, op="Telemetry")
     world_size = group_world_size(resolved)
-    user_leaves = metric_leaves(metrics, op="Telemetry")
+    user_leaves = named_metric_leaves(metrics, op="Telemetry")
     device = user_leaves[0][1].device if user_leaves else torch.device("cpu")
     policy = export_policy(resolved, config.group)
     run, identity, progress = _run_of(config, policy, world_size)

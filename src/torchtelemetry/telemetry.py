@@ -64,7 +64,8 @@ class Telemetry:
     call `torch.distributed.init_process_group()` first.
 
     Args:
-        metrics: a PyTree of Metrics; paths become names (`{"train": {"loss": m}}` -> `train/loss`).
+        metrics: nested dicts of Metrics, whose keys name them (`{"train": {"loss": m}}` ->
+            `train/loss`); a list, a tuple or a bare Metric raises a `TypeError` saying where.
         exporters: exporters (constructed on every rank; only the group's rank 0 starts them), or a
             comma-separated spec resolved through entry points, with options as literal keyword
             arguments: "console, prometheus(port=9464)" (`exporters_from_spec`).

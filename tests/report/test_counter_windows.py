@@ -36,7 +36,7 @@ def _metrics() -> dict[str, Any]:
 
 
 def _checkpoint() -> dict[str, Any]:
-    with tt.Telemetry(_metrics(), run_id="counters", every=1, hang_after_s=None) as telemetry:
+    with tt.Telemetry(_metrics(), run_id="counters", every=1, hang_after_s=None, capture_on=()) as telemetry:
         for step in range(SAVED_AT + 1):
             telemetry.step(step)
         state = telemetry.state_dict()
@@ -50,7 +50,8 @@ def _resumed_run(tmp_path: Path, every: int, state: dict[str, Any]) -> tuple[dic
     progress = tmp_path / f"progress-{every}.json"
     progress.write_text(json.dumps({"run_id": "counters", "step": REACHED}))
     metrics = _metrics()
-    with tt.Telemetry(metrics, every=every, progress_file=progress, hang_after_s=None) as telemetry:
+    fields = {"progress_file": progress, "dump_dir": tmp_path, "hang_after_s": None}
+    with tt.Telemetry(metrics, every=every, **fields) as telemetry:
         telemetry.load_state_dict(state)
         for step in STEPS:
             with telemetry.phase("forward"):
@@ -90,7 +91,8 @@ def test_every_counter_exports_the_same_total_however_the_steps_are_windowed(tmp
 def test_the_spike_count_adds_one_per_window_that_spiked(tmp_path: Path) -> None:
     path = tmp_path / "spikes.jsonl"
     metrics = _metrics()
-    with tt.Telemetry(metrics, [tt.JsonlExporter(path)], every=1, hang_after_s=None) as telemetry:
+    exporters = [tt.JsonlExporter(path)]
+    with tt.Telemetry(metrics, exporters, every=1, hang_after_s=None, dump_dir=tmp_path) as telemetry:
         for step in range(14):
             metrics["train"]["loss"].update(torch.tensor(10.0**step), 1)
             telemetry.step(step)
