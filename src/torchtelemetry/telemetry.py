@@ -21,7 +21,7 @@ from torchtelemetry._startup import (
 from torchtelemetry._windows import StepWindows
 from torchtelemetry.collect import AsyncMetricCollector
 from torchtelemetry.config import TelemetryConfig
-from torchtelemetry.export import Exporter, RunInfo
+from torchtelemetry.export import Exporter, RunInfo, print_startup_line
 from torchtelemetry.report import (
     HostTimer,
     MetricDescriptor,
@@ -149,6 +149,8 @@ class Telemetry:
         agreed = every_rank.agreed
         if isinstance(agreed, RunIdentity) and agreed != self._identity:
             self._adopt_run(agreed)
+        if self.is_exporting:
+            print_startup_line(self.run, self.every, self.hub.exporters)
 
     @property
     def run_identity(self) -> RunIdentity:

@@ -176,6 +176,9 @@ class OTelExporter(BaseExporter):
         what logs, errors and the demo show."""
         return redact_url(self.endpoint)
 
+    def destination(self) -> str | None:
+        return self.url
+
     def _describe(self, descriptors: Sequence[MetricDescriptor], run: RunInfo) -> None:
         self._descriptors = merge_descriptors(
             self._descriptors, descriptors, otel_name, "OpenTelemetry", reserved=[STEP_METRIC]
