@@ -7,7 +7,7 @@ import json
 import re
 import time
 import urllib.parse
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -99,36 +99,48 @@ def check_dashboards(
                 "route": route,
                 "__rate_interval": rate_interval,
             }
-            listed = {
-                name: discovered_in(url, variables[name], values)
-                for name in DISCOVERY_VARIABLES
-                if name in variables
-            }
+            listed = listed_by_discovery(url, dashboard, values)
             if listed:
                 own = own_names(tree)
                 shown = all(own[kind] <= listed[kind] <= allowed[kind] for kind in listed)
                 assert shown, (path.name, route, listed, own)
-            for panel in panels(dashboard):
-                repeat = panel.get("repeat")
-                for value in sorted(listed[repeat]) if repeat else [None]:
-                    for target in panel["targets"]:
-                        expr = substitute(target["expr"], values | ({repeat: value} if repeat else {}))
-                        if queried_metrics(expr) <= not_emitted:
-                            continue  # CUDA and NVML detail: a CPU run has none; nothing non-finite here
-                        where = f"{path.name} / {panel['title']} / {target['refId']} ({route})"
-                        try:
-                            wait_for(url, expr, timeout_s=10)
-                        except TimeoutError:
-                            check.missing.append(f"{where}: {expr}")
-                            continue
-                        if instances is None or settled is None:
-                            continue
-                        at = settled()
-                        shown = _result(url, expr, at)
-                        alone = _result(url, _pinned(expr, instances[route]), at)
-                        if shown != alone:
-                            check.added_up.append(f"{where}: {shown}, the {route} copy alone: {alone}")
+            for panel, target, expr in panel_queries(dashboard, values, listed):
+                if queried_metrics(expr) <= not_emitted:
+                    continue  # CUDA and NVML detail: a CPU run has none; nothing non-finite here
+                where = f"{path.name} / {panel['title']} / {target['refId']} ({route})"
+                try:
+                    wait_for(url, expr, timeout_s=10)
+                except TimeoutError:
+                    check.missing.append(f"{where}: {expr}")
+                    continue
+                if instances is None or settled is None:
+                    continue
+                at = settled()
+                shown = _result(url, expr, at)
+                alone = _result(url, _pinned(expr, instances[route]), at)
+                if shown != alone:
+                    check.added_up.append(f"{where}: {shown}, the {route} copy alone: {alone}")
     return check
+
+
+def listed_by_discovery(url: str, dashboard: dict[str, Any], values: dict[str, str]) -> dict[str, set[str]]:
+    """What each discovery variable of `dashboard` lists at `url` for the other variables' `values`."""
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    return {
+        name: discovered_in(url, variables[name], values) for name in DISCOVERY_VARIABLES if name in variables
+    }
+
+
+def panel_queries(
+    dashboard: dict[str, Any], values: dict[str, str], listed: Mapping[str, set[str]]
+) -> Iterator[tuple[dict[str, Any], dict[str, Any], str]]:
+    """(panel, target, query) of every query of `dashboard` as Grafana runs it with the variables'
+    `values`: a panel repeated over a discovery variable once per value `listed` for it."""
+    for panel in panels(dashboard):
+        repeat = panel.get("repeat")
+        for value in sorted(listed[repeat]) if repeat else [None]:
+            for target in panel["targets"]:
+                yield panel, target, substitute(target["expr"], values | ({repeat: value} if repeat else {}))
 
 
 def _result(url: str, expr: str, at: float) -> dict[tuple[tuple[str, str], ...], float]:
