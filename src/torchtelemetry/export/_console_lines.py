@@ -40,7 +40,14 @@ def startup_line(run: RunInfo, every: int, exporters: Sequence[Exporter]) -> str
 
 
 def print_startup_line(run: RunInfo, every: int, exporters: Sequence[Exporter]) -> None:
-    print(startup_line(run, every, exporters), file=sys.stderr, flush=True)
+    _print(startup_line(run, every, exporters))
+
+
+def _print(line: str) -> None:
+    """`line` and its newline in one write (lines from two threads never interleave within a line)."""
+    stream = sys.stderr
+    stream.write(line + "\n")
+    stream.flush()
 
 
 def _target(exporter: Exporter) -> str:
@@ -93,7 +100,7 @@ def _short(value: float) -> str:
 
 
 def print_window_line(step: int, values: ReportValues, window: ReportValues) -> None:
-    print(window_line(step, values, window), file=sys.stderr, flush=True)
+    _print(window_line(step, values, window))
 
 
 def prints_every_report(exporters: Sequence[Exporter]) -> bool:
