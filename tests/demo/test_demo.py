@@ -67,6 +67,7 @@ def test_demo_exports_exact_values_to_every_backend(tmp_path: Path) -> None:
              "--wandb", "offline", "--jsonl", str(jsonl), "--no-console", "--step-delay", "0.1",
              "--tensorboard", str(tmp_path / "tb"), "--mlflow", mlflow_uri, "--run-id", "demo-e2e"],
             env=_demo_env(tmp_path),
+            cwd=tmp_path,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -81,9 +82,11 @@ def test_demo_exports_exact_values_to_every_backend(tmp_path: Path) -> None:
             if demo.poll() is None:
                 demo.kill()
         assert demo.returncode == 0, output
-        banner = output.split("\n\n")[0]
-        assert f"otlp: {otlp.metrics_endpoint}" in banner, "the banner lists every target"
-        assert "wandb: " in banner and str(tmp_path / "wandb") in banner
+        (start,) = [line for line in output.splitlines() if line.startswith("torchtelemetry: run ")]
+        assert f"otlp {otlp.metrics_endpoint}" in start, "the start-up line names every destination"
+        assert f"jsonl {jsonl}" in start and f"mlflow {mlflow_uri}" in start
+        assert f"wandb {tmp_path / 'wandb'}" in start
+        assert not [line for line in output.splitlines() if line.startswith("torchtelemetry: step ")]
 
         lines = _read_jsonl(jsonl)
         assert [line["step"] for line in lines] == list(range(every - 1, steps, every))
@@ -159,6 +162,7 @@ def test_ctrl_c_flushes_the_last_window_and_leaves_no_process(tmp_path: Path) ->
         [sys.executable, "-m", "torchtelemetry.demo", "--steps", "100000", "--every", "5",
          "--prometheus-port", "0", "--jsonl", str(jsonl), "--no-console", "--step-delay", "0.02"],
         env=_demo_env(tmp_path, tag),
+        cwd=tmp_path,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -187,6 +191,7 @@ def test_runs_unchanged_under_torchrun(tmp_path: Path) -> None:
          "-m", "torchtelemetry.demo",
          "--steps", "20", "--every", "5", "--prometheus-port", "0", "--jsonl", str(jsonl), "--no-console"],
         env=_demo_env(tmp_path),
+        cwd=tmp_path,
         capture_output=True,
         text=True,
         timeout=240,
