@@ -105,6 +105,9 @@ def placed_names() -> set[str]:
         target["expr"] for panel in builtin_panels() + health_panels() for target in panel.get("targets", [])
     )
     shown = set(re.findall(rf"\b{NAMESPACE}_\w+", queries))
+    # A panel that reads a histogram's buckets shows the histogram: its `_sum` and `_count` too.
+    buckets = [name.removesuffix("_bucket") for name in shown if name.endswith("_bucket")]
+    shown |= {histogram + part for histogram in buckets for part in ("_sum", "_count")}
     return set(builtin_names()) & (shown | hidden_names())
 
 
@@ -115,6 +118,12 @@ def unplaced_names() -> set[str]:
 
 
 # -- the dashboard ------------------------------------------------------------------------------
+
+
+def step_time_quantile(quantile: float) -> str:
+    """A quantile of every rank's step time over each interval, from the step-time histogram."""
+    buckets = selected(metric("train/step_time/histogram") + "_bucket")
+    return f"histogram_quantile({quantile}, sum by (job, run, le) (rate({buckets}[$__rate_interval])))"
 
 
 def builtin_panels() -> list[dict[str, Any]]:
@@ -212,6 +221,21 @@ def builtin_panels() -> list[dict[str, Any]]:
             "series the library exports above max_rank_series ranks.",
             "s",
             spread(step_time, "seconds"),
+        ),
+        timeseries(
+            "Step time: median and 99th percentile, exemplars open the slowest rank's steps",
+            "From the step-time histogram (the exporting rank's steps; in synchronous training every "
+            "rank's take as long). Its exemplars, the dots, are the slowest rank's slowest step of each "
+            "window: one opens that step's trace (the spans of its phases, data wait and all-reduce "
+            "wait) in the trace store (docs/stack.md, Traces).",
+            "s",
+            targets(
+                *(
+                    (step_time_quantile(quantile), "{{run}} p" + label)
+                    for quantile, label in ((0.5, "50"), (0.99, "99"))
+                ),
+                exemplar=True,
+            ),
         ),
         timeseries(
             "Learning rate",

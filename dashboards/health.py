@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from layers import layer_panels
 from panels import _thresholds, metric, selected, spread, stat, targets, timeseries
 
 
@@ -236,6 +237,8 @@ def health_panels() -> list[dict[str, Any]]:
             ),
             decimals=0,
         ),
+        row("Layers: gradient and parameter norms per layer, where a NaN was born"),
+        *layer_panels(),
         *hang_panels(),
         *capture_panels(),
         row("Your metrics: every gauge, counter and histogram of the run's metric tree"),

@@ -14,7 +14,11 @@ def selected(name: str) -> str:
     return name + SELECTION
 
 
-def target(expr: str, legend: str, ref: str, *, heatmap: bool = False) -> dict[str, Any]:
+def target(
+    expr: str, legend: str, ref: str, *, heatmap: bool = False, exemplar: bool = False
+) -> dict[str, Any]:
+    """One query; `exemplar`: Grafana also asks Prometheus for the exemplars of the series it reads
+    (each a dot that opens its trace, through the datasource's `exemplarTraceIdDestinations`)."""
     out = {
         "datasource": DATASOURCE,
         "editorMode": "code",
@@ -24,11 +28,13 @@ def target(expr: str, legend: str, ref: str, *, heatmap: bool = False) -> dict[s
         "instant": False,
         "refId": ref,
     }
-    return out | ({"format": "heatmap"} if heatmap else {})
+    return out | ({"format": "heatmap"} if heatmap else {}) | ({"exemplar": True} if exemplar else {})
 
 
-def targets(*queries: tuple[str, str]) -> list[dict[str, Any]]:
-    return [target(expr, legend, chr(ord("A") + i)) for i, (expr, legend) in enumerate(queries)]
+def targets(*queries: tuple[str, str], exemplar: bool = False) -> list[dict[str, Any]]:
+    return [
+        target(expr, legend, chr(ord("A") + i), exemplar=exemplar) for i, (expr, legend) in enumerate(queries)
+    ]
 
 
 def _thresholds(*steps: tuple[str, float | None]) -> dict[str, Any]:

@@ -1,7 +1,9 @@
 """Real protocol peers for exporter tests: OTLP/HTTP and OTLP/gRPC receivers, a W&B offline-log reader.
 
-The receivers bind 127.0.0.1, decode every `ExportMetricsServiceRequest` they
-get, and keep it with its headers. `stop()` then `start()` brings a receiver
+The receivers bind 127.0.0.1, decode every `ExportMetricsServiceRequest` (HTTP `/v1/metrics`, the
+gRPC `MetricsService`) and every `ExportTraceServiceRequest` (HTTP `/v1/traces`, the gRPC
+`TraceService`) they get, and keep each with its headers: metrics in `received`, traces in
+`received_traces` (`spans()` flattens them). `stop()` then `start()` brings a receiver
 back on the same port, to simulate a collector outage. Use them as context
 managers (or call `stop()` in a fixture's teardown).
 
@@ -33,6 +35,7 @@ __all__ = [
     "OtlpGrpcReceiver",
     "OtlpHttpReceiver",
     "Received",
+    "ReceivedSpan",
     "WandbRunLog",
     "any_value",
     "attributes",
@@ -50,11 +53,33 @@ class Received:
     """One export request as the receiver decoded it."""
 
     request: Any
-    """The `ExportMetricsServiceRequest`."""
+    """The `ExportMetricsServiceRequest` (or `ExportTraceServiceRequest`, in `received_traces`)."""
     headers: dict[str, str]
     """HTTP headers or gRPC metadata, keys lower-cased."""
     path: str = ""
     """HTTP request path (empty for gRPC)."""
+    size: int = 0
+    """Bytes of the request's protobuf body (uncompressed)."""
+
+
+@dataclass(frozen=True)
+class ReceivedSpan:
+    """One span of a trace request, decoded: ids in hex, times in Unix nanoseconds."""
+
+    name: str
+    trace_id: str
+    span_id: str
+    parent_span_id: str
+    start_ns: int
+    end_ns: int
+    attributes: dict[str, Any]
+    resource: dict[str, Any]
+    request: int
+    """The position of its request in `received_traces`."""
+
+    @property
+    def duration_s(self) -> float:
+        return (self.end_ns - self.start_ns) / 1e9
 
 
 def any_value(value: Any) -> Any:
@@ -98,41 +123,85 @@ class _Recorder:
     def __init__(self) -> None:
         self._lock = threading.Condition()
         self._received: list[Received] = []
+        self._traces: list[Received] = []
         self.partial_success: tuple[int, str] | None = None
         """(rejected data points, error message) to answer every request with, or None: all taken."""
 
     def _answer(self, response_type: Any) -> Any:
-        """The `ExportMetricsServiceResponse` to send back."""
+        """The `ExportMetricsServiceResponse` to send back (trace requests are always taken whole)."""
         if self.partial_success is None:
             return response_type()
         rejected, message = self.partial_success
         return response_type(partial_success={"rejected_data_points": rejected, "error_message": message})
 
-    def _record(self, received: Received) -> None:
+    def _record(self, received: Received, *, traces: bool = False) -> None:
         with self._lock:
-            self._received.append(received)
+            (self._traces if traces else self._received).append(received)
             self._lock.notify_all()
 
     @property
     def received(self) -> list[Received]:
-        """Every request received so far, in arrival order."""
+        """Every metrics request received so far, in arrival order."""
         with self._lock:
             return list(self._received)
+
+    @property
+    def received_traces(self) -> list[Received]:
+        """Every trace request received so far, in arrival order."""
+        with self._lock:
+            return list(self._traces)
+
+    def spans(self) -> list[ReceivedSpan]:
+        """Every span of every trace request so far, in arrival order."""
+        found = []
+        for position, received in enumerate(self.received_traces):
+            for resource_spans in received.request.resource_spans:
+                resource = attributes(resource_spans.resource.attributes)
+                for scope_spans in resource_spans.scope_spans:
+                    for span in scope_spans.spans:
+                        found.append(
+                            ReceivedSpan(
+                                span.name,
+                                span.trace_id.hex(),
+                                span.span_id.hex(),
+                                span.parent_span_id.hex(),
+                                span.start_time_unix_nano,
+                                span.end_time_unix_nano,
+                                attributes(span.attributes),
+                                resource,
+                                position,
+                            )
+                        )
+        return found
+
+    def wait_for_traces(
+        self, predicate: Callable[[list[Received]], bool], timeout_s: float = 30.0
+    ) -> list[Received]:
+        """Block until `predicate(received_traces)` holds; raise `TimeoutError` after `timeout_s`."""
+        return self._wait(lambda: self._traces, predicate, timeout_s)
 
     def wait_for(
         self, predicate: Callable[[list[Received]], bool], timeout_s: float = 30.0
     ) -> list[Received]:
         """Block until `predicate(received)` holds; raise `TimeoutError` after `timeout_s`."""
+        return self._wait(lambda: self._received, predicate, timeout_s)
+
+    def _wait(
+        self,
+        requests: Callable[[], list[Received]],
+        predicate: Callable[[list[Received]], bool],
+        timeout_s: float,
+    ) -> list[Received]:
         deadline = time.monotonic() + timeout_s
         with self._lock:
-            while not predicate(self._received):
+            while not predicate(requests()):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise TimeoutError(
-                        f"receiver: condition not met after {timeout_s}s, {len(self._received)} requests"
+                        f"receiver: condition not met after {timeout_s}s, {len(requests())} requests"
                     )
                 self._lock.wait(remaining)
-            return list(self._received)
+            return list(requests())
 
     def wait_for_count(self, count: int, timeout_s: float = 30.0) -> list[Received]:
         """Block until at least `count` requests arrived."""
@@ -237,6 +306,15 @@ class OtlpHttpReceiver(_Recorder):
             ExportMetricsServiceRequest,
             ExportMetricsServiceResponse,
         )
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+            ExportTraceServiceRequest,
+            ExportTraceServiceResponse,
+        )
+
+        signals = {
+            "/v1/metrics": (ExportMetricsServiceRequest, ExportMetricsServiceResponse, False),
+            "/v1/traces": (ExportTraceServiceRequest, ExportTraceServiceResponse, True),
+        }
 
         receiver = self
 
@@ -250,17 +328,19 @@ class OtlpHttpReceiver(_Recorder):
                     body = gzip.decompress(body)
                 elif encoding == "deflate":
                     body = zlib.decompress(body)
-                if self.path.rstrip("/") != "/v1/metrics":
+                if self.path.rstrip("/") not in signals:
                     self._reply(404, b"")
                     return
                 if receiver.status >= 300:
                     self._reply(receiver.status, b"")
                     return
-                request = ExportMetricsServiceRequest()
+                request_type, response_type, traces = signals[self.path.rstrip("/")]
+                request = request_type()
                 request.ParseFromString(body)
                 headers = {key.lower(): value for key, value in self.headers.items()}
-                receiver._record(Received(request, headers, self.path))
-                self._reply(200, receiver._answer(ExportMetricsServiceResponse).SerializeToString())
+                receiver._record(Received(request, headers, self.path, len(body)), traces=traces)
+                answer = response_type() if traces else receiver._answer(response_type)
+                self._reply(200, answer.SerializeToString())
 
             def _reply(self, status: int, payload: bytes) -> None:
                 self.send_response(status)
@@ -276,7 +356,8 @@ class OtlpHttpReceiver(_Recorder):
 
 
 class OtlpGrpcReceiver(_Recorder):
-    """OTLP/gRPC on 127.0.0.1 (insecure): the `MetricsService` with a real grpcio server."""
+    """OTLP/gRPC on 127.0.0.1 (insecure): the `MetricsService` and `TraceService` with a real grpcio
+    server."""
 
     def __init__(self, port: int | None = None) -> None:
         super().__init__()
@@ -294,17 +375,27 @@ class OtlpGrpcReceiver(_Recorder):
             return
         import grpc
         from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
+        from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
         receiver = self
 
+        def record(request: Any, context: Any, traces: bool) -> None:
+            headers = {key.lower(): value for key, value in context.invocation_metadata()}
+            receiver._record(Received(request, headers, size=request.ByteSize()), traces=traces)
+
         class Servicer(metrics_service_pb2_grpc.MetricsServiceServicer):
             def Export(self, request: Any, context: Any) -> Any:
-                headers = {key.lower(): value for key, value in context.invocation_metadata()}
-                receiver._record(Received(request, headers))
+                record(request, context, False)
                 return receiver._answer(metrics_service_pb2.ExportMetricsServiceResponse)
+
+        class TraceServicer(trace_service_pb2_grpc.TraceServiceServicer):
+            def Export(self, request: Any, context: Any) -> Any:
+                record(request, context, True)
+                return trace_service_pb2.ExportTraceServiceResponse()
 
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=[("grpc.so_reuseport", 0)])
         metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(Servicer(), server)
+        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(TraceServicer(), server)
         if server.add_insecure_port(f"127.0.0.1:{self.port}") != self.port:
             raise OSError(f"OtlpGrpcReceiver: could not bind 127.0.0.1:{self.port}")
         server.start()

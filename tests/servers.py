@@ -216,6 +216,7 @@ class PrometheusServer(_Server):
 
     With `agent=True`, Prometheus in agent mode: it scrapes and remote-writes (`remote_write`),
     stores nothing to query (its query API answers no data). `external_labels` go on every series.
+    `features` are turned on with `--enable-feature` (`exemplar-storage`: `query_exemplars`).
     """
 
     name = "prometheus"
@@ -227,10 +228,12 @@ class PrometheusServer(_Server):
         scrape_interval_s: float = 1.0,
         agent: bool = False,
         external_labels: dict[str, str] | None = None,
+        features: Sequence[str] = (),
     ) -> None:
         super().__init__(workdir)
         self.scrape_interval_s = scrape_interval_s
         self.agent = agent
+        self.features = tuple(features)
         self.external_labels = dict(external_labels or {})
         self._jobs: dict[str, dict[str, Any]] = {}
         self._remote_writes: list[dict[str, Any]] = []
@@ -250,6 +253,7 @@ class PrometheusServer(_Server):
             path,
             f"--config.file={self._config}",
             *storage,
+            *(f"--enable-feature={feature}" for feature in self.features),
             f"--web.listen-address={self.address}",
             "--web.enable-lifecycle",
             "--log.level=warn",
@@ -322,6 +326,15 @@ class PrometheusServer(_Server):
     def wait_for(self, expr: str, **options: Any) -> list[Sample]:
         """`wait_for(self.url, expr, ...)`."""
         return wait_for(self.url, expr, **options)
+
+    def query_exemplars(self, expr: str, start: float, end: float) -> list[dict[str, Any]]:
+        """`/api/v1/query_exemplars` of the series `expr` selects between Unix times `start` and `end`:
+        one entry per series, `seriesLabels` and its `exemplars` (`labels`, `value`, `timestamp`)."""
+        params = urllib.parse.urlencode({"query": expr, "start": f"{start:.3f}", "end": f"{end:.3f}"})
+        body = json.loads(http_get(f"{self.url}/api/v1/query_exemplars?{params}"))
+        if body.get("status") != "success":
+            raise QueryError(f"{expr!r}: {body.get('errorType')}: {body.get('error')}")
+        return body["data"]
 
 
 class PushgatewayServer(_Server):

@@ -48,9 +48,11 @@ from torchtelemetry.run import (
     ProgressFile,
     RunIdentity,
     RunProgress,
+    RunTraces,
     flight_recorder_on,
     progress_path,
     resolve_run_identity,
+    run_traces,
 )
 from torchtelemetry.sync import group_rank, group_world_size, resolve_group
 
@@ -89,6 +91,8 @@ class RunParts:
     """Goodput's lasting state (the goodput signal exports it)."""
     captures: CaptureRun | None
     """This rank's captures (None: `capture_on` empty, or no signals); the captures signal drives them."""
+    traces: RunTraces
+    """This rank's traces: the timeline the timers write, and the spans of sampled windows."""
 
     def submit_hang(self, step: int, values: ReportValues) -> None:
         """Export a hang report, with the captures' values once the rank it names wrote a capture."""
@@ -98,6 +102,7 @@ class RunParts:
         """Release what set-up started: the exporters (ports, threads), the signals' threads and the
         progress file's writer (the run did not finish)."""
         self.hub.close()
+        self.traces.close()
         if self.signals is not None:
             self.signals.close()
         if self.progress is not None:
@@ -116,18 +121,19 @@ def assemble_run(metrics: Any, exporters: Sequence[Exporter] | str, config: Tele
     goodput = GoodputLedger(progress)
     hub: ExportHub | NullHub = NullHub()
     signals = captures = None
+    if isinstance(exporters, str):
+        exporters = exporters_from_spec(exporters)
+    rank = group_rank(resolved)
+    traces = run_traces(config, exporters, rank, world_size, policy.exporting, run.run_id, device)
     try:
         captures = _captures(config, resolved, policy.exporting, device, run.run_id)
-        rank = group_rank(resolved)
-        signals = _builtin_signals(config, world_size, goodput, user_leaves, rank, device, captures)
+        signals = _builtin_signals(config, world_size, goodput, user_leaves, rank, device, captures, traces)
         signal_metrics = signals.metrics() if signals is not None else {}
         leaves = user_leaves + list(signal_metrics.items())
         ranks = RankSeriesLimit(world_size, config.max_rank_series)
         descriptors = describe_with_signals(metrics, signals, ranks)
         if config.hang_after_s is not None:  # the hang monitor's reports (`torchtelemetry.run`)
             descriptors += HANG_DESCRIPTORS
-        if isinstance(exporters, str):
-            exporters = exporters_from_spec(exporters)
         if policy.exporting:
             hub = ExportHub(exporters, run=run, queue_size=config.queue_size)
         hub.describe(descriptors)
@@ -145,6 +151,7 @@ def assemble_run(metrics: Any, exporters: Sequence[Exporter] | str, config: Tele
         )
     except BaseException:
         hub.close()
+        traces.close()
         if signals is not None:
             signals.close()
         elif captures is not None:
@@ -167,6 +174,7 @@ def assemble_run(metrics: Any, exporters: Sequence[Exporter] | str, config: Tele
         progress,
         goodput,
         captures,
+        traces,
     )
 
 
@@ -241,6 +249,7 @@ def _builtin_signals(
     rank: int,
     device: torch.device,
     captures: CaptureRun | None,
+    traces: RunTraces,
 ) -> SignalSet | None:
     if not config.signals:
         return None
@@ -259,6 +268,11 @@ def _builtin_signals(
             spike_windows=config.spike_windows,
             goodput=goodput,
             nvml=config.nvml,
+            every=config.every,
+            max_layer_series=config.max_layer_series,
             captures=captures,
+            trace_ranks=traces.trace_ranks,
+            traces=traces,
+            timeline=traces.log,
         )
     )

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from torchtelemetry.collect import AsyncMetricCollector, CollectionError
-from torchtelemetry.report import SignalSet, WindowPublisher
+from torchtelemetry.report import COLLECT_PHASE, SectionLog, SignalSet, WindowPublisher
 from torchtelemetry.run import Heartbeat
 
 __all__ = ["StepWindows"]
@@ -38,7 +38,10 @@ class StepWindows:
         *,
         every: int,
         beat: Heartbeat | None,
+        sections: SectionLog | None = None,
     ) -> None:
+        """`sections`: the window's timeline for its trace (each step's end, each wait for a
+        collection); None: traces are off."""
         self._collector = collector
         self._publisher = publisher
         self._signals = signals
@@ -56,6 +59,8 @@ class StepWindows:
         """The collection that failed; nothing more is collected after it."""
         self._ignored_inputs = False
         self._beat = beat
+        self._sections = sections
+        self._collect_kind = sections.kind(COLLECT_PHASE) if sections is not None else 0
 
     def stepped(self, step: int, inputs: Mapping[str, Any]) -> None:
         """Step `step` ended (`inputs`: its `step()` keywords): collect what finished, schedule if due."""
@@ -72,6 +77,8 @@ class StepWindows:
                 "recorded (logged once)",
                 given,
             )
+        if self._sections is not None:
+            self._sections.stepped(step, now)
         self._last_step_clock = now
         self.last_step = step
         if self._beat is not None:
@@ -122,16 +129,21 @@ class StepWindows:
         # Values logged at the windows' steps came before this call (a framework logs right after
         # the step()): their reports may be submitted now.
         self._publisher.release()
-        beat = self._beat if block and self._collector.pending else None
-        if beat is None:
+        if not (block and self._collector.pending):
             self._collect(block=block, limit=limit)
             return
-        beat.collecting = True
-        beat.collections += 1
+        beat = self._beat
+        if beat is not None:
+            beat.collecting = True
+            beat.collections += 1
+        started = time.perf_counter()
         try:
             self._collect(block=block, limit=limit)
         finally:
-            beat.collecting = False
+            if beat is not None:
+                beat.collecting = False
+            if self._sections is not None:
+                self._sections.record(self._collect_kind, started, time.perf_counter())
 
     def _collect(self, *, block: bool, limit: int | None) -> None:
         collected = 0

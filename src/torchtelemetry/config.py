@@ -12,6 +12,7 @@ from typing import Any
 from torchtelemetry.collect import DEFAULT_MAX_PENDING, DEFAULT_TIMEOUT_S, check_collection_limits
 from torchtelemetry.report import (
     CAPTURE_TRIGGERS,
+    DEFAULT_MAX_LAYER_SERIES,
     DEFAULT_PHASES,
     DEFAULT_SPIKE_SIGMA,
     DEFAULT_SPIKE_WINDOWS,
@@ -70,6 +71,10 @@ class TelemetryConfig:
     exported as min/median/max over ranks (a counter: its total over ranks) instead of one series
     per rank (0: always), so the series a run exports do not grow with its ranks. The ranks holding
     the min and max step time are exported either way, as values."""
+    max_layer_series: int = DEFAULT_MAX_LAYER_SERIES
+    """Above this many layers watched (`Telemetry.watch_layers`), the layer norms are exported for
+    this many layers only, those of largest gradient norm (non-finite ones first), plus min/median/max
+    over every layer, instead of one series per layer (0: only those three)."""
     flops_per_token: float | None = None
     """Model FLOPs of training on one token (forward and backward, e.g. 6 x parameters plus
     attention); exports `train/tflops_per_second` and `train/mfu` from `step(tokens=)`."""
@@ -115,12 +120,20 @@ class TelemetryConfig:
     memory_history: bool = False
     """On CUDA, record the allocator's history (a stack per allocation and free: CPU time on every
     one) so that captures hold its memory snapshot (`memory.pickle`)."""
+    trace_ranks: int | None = None
+    """Ranks each window sends OTLP spans of its steps from: the slowest, the fastest and one rotating
+    through the world (docs/signals.md, Traces), to the `OTelExporter`'s traces endpoint. None: 3 when
+    an `OTelExporter` is among the exporters (and `signals` is on), else 0; 0 turns traces off."""
 
     def __post_init__(self) -> None:
         check_collection_limits("TelemetryConfig.", timeout_s=self.timeout_s, max_pending=self.max_pending)
         for key in ("every", "queue_size"):
             if getattr(self, key) < 1:
                 raise ValueError(f"TelemetryConfig.{key} must be at least 1, got {getattr(self, key)}")
+        if self.max_layer_series < 0:
+            raise ValueError(
+                f"TelemetryConfig.max_layer_series must be at least 0, got {self.max_layer_series}"
+            )
         if self.max_rank_series < 0:
             raise ValueError(
                 f"TelemetryConfig.max_rank_series must be at least 0, got {self.max_rank_series}"
@@ -146,6 +159,14 @@ class TelemetryConfig:
             raise ValueError(
                 "TelemetryConfig.heartbeat_port must be a port number from 0 to 65535, got "
                 f"{self.heartbeat_port!r}"
+            )
+        if self.trace_ranks is not None and (
+            isinstance(self.trace_ranks, bool)
+            or not isinstance(self.trace_ranks, int)
+            or self.trace_ranks < 0
+        ):
+            raise ValueError(
+                f"TelemetryConfig.trace_ranks must be None or an integer >= 0, got {self.trace_ranks!r}"
             )
         self._check_captures()
         if self.straggler_top_k < 1:

@@ -23,14 +23,16 @@ from torchtelemetry.collect import AsyncMetricCollector
 from torchtelemetry.config import TelemetryConfig
 from torchtelemetry.export import Exporter, RunInfo, print_startup_line
 from torchtelemetry.report import (
+    DEFAULT_LAYER_STATS,
     HostTimer,
+    LayerWatch,
     MetricDescriptor,
     PhaseTimer,
     ReportValue,
     restore_run_state,
     run_state,
 )
-from torchtelemetry.run import HangSettings, RunIdentity, watch_hangs
+from torchtelemetry.run import HangSettings, RunIdentity, checked_attempt, watch_hangs
 
 __all__ = ["RunIdentity", "Telemetry", "TelemetryConfig", "TelemetryStartupError"]
 
@@ -133,6 +135,7 @@ class Telemetry:
         self._identity = parts.identity
         self._run_id_suffix = parts.run_id_suffix
         self._progress, self._goodput = parts.progress, parts.goodput
+        self._traces = parts.traces
         self._captures = parts.captures
         self.is_exporting = parts.is_exporting
         """Whether this rank exports: rank 0 of the group (`export_policy`)."""
@@ -143,7 +146,12 @@ class Telemetry:
         self._publisher = parts.publisher
         beat = hang_watch.publisher.beat if hang_watch is not None else None
         self._windows = StepWindows(
-            self._collector, self._publisher, self._signals, every=self.every, beat=beat
+            self._collector,
+            self._publisher,
+            self._signals,
+            every=self.every,
+            beat=beat,
+            sections=parts.traces.log if parts.traces.log.keeps else None,
         )
         self._closed = self._raised = False
         agreed = every_rank.agreed
@@ -168,6 +176,7 @@ class Telemetry:
             config=self.run.config,
         )
         self.hub.adopt_run(self.run)
+        self._traces.adopt_run(self.run.run_id)
         if self._hang_watch is not None:
             self._hang_watch.adopt_run(self.run)
         if self._captures is not None:
@@ -252,11 +261,39 @@ class Telemetry:
         if self._signals is not None:
             self._signals.watch_gradient_sync(model, phase)
 
+    def watch_layers(
+        self,
+        model: torch.nn.Module,
+        stats: Sequence[str] = DEFAULT_LAYER_STATS,
+        every: int | None = None,
+        *,
+        layers: Sequence[str] | None = None,
+        nonfinite: bool = True,
+    ) -> None:
+        """Export each layer's gradient and parameter norms and where a NaN was born, on every rank.
+
+        A layer is each module of `model` that directly holds parameters, named by its path (or the
+        module paths `layers`, each with every parameter under it). `stats`: "grad_norm",
+        "param_norm". The norms are exact under DDP, FSDP2, HSDP and DTensor placements, measured on
+        the device at the step that ends each window (or every `every` steps) with no collective
+        beyond the window's; with `nonfinite`, every step each layer's output and gradients are
+        checked for NaN and Inf, one read of each (docs/signals.md, "Per-layer statistics"). Call it
+        once, after wrapping the model, on every rank, before the window it is to start in (and
+        before `load_state_dict`): it waits for the collections in flight. `close()` removes its
+        hooks. With `signals=False`, nothing.
+        """
+        self._require_open("watch_layers")
+        watch = LayerWatch(layers, stats, every, nonfinite, self.config.group)
+        if self._signals is not None:
+            self._windows.drain(block=True)  # the windows in flight were laid out without the layers
+            self._signals.watch_layers(model, watch)
+
     def checkpoint_saved(self, step: int) -> None:
         """Mark the checkpoint of `step` as durable (written and committed): for goodput, the
         training up to when `state_dict()` was taken for it reached a checkpoint."""
         self._require_open("checkpoint_saved")
         self._goodput.checkpoint_saved(step)
+        self._traces.checkpoint_saved(step)
 
     def request_capture(self, rank: int, *, reason: str = "request") -> None:
         """Capture `rank`'s evidence over the next `capture_steps` steps (its profile, every thread's
@@ -335,6 +372,7 @@ class Telemetry:
                 self._hang_watch.close(timeout_s)
             self._publisher.release()  # collections still in flight after a failure must not wait for logs
             self._collector.unbind(timeout_s=timeout_s)
+            self._traces.close(timeout_s)  # every window's verdict is in: send what is queued
             self.hub.close(timeout_s)
             self._every_rank.release()
             if self._signals is not None:
@@ -394,10 +432,12 @@ class Telemetry:
         if not self._closed:
             self._windows.drain(block=True)
             self._windows.flush_signals(final=True)
+            self._traces.state_taken(self._windows.last_step)
         return {
             **run_state(self._leaves, self._publisher.totals, self._signals, self.config.group),
             **self._windows.state(),
             "run_id": self._identity.run_id,
+            "attempt": self._traces.attempt,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -417,9 +457,11 @@ class Telemetry:
                 f"Telemetry.load_state_dict: run_id must be a non-empty string, got {saved_run_id!r}; "
                 "pass the state Telemetry.state_dict() returned"
             )
+        saved_attempt = checked_attempt(state.get("attempt", 0))
         if saved_run_id and not self._identity.pinned and saved_run_id != self._identity.run_id:
             self._adopt_run(RunIdentity(saved_run_id, "checkpoint"))
         restore_run_state(
             state, self._leaves, self._user_leaves, self._publisher.totals, self._signals, self.config.group
         )
         self._windows.load(state)
+        self._traces.resumed(saved_attempt)

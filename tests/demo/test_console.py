@@ -23,7 +23,7 @@ def test_a_line_written_while_the_bar_is_shown_starts_a_terminal_line_of_its_own
     with above_the_bar(progress):
         progress.update(3)
         progress.refresh()
-        writer = threading.Thread(target=lambda: print(LINE, file=sys.stderr, flush=True))  # as the collector's
+        writer = threading.Thread(target=lambda: print(LINE, file=sys.stderr, flush=True))  # the collector
         writer.start()
         writer.join()
         progress.update(1)

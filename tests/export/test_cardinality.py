@@ -37,7 +37,7 @@ from torchtelemetry.report import (
     describe_with_signals,
     to_python,
 )
-from torchtelemetry.report.signals import DataWait, MemoryHealth, Phases, StepTime
+from torchtelemetry.report.signals import STEP_TIME_BOUNDS, DataWait, MemoryHealth, Phases, StepTime
 from torchtelemetry.run import GoodputLedger
 
 pytest.importorskip("opentelemetry.exporter.otlp.proto.http")
@@ -51,7 +51,8 @@ BOUNDS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0)
 SCALARS = 3 + 8
 """loss, accuracy, the skipped-samples counter; tokens, samples, their rates, learning rate, peak
 memory, TFLOP/s and MFU (the built-in signals' scalars with model FLOPs on)."""
-HISTOGRAM_BOUNDS = (len(BOUNDS),)
+HISTOGRAM_BOUNDS = (len(BOUNDS), len(STEP_TIME_BOUNDS))
+"""grad_norm's, and the built-in step-time histogram's."""
 GAUGES_PER_RANK = 3 + 1
 """step time, data wait, data-wait share; the tree's own loss per rank."""
 COUNTERS_PER_RANK = 1
@@ -70,11 +71,11 @@ def health_series(world_size: int) -> int:
     """The health signals' share of docs/scale.md's formula (on CPU, nothing non-finite seen)."""
     phased = len(PHASES) + 1  # and the data wait
     per_rank = len(PHASES) * world_size if world_size <= MAX_RANK_SERIES else 0
-    # min, median, max, min_rank, max_rank, share, four straggler scores and the straggler cost
-    # per phase (no threshold before a run's 4th window, no straggler named); a non-finite and a
-    # spike counter per watched metric; RSS and its rank; goodput, productive and wall time,
-    # restarts and recomputed steps
-    return per_rank + 11 * phased + 2 * WATCHED + 2 + 5
+    # min, median, max, min_rank, median_rank, max_rank, share, four straggler scores and the
+    # straggler cost per phase (no threshold before a run's 4th window, no straggler named); a
+    # non-finite and a spike counter per watched metric; RSS and its rank; goodput, productive and
+    # wall time, restarts and recomputed steps
+    return per_rank + 12 * phased + 2 * WATCHED + 2 + 5
 
 
 def budget(world_size: int, backend: str) -> int:

@@ -22,13 +22,14 @@ from torchtelemetry.export import (
     OTEL_SCHEMA_URL,
     ExportHub,
     ExportResult,
+    HistogramValue,
     MetricDescriptor,
     NullHub,
     OTelExporter,
     RunInfo,
 )
 from torchtelemetry.metric import MetricKind
-from torchtelemetry.report import NameCollisionError, describe_metrics
+from torchtelemetry.report import Exemplar, NameCollisionError, describe_metrics
 
 pytest.importorskip("opentelemetry.exporter.otlp.proto.grpc")
 
@@ -293,3 +294,18 @@ def test_counter_and_label_values_of_one_report(http_receiver):
         "0": 10.5,
         "1": 11.0,
     }
+
+
+def test_a_histograms_exemplar_reaches_the_wire_with_its_trace_and_span(http_receiver):
+    exemplar = Exemplar(value=0.3, timestamp=1_700_000_000.25, trace_id="0a" * 16, span_id="0b" * 8)
+    descriptor = MetricDescriptor("train/step_time/histogram", MetricKind.HISTOGRAM, "seconds")
+    exporter = OTelExporter(endpoint=http_receiver.metrics_endpoint)
+    exporter.describe([descriptor], RunInfo(run_id="exemplar"))
+    value = HistogramValue((0.1, 1.0), (1.0, 2.0, 0.0), 0.5, 3.0, exemplar)
+    assert exporter.export(4, {descriptor.name: value}, 1_700_000_000.5) is ExportResult.SUCCESS
+    exporter.close()
+    metric = metrics_by_name(http_receiver.received[0].request)["train.step_time.histogram"]
+    (point,) = metric.histogram.data_points
+    (sent,) = point.exemplars
+    assert (sent.trace_id.hex(), sent.span_id.hex()) == ("0a" * 16, "0b" * 8)
+    assert (sent.as_double, sent.time_unix_nano) == (0.3, round(1_700_000_000.25 * 1e9))

@@ -8,8 +8,15 @@ import time
 
 import pytest
 
-from tests.receivers import OtlpHttpReceiver, metrics_by_name
-from torchtelemetry.export import ExportHub, ExportResult, MetricDescriptor, OTelExporter, RunInfo
+from tests.receivers import OtlpGrpcReceiver, OtlpHttpReceiver, metrics_by_name
+from torchtelemetry.export import (
+    ExportHub,
+    ExportResult,
+    MetricDescriptor,
+    OTelExporter,
+    RunInfo,
+    SpanRecord,
+)
 from torchtelemetry.metric import MetricKind
 
 pytest.importorskip("opentelemetry.exporter.otlp.proto.http")
@@ -28,6 +35,12 @@ def clean_otel_env(monkeypatch):
 @pytest.fixture
 def receiver():
     with OtlpHttpReceiver() as running:
+        yield running
+
+
+@pytest.fixture
+def grpc_receiver():
+    with OtlpGrpcReceiver() as running:
         yield running
 
 
@@ -146,3 +159,67 @@ def test_cumulative_is_the_default_and_an_unknown_preference_warns(receiver, mon
         (10.0, cumulative),
         (30.0, cumulative),
     ]
+
+
+# -- the traces endpoint: where a rank's spans go (TelemetryConfig.trace_ranks) ------------------
+
+
+def _span(name: str = "train.step") -> SpanRecord:
+    return SpanRecord(name, trace_id=7, span_id=9, parent_id=None, start_ns=1, end_ns=2, attributes={"a": 1})
+
+
+def test_spans_go_where_the_metrics_go_with_v1_traces_over_http_and_the_same_url_over_grpc(
+    receiver, monkeypatch
+) -> None:
+    assert (
+        OTelExporter(endpoint=receiver.metrics_endpoint).traces_endpoint == f"{receiver.endpoint}/v1/traces"
+    )
+    assert OTelExporter().traces_endpoint == "http://localhost:4318/v1/traces"
+    assert OTelExporter(protocol="grpc", endpoint="http://h:4317").traces_endpoint == "http://h:4317"
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint)
+    sender = OTelExporter(service_name="spans", resource_attributes={"team": "a"}).span_sender()
+    assert sender.send([_span()], RunInfo(run_id="r", world_size=4))
+    sender.shutdown()
+    ((request,),) = [[received] for received in receiver.received_traces]
+    assert request.path == "/v1/traces" and receiver.received == []
+    (span,) = receiver.spans()
+    assert (span.name, span.trace_id, span.span_id, span.parent_span_id) == (
+        "train.step",
+        f"{7:032x}",
+        f"{9:016x}",
+        "",
+    )
+    assert span.resource["service.name"] == "spans" and span.resource["service.instance.id"] == "r"
+    assert span.resource["team"] == "a" and span.resource["torchtelemetry.world_size"] == 4
+
+
+def test_the_traces_endpoint_wins_and_one_that_cannot_be_known_or_has_a_query_is_refused(
+    receiver, monkeypatch
+) -> None:
+    given = OTelExporter(endpoint="http://h:4318/v1/metrics", traces_endpoint=receiver.endpoint + "/t")
+    assert given.traces_endpoint == receiver.endpoint + "/t"
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://e:4318/custom")
+    assert OTelExporter(endpoint="http://h:4318/v1/metrics").traces_endpoint == "http://e:4318/custom"
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+    custom = OTelExporter(endpoint="http://h:4318/otlp/metrics")  # a metrics path of its own: fine
+    with pytest.raises(ValueError, match=r"no traces endpoint.*traces_endpoint=.*trace_ranks=0"):
+        custom.span_sender()
+    queried = OTelExporter(endpoint="http://h:4318/v1/metrics", traces_endpoint="http://h/v1/traces?k=s3cret")
+    with pytest.raises(ValueError, match="has a query or a fragment") as refused:
+        queried.span_sender()
+    assert "s3cret" not in str(refused.value)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_HEADERS", "authorization=Bearer%20t0ken%0D%0AX-Evil=1")
+    exporter = OTelExporter(endpoint="http://h:4318/v1/metrics")  # metrics alone do not read it
+    with pytest.raises(ValueError, match=r"OTEL_EXPORTER_OTLP_TRACES_HEADERS.*'authorization'") as refused:
+        exporter.span_sender()
+    assert "t0ken" not in str(refused.value)
+
+
+def test_spans_over_grpc_reach_the_trace_service(grpc_receiver) -> None:
+    sender = OTelExporter(
+        protocol="grpc", endpoint=grpc_receiver.endpoint, headers={"X-Team": "a"}
+    ).span_sender()
+    assert sender.send([_span("train.forward")], RunInfo(run_id="g"))
+    sender.shutdown()
+    ((received,),) = [[r] for r in grpc_receiver.received_traces]
+    assert received.headers["x-team"] == "a" and [s.name for s in grpc_receiver.spans()] == ["train.forward"]

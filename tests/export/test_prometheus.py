@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import threading
 import urllib.error
@@ -31,7 +32,7 @@ from torchtelemetry import (
 )
 from torchtelemetry.export import ExportHub, ExportResult, HistogramValue, MetricDescriptor, NullHub, RunInfo
 from torchtelemetry.metric import MetricKind
-from torchtelemetry.report import NameCollisionError
+from torchtelemetry.report import Exemplar, NameCollisionError
 
 
 @pytest.mark.slow
@@ -275,3 +276,33 @@ def test_the_endpoint_answers_an_openmetrics_accept_in_openmetrics(accept: str, 
     parse = openmetrics_families if openmetrics else text_string_to_metric_families
     samples = {sample.name: sample.value for family in parse(body) for sample in family.samples}
     assert samples["torchtelemetry_tokens_total"] == 12.0
+
+
+def test_an_exemplar_rides_its_bucket_in_openmetrics_only(exporter: PrometheusExporter) -> None:
+    """The step-time histogram's exemplar (the trace of the slowest rank's slowest step): on the bucket
+    its value falls in, as OpenMetrics writes it for a scraper that asks for it; the classic text
+    format has no place for it and leaves it out."""
+    import urllib.request
+
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families as openmetrics_families
+
+    exemplar = Exemplar(value=1.2, timestamp=1700000000.25, trace_id="0a" * 16, span_id="0b" * 8)
+    report = sample_report(3)
+    report["grad_norm"] = dataclasses.replace(report["grad_norm"], exemplar=exemplar)
+    exporter.describe(DESCRIPTORS, RUN)
+    assert exporter.export(3, report, 1700000000.5) is ExportResult.SUCCESS
+    request = urllib.request.Request(exporter.url, headers={"Accept": "application/openmetrics-text"})
+    with urllib.request.urlopen(request, timeout=10) as response:
+        assert response.headers["Content-Type"].startswith("application/openmetrics-text")
+        body = response.read().decode()
+    (family,) = [f for f in openmetrics_families(body) if f.name == "torchtelemetry_grad_norm"]
+    marked = [
+        (s.labels["le"], s.exemplar.labels, s.exemplar.value, float(s.exemplar.timestamp))
+        for s in family.samples
+        if s.exemplar is not None
+    ]
+    assert marked == [
+        ("2.0", {"trace_id": "0a" * 16, "span_id": "0b" * 8}, 1.2, 1700000000.25)
+    ]  # 1 < 1.2 <= 2
+    classic = http_get(exporter.url).decode()
+    assert "trace_id" not in classic and families(classic.encode())["torchtelemetry_grad_norm"]

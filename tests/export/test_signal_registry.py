@@ -147,12 +147,17 @@ def test_the_prometheus_wire_spells_every_name_as_the_registry(run: dict[str, An
         for sample in family.samples:
             if sample.name in user:
                 continue
-            assert sample.name in by_name, f"{sample.name} is on the wire and not in the registry"
-            entry = by_name[sample.name]
+            # A histogram's samples (`_bucket`, `_sum`, `_count`) are its family's name.
+            name = family.name if family.type == "histogram" else sample.name
+            assert name in by_name, f"{sample.name} is on the wire and not in the registry"
+            entry = by_name[name]
             assert family.type == entry["prometheus"]["type"], sample.name
             assert family.documentation == entry["description"], sample.name
             label = entry["prometheus"]["label"]
-            assert set(sample.labels) == {"run", "route"} | ({label} if label else set()), sample.name
+            bucket = {"le"} if sample.name.endswith("_bucket") else set()
+            assert set(sample.labels) == {"run", "route"} | ({label} if label else set()) | bucket, (
+                sample.name
+            )
             seen.add(entry["name"])
     _assert_emitted(seen, run["max_rank_series"])
 
@@ -182,6 +187,7 @@ def _assert_emitted(seen: set[str], max_rank_series: int) -> None:
     """The run emitted each family of names: the check above looked at something."""
     common = {
         "train/step",
+        "train/step_time/histogram",
         "train/tokens",
         "train/tokens_per_second",
         "train/samples",

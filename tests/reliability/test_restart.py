@@ -36,6 +36,7 @@ HOST_TIMED = {
     "train/step_time",
     "train/step_time/min_rank",
     "train/step_time/max_rank",
+    "train/step_time/histogram",
     "train/tokens_per_second",
     "train/samples_per_second",
     "train/peak_memory",

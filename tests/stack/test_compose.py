@@ -20,7 +20,9 @@ from tests.stack._stack import (
 )
 from torchtelemetry.export import NAMESPACE, ROUTE_LABEL, ROUTES, RUN_LABEL
 
-SERVICES = {"prometheus", "grafana", "otel-collector", "pushgateway"}
+SERVICES = {"prometheus", "grafana", "otel-collector", "pushgateway", "tempo"}
+PROBED_FROM_OUTSIDE = {"otel-collector", "tempo"}
+"""Images without a shell or HTTP client to probe them with: their health endpoints are published."""
 OPTIONAL_SERVICES = {"victoriametrics"}
 """Started only with their profile (`docker compose --profile scale up`)."""
 
@@ -68,7 +70,7 @@ def _port(endpoint: str) -> int:
     return int(endpoint.rsplit(":", 1)[1])
 
 
-def test_compose_runs_the_four_services_with_pinned_images(compose: dict[str, Any]) -> None:
+def test_compose_runs_the_five_services_with_pinned_images(compose: dict[str, Any]) -> None:
     services = compose["services"]
     assert set(services) == SERVICES | OPTIONAL_SERVICES
     for name in OPTIONAL_SERVICES:
@@ -104,7 +106,7 @@ def test_published_ports_are_loopback_only(compose: dict[str, Any]) -> None:
 
 def test_health_is_checked(compose: dict[str, Any], collector: dict[str, Any]) -> None:
     services = compose["services"]
-    for name in SERVICES - {"otel-collector"}:
+    for name in SERVICES - PROBED_FROM_OUTSIDE:
         test = services[name]["healthcheck"]["test"]
         assert test[0] == "CMD" and "127.0.0.1" in test[-1], f"{name}: healthcheck {test}"
     # The collector image has no shell or HTTP client: its health_check extension is published instead.
@@ -211,3 +213,30 @@ def test_grafana_is_provisioned_with_the_datasource_and_dashboards(compose: dict
     home = grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
     assert home.startswith(dashboard_mount + "/")
     assert (DASHBOARD_DIR / Path(home).name).exists()
+
+
+def test_spans_go_from_the_collector_to_tempo_and_exemplars_open_them_in_grafana(
+    compose: dict[str, Any], collector: dict[str, Any]
+) -> None:
+    """The trace store behind the step-time exemplars (docs/stack.md, Traces): Prometheus stores
+    exemplars, the Collector serves them (OpenMetrics) and forwards spans to Tempo on a port it
+    listens on, and Grafana's Prometheus datasource opens an exemplar's trace_id in Tempo."""
+    services = compose["services"]
+    assert "--enable-feature=exemplar-storage" in services["prometheus"]["command"]
+    traces = collector["service"]["pipelines"]["traces"]
+    assert traces["receivers"] == ["otlp"] and traces["processors"][-1] == "batch"
+    (exporter,) = traces["exporters"]
+    host, port = collector["exporters"][exporter]["endpoint"].rsplit(":", 1)
+    assert host == "tempo" and collector["exporters"]["prometheus"]["enable_open_metrics"] is True
+    tempo_config = dict(_bind_mounts(services["tempo"]))["./exporters/tempo/tempo.yaml"]
+    assert f"-config.file={tempo_config}" in services["tempo"]["command"]
+    tempo = load_yaml(ROOT / "exporters" / "tempo" / "tempo.yaml")
+    assert _port(tempo["distributor"]["receivers"]["otlp"]["protocols"]["grpc"]["endpoint"]) == int(port)
+    http_port = str(tempo["server"]["http_listen_port"])
+    assert ("127.0.0.1", http_port, http_port) in _published(services["tempo"])
+    (datasource,) = load_yaml(GRAFANA_PROVISIONING / "datasources" / "tempo.yml")["datasources"]
+    assert (datasource["type"], datasource["url"]) == ("tempo", f"http://tempo:{http_port}")
+    (prometheus,) = load_yaml(GRAFANA_PROVISIONING / "datasources" / "prometheus.yml")["datasources"]
+    assert prometheus["jsonData"]["exemplarTraceIdDestinations"] == [
+        {"name": "trace_id", "datasourceUid": datasource["uid"]}
+    ]

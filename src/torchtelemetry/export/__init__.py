@@ -43,6 +43,7 @@ from torchtelemetry.export._naming import (
     tracker_name,
 )
 from torchtelemetry.export._otel import OTEL_SCHEMA_URL, OTelExporter
+from torchtelemetry.export._otlp_spans import OtlpSpanSender, SpanRecord
 from torchtelemetry.export._prometheus import PrometheusExporter
 from torchtelemetry.export._protocol import RUN_ID_ENV, Exporter, ExporterStartError, ExportResult, RunInfo
 from torchtelemetry.export._pushgateway import PushgatewayExporter
@@ -98,6 +99,8 @@ __all__ = [
     "NameCollisionError",
     "NullHub",
     "OTelExporter",
+    "OtlpSpanSender",
+    "SpanRecord",
     "PrometheusExporter",
     "PushgatewayExporter",
     "RunInfo",

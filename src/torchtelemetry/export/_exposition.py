@@ -49,7 +49,7 @@ Collector of exporters/otel-collector (which inserts it as a resource attribute)
 
 def import_prometheus_client() -> Any:
     """`prometheus_client`, or an ImportError that names the pip extra."""
-    for module in ("prometheus_client.metrics_core", "prometheus_client.utils"):
+    for module in ("prometheus_client.metrics_core", "prometheus_client.samples", "prometheus_client.utils"):
         import_optional(module, "prometheus", "the Prometheus exporters")
     return import_optional("prometheus_client", "prometheus", "the Prometheus exporters")
 
@@ -269,12 +269,22 @@ def _sample_names(series: _Series) -> Iterator[str]:
         yield series.name
 
 
-def _buckets(value: HistogramValue) -> list[tuple[str, float]]:
-    float_to_go_string = import_prometheus_client().utils.floatToGoString
+def _buckets(value: HistogramValue) -> list[tuple[Any, ...]]:
+    """`(le, cumulative count)` per bucket, and the exemplar on the bucket its value falls in (only
+    the OpenMetrics exposition shows it, as `# {trace_id="...",span_id="..."} value timestamp`)."""
+    client = import_prometheus_client()
     cumulative = value.cumulative_counts()
     if len(cumulative) != len(value.bounds) + 1:
         raise ValueError(
             f"{len(value.bounds)} bounds need {len(value.bounds) + 1} counts, got {len(cumulative)}"
         )
-    edges = [float_to_go_string(bound) for bound in value.bounds] + ["+Inf"]
-    return list(zip(edges, cumulative, strict=True))
+    edges = [client.utils.floatToGoString(bound) for bound in value.bounds] + ["+Inf"]
+    buckets: list[tuple[Any, ...]] = list(zip(edges, cumulative, strict=True))
+    index, exemplar = value.exemplar_bucket(), value.exemplar
+    if index is not None and exemplar is not None:
+        labels = {"trace_id": exemplar.trace_id, "span_id": exemplar.span_id}
+        buckets[index] = (
+            *buckets[index],
+            client.samples.Exemplar(labels, exemplar.value, exemplar.timestamp),
+        )
+    return buckets

@@ -37,14 +37,18 @@ from torchtelemetry.export._otlp_client import OtlpClient
 from torchtelemetry.export._otlp_settings import (
     METRICS_PROTOCOL_ENV,
     PROTOCOL_ENV,
+    TRACES_HEADERS_ENV,
+    check_endpoint,
     check_headers,
     metrics_endpoint,
     resolve_protocol,
     temporality_preference,
 )
+from torchtelemetry.export._otlp_settings import traces_endpoint as traces_endpoint_of
+from torchtelemetry.export._otlp_spans import OtlpSpanSender
 from torchtelemetry.export._protocol import RunInfo
 from torchtelemetry.export._temporality import Temporality
-from torchtelemetry.export._urls import has_user_info, redact_url
+from torchtelemetry.export._urls import redact_url
 from torchtelemetry.metric import MetricKind
 from torchtelemetry.report import MetricDescriptor, ReportValues, wall_time
 
@@ -103,6 +107,11 @@ class OTelExporter(BaseExporter):
     The constructor only checks its arguments; the OTLP client is created by the
     first `describe()`. Each `export()` is one blocking push bounded by the
     timeout (the SDK retries transient errors within it).
+
+    The run's traces (`TelemetryConfig.trace_ranks`) go to `traces_endpoint`, else
+    `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`, else where the metrics go (the same gRPC endpoint; over
+    HTTP `/v1/traces` in place of `/v1/metrics`), with the same protocol, headers (or
+    `OTEL_EXPORTER_OTLP_TRACES_HEADERS`), timeout, compression and resource: `span_sender()`.
     """
 
     def __init__(
@@ -116,6 +125,7 @@ class OTelExporter(BaseExporter):
         service_name: str | None = None,
         resource_attributes: Mapping[str, str | bool | int | float] | None = None,
         name: str = "otlp",
+        traces_endpoint: str | None = None,
     ) -> None:
         self.protocol = resolve_protocol(protocol)
         transport = "grpc" if self.protocol == "grpc" else "http"
@@ -129,19 +139,10 @@ class OTelExporter(BaseExporter):
             raise ValueError(f"OTelExporter: compression must be one of {_COMPRESSIONS}, got {compression!r}")
         self.endpoint = metrics_endpoint(self.protocol, endpoint)
         """The metrics endpoint, resolved by the OTLP rule (may hold credentials: log `url`)."""
-        if "?" in self.endpoint or "#" in self.endpoint:
-            raise ValueError(
-                f"OTelExporter: the endpoint {redact_url(self.endpoint)} has a query or a fragment; a "
-                "token there would reach the logs (the OpenTelemetry SDK logs the URL's path and query "
-                "with every failed push): pass it as a header, headers={'api-key': ...} or "
-                "OTEL_EXPORTER_OTLP_HEADERS=api-key=... (the name your backend takes), and the endpoint "
-                "without a query"
-            )
-        if self.protocol == "grpc" and has_user_info(self.endpoint):
-            raise ValueError(
-                "OTelExporter: a gRPC endpoint cannot carry credentials (user:password@host); "
-                "pass them as headers (headers= or OTEL_EXPORTER_OTLP_HEADERS)"
-            )
+        self.traces_endpoint = traces_endpoint_of(self.protocol, traces_endpoint, self.endpoint)
+        """Where `span_sender()` sends spans (None: an HTTP metrics endpoint on another path than
+        `/v1/metrics`, with no traces endpoint given)."""
+        check_endpoint(self.endpoint, self.protocol)
         if timeout_s is not None and not timeout_s > 0:
             raise ValueError(f"OTelExporter: timeout_s must be positive, got {timeout_s}")
         check_headers(headers, self.protocol)
@@ -178,6 +179,21 @@ class OTelExporter(BaseExporter):
 
     def destination(self) -> str | None:
         return self.url
+
+    def span_sender(self) -> OtlpSpanSender:
+        """A sender of finished spans to `traces_endpoint` with this exporter's settings and resource
+        (for the run's traces: every rank builds one, a sampled rank sends). Raises a `ValueError`
+        when the traces endpoint is unknown or has a query, or a traces header cannot be sent."""
+        if self.traces_endpoint is None:
+            raise ValueError(
+                f"OTelExporter: no traces endpoint: the metrics endpoint {self.url} does not end in "
+                "/v1/metrics, so where spans go is unknown; pass OTelExporter(traces_endpoint=...) or set "
+                "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, or turn traces off with trace_ranks=0"
+            )
+        check_endpoint(self.traces_endpoint, self.protocol)
+        check_headers(self._headers, self.protocol, signal_variable=TRACES_HEADERS_ENV)
+        settings = (self._headers, self._timeout_s, self._compression)
+        return OtlpSpanSender(self.protocol, self.traces_endpoint, *settings, self._build_resource)
 
     def _describe(self, descriptors: Sequence[MetricDescriptor], run: RunInfo) -> None:
         self._descriptors = merge_descriptors(

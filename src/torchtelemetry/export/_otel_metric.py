@@ -44,6 +44,7 @@ def otel_metric(
             explicit_bounds=list(value.bounds),
             min=None,  # unknown: only bucket counts are kept
             max=None,
+            exemplars=_exemplars(value, now_ns),
         )
         data: Any = Histogram(data_points=[point], aggregation_temporality=temporality)
     else:
@@ -77,3 +78,21 @@ def otel_metric(
         unit=otel_unit(descriptor.unit),
         data=data,
     )
+
+
+def _exemplars(value: HistogramValue, now_ns: int) -> list[Any]:
+    """The histogram's exemplar as the SDK's (the OTLP encoder sends its trace and span ids)."""
+    from opentelemetry.sdk.metrics import Exemplar
+
+    exemplar = value.exemplar
+    if exemplar is None:
+        return []
+    return [
+        Exemplar(
+            filtered_attributes={},
+            value=exemplar.value,
+            time_unix_nano=min(round(exemplar.timestamp * 1e9), now_ns),
+            span_id=int(exemplar.span_id, 16),
+            trace_id=int(exemplar.trace_id, 16),
+        )
+    ]

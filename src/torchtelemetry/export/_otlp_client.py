@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["OtlpClient", "PartialSuccess"]
+__all__ = ["OtlpClient", "PartialSuccess", "grpc_options", "http_options"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +66,6 @@ def _http_exporter(
     responses: list[Any],
 ) -> Any:
     import requests
-    from opentelemetry.exporter.otlp.proto.http import Compression
     from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
     from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceResponse
 
@@ -81,11 +80,7 @@ def _http_exporter(
     session = requests.Session()
     session.hooks["response"].append(keep_answer)
     return OTLPMetricExporter(
-        endpoint=endpoint,
-        headers=headers,
-        timeout=timeout_s,
-        compression=Compression(compression) if compression else None,
-        session=session,
+        endpoint=endpoint, timeout=timeout_s, session=session, **http_options(headers, compression)
     )
 
 
@@ -96,7 +91,6 @@ def _grpc_exporter(
     compression: str | None,
     responses: list[Any],
 ) -> Any:
-    import grpc
     from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
 
     class AnsweringStub:
@@ -121,14 +115,27 @@ def _grpc_exporter(
         def _client(self, stub: Any) -> None:
             self.__dict__["_answering_client"] = None if stub is None else AnsweringStub(stub)
 
+    return AnsweredExporter(endpoint=endpoint, timeout=timeout_s, **grpc_options(headers, compression))
+
+
+def grpc_options(headers: Mapping[str, str] | None, compression: str | None) -> dict[str, Any]:
+    """The `headers` (metadata keys are lower-case) and `compression` arguments of the SDK's OTLP/gRPC
+    exporters (None: the SDK reads its variables)."""
+    import grpc
+
     compressions = {
         "none": grpc.Compression.NoCompression,
         "gzip": grpc.Compression.Gzip,
         "deflate": grpc.Compression.Deflate,
     }
-    return AnsweredExporter(
-        endpoint=endpoint,
-        headers={k.lower(): v for k, v in headers.items()} if headers is not None else None,
-        timeout=timeout_s,
-        compression=compressions[compression] if compression else None,
-    )
+    return {
+        "headers": {k.lower(): v for k, v in headers.items()} if headers is not None else None,
+        "compression": compressions[compression] if compression else None,
+    }
+
+
+def http_options(headers: Mapping[str, str] | None, compression: str | None) -> dict[str, Any]:
+    """The `headers` and `compression` arguments of the SDK's OTLP/HTTP exporters."""
+    from opentelemetry.exporter.otlp.proto.http import Compression
+
+    return {"headers": headers, "compression": Compression(compression) if compression else None}

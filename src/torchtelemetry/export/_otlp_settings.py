@@ -4,6 +4,8 @@ One endpoint rule for the API, the CLI and the docs, the OpenTelemetry one: a me
 endpoint (`OTelExporter(endpoint=...)`, `OTEL_EXPORTER_OTLP_METRICS_ENDPOINT`) is used as is; the
 generic `OTEL_EXPORTER_OTLP_ENDPOINT` (what the demo's `--otlp` sets) gets `/v1/metrics` appended
 for OTLP/HTTP, unless it already ends with it (never doubled); gRPC endpoints are used as is.
+Spans go to `OTelExporter(traces_endpoint=...)`, else `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`, as is,
+else where the metrics go: the same gRPC endpoint, the HTTP one with `/v1/traces` for `/v1/metrics`.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import re
 from collections.abc import Mapping
 from urllib.parse import unquote
 
+from torchtelemetry.export._urls import has_user_info, redact_url
+
 __all__ = [
     "ENDPOINT_ENV",
     "HEADERS_ENV",
@@ -22,8 +26,12 @@ __all__ = [
     "METRICS_PROTOCOL_ENV",
     "PROTOCOL_ENV",
     "TEMPORALITY_ENV",
+    "TRACES_ENDPOINT_ENV",
+    "TRACES_HEADERS_ENV",
+    "check_endpoint",
     "check_headers",
     "metrics_endpoint",
+    "traces_endpoint",
     "resolve_protocol",
     "temporality_preference",
 ]
@@ -42,10 +50,15 @@ HEADERS_ENV = "OTEL_EXPORTER_OTLP_HEADERS"
 """Headers for every signal, `name=value` pairs separated by commas, values URL-encoded."""
 METRICS_HEADERS_ENV = "OTEL_EXPORTER_OTLP_METRICS_HEADERS"
 """Headers for metrics; wins over `OTEL_EXPORTER_OTLP_HEADERS`."""
+TRACES_ENDPOINT_ENV = "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"
+"""Traces endpoint, used as is; wins over the one derived from the metrics endpoint."""
+TRACES_HEADERS_ENV = "OTEL_EXPORTER_OTLP_TRACES_HEADERS"
+"""Headers for traces; wins over `OTEL_EXPORTER_OTLP_HEADERS`."""
 TEMPORALITY_ENV = "OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE"
 """`cumulative` (default), `delta` or `lowmemory`: counters and histograms as deltas in the latter two."""
 
 _HTTP_PATH = "/v1/metrics"
+_HTTP_TRACES_PATH = "/v1/traces"
 _DEFAULTS = {"http/protobuf": "http://localhost:4318/v1/metrics", "grpc": "http://localhost:4317"}
 _TEMPORALITIES = ("cumulative", "delta", "lowmemory")
 
@@ -63,6 +76,23 @@ def metrics_endpoint(protocol: str, endpoint: str | None, environ: Mapping[str, 
     if protocol == "grpc" or generic.rstrip("/").endswith(_HTTP_PATH):
         return generic
     return generic.rstrip("/") + _HTTP_PATH
+
+
+def traces_endpoint(
+    protocol: str, given: str | None, metrics: str, environ: Mapping[str, str] = os.environ
+) -> str | None:
+    """The traces URL: `given`, else the traces variable, else the `metrics` endpoint's for gRPC, and
+    for HTTP with `/v1/traces` in place of its `/v1/metrics`; None when an HTTP metrics endpoint on
+    another path leaves it unknown."""
+    if given:
+        return given
+    specific = environ.get(TRACES_ENDPOINT_ENV, "").strip()
+    if specific:
+        return specific
+    if protocol == "grpc":
+        return metrics
+    base = metrics.rstrip("/")
+    return base[: -len(_HTTP_PATH)] + _HTTP_TRACES_PATH if base.endswith(_HTTP_PATH) else None
 
 
 def temporality_preference(environ: Mapping[str, str] = os.environ) -> str:
@@ -118,10 +148,15 @@ _ENV_ENTRY = re.compile(rf"[ \t]*({_TOKEN})[ \t]*=[ \t]*({_ENV_VALUE})[ \t]*")
 
 
 def check_headers(
-    headers: Mapping[str, str] | None, protocol: str, environ: Mapping[str, str] = os.environ
+    headers: Mapping[str, str] | None,
+    protocol: str,
+    environ: Mapping[str, str] = os.environ,
+    *,
+    signal_variable: str = METRICS_HEADERS_ENV,
 ) -> None:
     """Raise a `ValueError` naming a header that the transport cannot send as given, in `headers`
-    or in the headers variable the OpenTelemetry SDK would read; never its value (a token).
+    or in the headers variable the OpenTelemetry SDK would read (`signal_variable`, else the generic
+    one); never its value (a token).
 
     The SDK itself logs a header value it cannot send (a bearer token read from a file keeps its
     trailing newline), and one it cannot parse from the variable: both are refused here first.
@@ -132,7 +167,7 @@ def check_headers(
         names = {name: name for name in headers or ()}
     for given, name in names.items():
         _check_header(given, name, headers[given], protocol, "headers=")  # type: ignore[index]
-    variable = METRICS_HEADERS_ENV if environ.get(METRICS_HEADERS_ENV) else HEADERS_ENV
+    variable = signal_variable if environ.get(signal_variable) else HEADERS_ENV
     for position, entry in enumerate(re.split(r"[ \t]*,[ \t]*", environ.get(variable, "")), start=1):
         if not entry.strip():
             continue
@@ -161,4 +196,21 @@ def _check_header(given: str, name: str, value: object, protocol: str, source: s
             "ASCII without leading or trailing whitespace, and it holds a newline, another control "
             "character, non-ASCII or surrounding spaces (a token read from a file keeps its trailing "
             "newline: strip() it); the value is not shown"
+        )
+
+
+def check_endpoint(url: str, protocol: str) -> None:
+    """Raise a `ValueError` for an endpoint whose query (or gRPC credentials) would reach the logs."""
+    if "?" in url or "#" in url:
+        raise ValueError(
+            f"OTelExporter: the endpoint {redact_url(url)} has a query or a fragment; a "
+            "token there would reach the logs (the OpenTelemetry SDK logs the URL's path and query "
+            "with every failed push): pass it as a header, headers={'api-key': ...} or "
+            "OTEL_EXPORTER_OTLP_HEADERS=api-key=... (the name your backend takes), and the endpoint "
+            "without a query"
+        )
+    if protocol == "grpc" and has_user_info(url):
+        raise ValueError(
+            "OTelExporter: a gRPC endpoint cannot carry credentials (user:password@host); "
+            "pass them as headers (headers= or OTEL_EXPORTER_OTLP_HEADERS)"
         )

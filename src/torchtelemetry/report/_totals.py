@@ -67,7 +67,9 @@ def difference(total: ReportValue, earlier: ReportValue) -> ReportValue | None:
         counts = tuple(now - before for now, before in zip(total.counts, earlier.counts, strict=True))
         if min(counts, default=0.0) < 0 or total.count < earlier.count:
             return None
-        return HistogramValue(total.bounds, counts, total.sum - earlier.sum, total.count - earlier.count)
+        return HistogramValue(
+            total.bounds, counts, total.sum - earlier.sum, total.count - earlier.count, total.exemplar
+        )
     if isinstance(total, Mapping):
         if not isinstance(earlier, Mapping):
             return None
@@ -87,6 +89,7 @@ def _sum(name: str, total: ReportValue | None, value: ReportValue) -> ReportValu
             counts=tuple(a + b for a, b in zip(total.counts, value.counts, strict=True)),
             sum=total.sum + value.sum,
             count=total.count + value.count,
+            exemplar=value.exemplar,  # the newest window's, as Prometheus and OTLP show one
         )
     if isinstance(value, Mapping):
         if isinstance(total, float):

@@ -12,6 +12,15 @@ from torchtelemetry.run._hangs import BeatLedger, Hang, RankBeat, Reading, find_
 from torchtelemetry.run._heartbeat import Heartbeat
 from torchtelemetry.run._identity import RunIdentity, launcher_run_id, resolve_run_identity
 from torchtelemetry.run._progress import ProgressFile, ProgressRecord, RunProgress, progress_path
+from torchtelemetry.run._trace_ids import hex_span_id, hex_trace_id, span_id, trace_id
+from torchtelemetry.run._trace_spans import TracedWindow, window_spans
+from torchtelemetry.run._traces import (
+    DEFAULT_TRACE_RANKS,
+    TRACES_THREAD,
+    RunTraces,
+    checked_attempt,
+    run_traces,
+)
 from torchtelemetry.run._watch import HangSettings, HangWatch, watch_hangs
 
 __all__ = [
@@ -24,6 +33,18 @@ __all__ = [
     "launcher_run_id",
     "progress_path",
     "resolve_run_identity",
+    # traces: spans of the sampled ranks' steps, their ids
+    "DEFAULT_TRACE_RANKS",
+    "checked_attempt",
+    "run_traces",
+    "TRACES_THREAD",
+    "RunTraces",
+    "TracedWindow",
+    "hex_span_id",
+    "hex_trace_id",
+    "span_id",
+    "trace_id",
+    "window_spans",
     # hangs: each rank's heartbeat, the exporting rank's monitor, the next rank's deputy (docs/signals.md)
     "BeatLedger",
     "Hang",

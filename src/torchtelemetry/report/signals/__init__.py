@@ -2,12 +2,12 @@
 
 Step time, data wait, tokens and samples with their rates, model FLOPs, learning rate, peak memory;
 and for health: phases, the sync wait and straggler scores, the non-finite sentinel and spike scores, memory
-health, goodput and GPU health (NVML). Adding a signal is one module, its test, a line in
-`builtin_signals` and its doc rows (docs/signals.md, "Adding a signal", which lists every name, unit
-and cost). Hangs are not a window's
-signal (a hang stops the windows): `torchtelemetry.run` watches them; `_hang` holds the names of
-the hang report and the phase labels the heartbeat reserves. `_captures` carries the run's capture
-orders and outcomes in the window.
+health, goodput, GPU health (NVML), and per layer (`watch_layers`) the norms and where a NaN was
+born. Adding a signal is one module, its test, a line in `builtin_signals` and its doc rows
+(docs/signals.md, "Adding a signal", which lists every name, unit and cost). Hangs are not a
+window's signal (a hang stops the windows): `torchtelemetry.run` watches them; `_hang` holds the
+names of the hang report and the phase labels the heartbeat reserves. `_captures` carries the run's
+capture orders and outcomes in the window.
 """
 
 from __future__ import annotations
@@ -44,7 +44,15 @@ from torchtelemetry.report.signals._captures import (
     Verdict,
     check_capture_reason,
 )
-from torchtelemetry.report.signals._clock import EventClock, HostClock, HostTimer, PhaseClock, PhaseTimer
+from torchtelemetry.report.signals._clock import (
+    EventClock,
+    HostClock,
+    HostTimer,
+    PhaseClock,
+    PhaseTimer,
+    TracedHostClock,
+    TracedHostTimer,
+)
 from torchtelemetry.report.signals._data_wait import DATA_PHASE, DataWait
 from torchtelemetry.report.signals._goodput import Goodput, GoodputReading, GoodputSource, goodput_gauges
 from torchtelemetry.report.signals._hang import (
@@ -54,6 +62,15 @@ from torchtelemetry.report.signals._hang import (
     HANG_DESCRIPTORS,
     HEARTBEAT_LABELS,
     UNKNOWN_PHASE,
+)
+from torchtelemetry.report.signals._layer_model import ROOT_LAYER, copies
+from torchtelemetry.report.signals._layers import (
+    DEFAULT_LAYER_STATS,
+    DEFAULT_MAX_LAYER_SERIES,
+    LAYER_STATS,
+    LayerState,
+    LayerStatistics,
+    LayerWatch,
 )
 from torchtelemetry.report.signals._learning_rate import LearningRate
 from torchtelemetry.report.signals._memory_health import MemoryHealth, memory_descriptors, resident_bytes
@@ -68,8 +85,20 @@ from torchtelemetry.report.signals._nvml import (
 from torchtelemetry.report.signals._peak_memory import PeakMemory
 from torchtelemetry.report.signals._phases import DEFAULT_PHASES, Phases, check_phase_names
 from torchtelemetry.report.signals._set import SignalSet
+from torchtelemetry.report.signals._span_names import (
+    ATTEMPT_ATTRIBUTE,
+    PHASE_ATTRIBUTE,
+    RANK_ATTRIBUTE,
+    RUN_ID_ATTRIBUTE,
+    SPAN_ATTRIBUTES,
+    STEP_ATTRIBUTE,
+    STEP_SPAN,
+    SpanName,
+    span_name,
+    span_names,
+)
 from torchtelemetry.report.signals._spikes import MIN_HISTORY, Spikes
-from torchtelemetry.report.signals._step_time import StepTime
+from torchtelemetry.report.signals._step_time import STEP_TIME_BOUNDS, STEP_TIME_HISTOGRAM, StepTime
 from torchtelemetry.report.signals._stragglers import (
     DEFAULT_SYNC_PHASE,
     MIN_COST,
@@ -81,8 +110,52 @@ from torchtelemetry.report.signals._stragglers import (
 )
 from torchtelemetry.report.signals._sync_wait import SYNC_WAIT, SyncWait
 from torchtelemetry.report.signals._throughput import Count, ModelFlopsSignal, check_count
+from torchtelemetry.report.signals._timeline import (
+    CHECKPOINT_SECTION,
+    NO_SECTIONS,
+    SYNC_WAIT_SECTION,
+    HostAnchor,
+    LateSections,
+    Section,
+    SectionLog,
+    WindowSections,
+)
+from torchtelemetry.report.signals._trace_sampling import (
+    TraceSample,
+    TraceSampling,
+    TraceSink,
+    sample_ranks,
+    section_kinds,
+)
 
 __all__ = [
+    "ATTEMPT_ATTRIBUTE",
+    "PHASE_ATTRIBUTE",
+    "RANK_ATTRIBUTE",
+    "RUN_ID_ATTRIBUTE",
+    "SPAN_ATTRIBUTES",
+    "STEP_ATTRIBUTE",
+    "STEP_SPAN",
+    "SpanName",
+    "span_name",
+    "span_names",
+    "CHECKPOINT_SECTION",
+    "NO_SECTIONS",
+    "STEP_TIME_BOUNDS",
+    "STEP_TIME_HISTOGRAM",
+    "SYNC_WAIT_SECTION",
+    "HostAnchor",
+    "TracedHostClock",
+    "TracedHostTimer",
+    "LateSections",
+    "Section",
+    "SectionLog",
+    "TraceSample",
+    "TraceSampling",
+    "TraceSink",
+    "WindowSections",
+    "sample_ranks",
+    "section_kinds",
     "CAPTURE_DESCRIPTORS",
     "CAPTURE_REASONS",
     "CAPTURE_TRIGGERS",
@@ -105,6 +178,14 @@ __all__ = [
     "DEFAULT_SPIKE_WINDOWS",
     "DEFAULT_TOP_K",
     "Count",
+    "DEFAULT_LAYER_STATS",
+    "DEFAULT_MAX_LAYER_SERIES",
+    "LAYER_STATS",
+    "LayerState",
+    "LayerStatistics",
+    "LayerWatch",
+    "ROOT_LAYER",
+    "copies",
     "DataWait",
     "LearningRate",
     "ModelFlopsSignal",

@@ -26,12 +26,14 @@ from torchtelemetry.report._values import MetricDescriptor, ReportValue
 
 if TYPE_CHECKING:
     from torchtelemetry.report.signals._clock import HostTimer, PhaseTimer
+    from torchtelemetry.report.signals._layers import LayerWatch
 
 __all__ = [
     "RankValues",
     "Signal",
     "SignalContext",
     "WindowTiming",
+    "by_index",
     "finite_by_rank",
     "highest_rank",
     "lowest_rank",
@@ -118,6 +120,11 @@ class Signal:
         `model`'s gradient collective, False if it only takes note of `phase`."""
         return False
 
+    def watch_layers(self, model: Any, watch: LayerWatch) -> bool:
+        """`Telemetry.watch_layers(model, ...)`: True if this signal watches `model`'s layers as
+        `watch` says (it hooks them), False if it takes no note."""
+        return False
+
     def check(self, keyword: str, value: Any) -> None:
         """Raise, naming the signal, if `value` given as `keyword` cannot be recorded. Runs for every
         keyword of a step before anything of the step is recorded."""
@@ -192,6 +199,13 @@ class RankValues(Metric):
 
     def compute(self) -> dict[str, torch.Tensor]:
         return {quantity: self.values.value[index] for index, quantity in enumerate(self.quantities)}
+
+
+def by_index(values: ReportValue | None) -> dict[int, float]:
+    """A 1-D state's values as exported (`{"0": 1.5, ...}`), keyed by integer index."""
+    if not isinstance(values, Mapping):
+        return {}
+    return {int(index): float(value) for index, value in values.items()}
 
 
 def finite_by_rank(values: ReportValue | None) -> dict[int, float]:

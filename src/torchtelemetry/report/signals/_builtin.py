@@ -16,6 +16,7 @@ from torchtelemetry.report.signals._captures import CAPTURE_DESCRIPTORS, Capture
 from torchtelemetry.report.signals._data_wait import DataWait
 from torchtelemetry.report.signals._goodput import Goodput, GoodputSource
 from torchtelemetry.report.signals._hang import HANG_DESCRIPTORS
+from torchtelemetry.report.signals._layers import DEFAULT_MAX_LAYER_SERIES, LayerStatistics
 from torchtelemetry.report.signals._learning_rate import LearningRate
 from torchtelemetry.report.signals._memory_health import MemoryHealth
 from torchtelemetry.report.signals._nonfinite import NonFiniteSentinel, watched_metrics
@@ -26,6 +27,8 @@ from torchtelemetry.report.signals._spikes import Spikes
 from torchtelemetry.report.signals._step_time import StepTime
 from torchtelemetry.report.signals._sync_wait import SyncWait
 from torchtelemetry.report.signals._throughput import Count, ModelFlopsSignal
+from torchtelemetry.report.signals._timeline import NO_SECTIONS, SectionLog
+from torchtelemetry.report.signals._trace_sampling import TraceSampling, TraceSink
 
 __all__ = [
     "DEFAULT_SPIKE_SIGMA",
@@ -57,29 +60,39 @@ def builtin_signals(
     spike_windows: int = DEFAULT_SPIKE_WINDOWS,
     goodput: GoodputSource | None = None,
     nvml: bool = False,
+    trace_ranks: int = 0,
+    traces: TraceSink | None = None,
+    timeline: SectionLog = NO_SECTIONS,
     captures: CaptureSource | None = None,
+    every: int = 10,
+    max_layer_series: int = DEFAULT_MAX_LAYER_SERIES,
 ) -> list[Signal]:
     """Every built-in signal of one `Telemetry` (its `TelemetryConfig` fields of the same names;
     `leaves` are the user's metrics, `flops` from `ModelFlops.resolve`, `goodput` the run's goodput
-    state, without which goodput is only described, `captures` the run's captures, none without),
-    in the order they derive: a signal that reads another's window values comes after it (model
-    FLOPs after the counts, the phases after the data wait and the sync wait, the captures last)."""
+    state, without which goodput is only described; `traces` the run's traces, fed by `timeline`,
+    whose kinds are `section_kinds(phases)`; `captures` the run's captures, none without), in the
+    order they derive: a signal that reads another's window values comes after it (model FLOPs after
+    the counts, the trace sampling and the phases after the data wait and the sync wait, the trace
+    sampling before the phases, which drop their values per rank above `max_rank_series`, the
+    captures last)."""
     watched = watched_metrics(leaves, nonfinite)
     # One reading of the CUDA allocator per window for every memory signal.
     allocator = AllocatorStats(context.device, background=True) if context.device.type == "cuda" else None
     signals: list[Signal] = [
         StepTime(context),
-        DataWait(context),
+        DataWait(context, timeline),
         Count(context, "tokens", "tokens", "Tokens trained on", "Token throughput"),
         Count(context, "samples", "samples", "Samples trained on", "Sample throughput"),
         LearningRate(context),
         PeakMemory(context, allocator),
-        SyncWait(context),
-        Phases(context, phases, top_k=straggler_top_k),
+        SyncWait(context, timeline),
+        *([TraceSampling(context, traces, trace_ranks)] if traces is not None and trace_ranks else []),
+        Phases(context, phases, top_k=straggler_top_k, log=timeline),
         NonFiniteSentinel(context, watched),
         Spikes(context, tuple(watched), sigma=spike_sigma, windows=spike_windows),
         MemoryHealth(context, allocator),
         Goodput(context, goodput),
+        LayerStatistics(context, every=every, max_layer_series=max_layer_series),
     ]
     if flops is not None:
         signals.insert(4, ModelFlopsSignal(context, flops))

@@ -6,6 +6,11 @@ clock records two events on the current stream per section (no sync); a reader t
 each batch's events to complete and reads their elapsed times, so a window carries the batches
 read by the time it was scheduled, usually those of the window before (`take(wait=True)` waits for
 all of them: at a checkpoint and at close).
+
+With traces on, each section's times also go to the window's `SectionLog`: the traced host clock
+(and timer) hand over the two times they take anyway, the event clock's reader the events' times
+placed on the host timeline by a `HostAnchor` (traces off: the plain clock and timer, and a log
+that keeps nothing).
 """
 
 from __future__ import annotations
@@ -19,7 +24,17 @@ from typing import Any, Protocol
 
 import torch
 
-__all__ = ["EventClock", "HostClock", "HostTimer", "PhaseClock", "PhaseTimer"]
+from torchtelemetry.report.signals._timeline import NO_SECTIONS, HostAnchor, LateSections, SectionLog
+
+__all__ = [
+    "EventClock",
+    "HostClock",
+    "HostTimer",
+    "PhaseClock",
+    "PhaseTimer",
+    "TracedHostClock",
+    "TracedHostTimer",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +125,33 @@ class HostTimer:
         return self._depth, self._started
 
 
+class TracedHostTimer(HostTimer):
+    """A `HostTimer` that also hands each block's two times to the window's timeline `log` as a
+    section of `kind` (traces on; off, the timer is a plain `HostTimer` and costs nothing more)."""
+
+    __slots__ = ("_kind", "_log")
+
+    def __init__(
+        self,
+        record: Callable[[float], None],
+        name: str,
+        op: str = "Telemetry.data_wait()",
+        *,
+        log: SectionLog,
+        kind: int,
+    ) -> None:
+        super().__init__(record, name, op)
+        self._log = log
+        self._kind = kind
+
+    def __exit__(self, *exc: object) -> None:
+        self._depth -= 1
+        if not self._depth:
+            ended = time.perf_counter()
+            self._record(ended - self._started)
+            self._log.record(self._kind, self._started, ended)
+
+
 class TrainingThread:
     """The thread that built a timer: a section timed on another thread (a prefetch thread) would
     add its time to the training thread's step (a data wait of 116 % of the step), so it is refused."""
@@ -155,23 +197,46 @@ class HostClock:
         """Nothing to release: a host clock holds no thread and no event."""
 
 
+class TracedHostClock(HostClock):
+    """A `HostClock` that also hands each section's two times to the window's timeline `log` (a
+    phase's index is its kind there): traces on; off, the clock is a plain `HostClock`."""
+
+    def __init__(self, phases: int, log: SectionLog) -> None:
+        super().__init__(phases)
+        self._log = log
+
+    def stop(self, index: int, started: float) -> None:
+        ended = time.perf_counter()
+        self._seconds[index] += ended - started
+        self._log.record(index, started, ended)
+
+
 class EventClock:
     """Device time of each section: a pair of timing events on the current stream, read by a daemon
     thread (`torchtelemetry-phase-reader`) once they completed; events are pooled and reused.
 
     `make_event` builds an event with `record()`, `synchronize()` and `elapsed_time(end)` in
-    milliseconds (default: a CUDA timing event whose `synchronize()` yields the CPU).
+    milliseconds (default: a CUDA timing event whose `synchronize()` yields the CPU). When `log` keeps
+    sections, the reader places each batch's events on the host timeline (`HostAnchor`) and hands
+    them to the window they were timed in.
     """
 
     def __init__(
-        self, phases: int, device: torch.device, make_event: Callable[[], Any] | None = None
+        self,
+        phases: int,
+        device: torch.device,
+        make_event: Callable[[], Any] | None = None,
+        log: SectionLog = NO_SECTIONS,
     ) -> None:
         self._phases = phases
         self._device = device
         self._make_event = make_event or (lambda: torch.cuda.Event(enable_timing=True, blocking=True))
+        self._log = log
         self._pool: collections.deque[Any] = collections.deque()
         self._sections: list[tuple[int, Any, Any]] = []
-        self._batches: collections.deque[tuple[list[tuple[int, Any, Any]], int] | None] = collections.deque()
+        self._batches: collections.deque[
+            tuple[list[tuple[int, Any, Any]], int, LateSections | None] | None
+        ] = collections.deque()
         self._read: list[Batch] = []
         self._unread = 0
         self._changed = threading.Condition()
@@ -204,7 +269,7 @@ class EventClock:
         with self._changed:
             if sections or steps:
                 self._start_reader()
-                self._batches.append((sections, steps))
+                self._batches.append((sections, steps, self._log.late() if sections else None))
                 self._unread += 1
                 self._changed.notify_all()
             if wait and not self._changed.wait_for(lambda: self._unread == 0, timeout_s):
@@ -222,25 +287,35 @@ class EventClock:
             self._reader.start()
 
     def _run(self) -> None:
+        stream = None
         if self._device.type == "cuda":
             torch.cuda.set_device(self._device)
+            stream = torch.cuda.Stream(self._device)  # idle: an anchor recorded there completes at once
         while True:
             with self._changed:
                 self._changed.wait_for(lambda: bool(self._batches))
                 batch = self._batches.popleft()
             if batch is None:
                 return
-            sections, steps = batch
+            sections, steps, late = batch
             seconds = [0.0] * self._phases
-            for index, started, ended in sections:
-                try:
+            try:
+                for index, started, ended in sections:
                     ended.synchronize()
                     seconds[index] += started.elapsed_time(ended) / 1000
-                except RuntimeError as error:  # a failed device: the training thread hears of it
-                    if not self._failed:
-                        self._failed = True
-                        logger.warning("Telemetry: phase events could not be read: %s", error)
+                if late is not None:
+                    anchor = HostAnchor(self._event(), stream)
+                    for index, started, ended in sections:
+                        late.add(index, anchor.place(started), anchor.place(ended))
+                    self._pool.append(anchor.event)
+            except RuntimeError as error:  # a failed device: the training thread hears of it
+                if not self._failed:
+                    self._failed = True
+                    logger.warning("Telemetry: phase events could not be read: %s", error)
+            for _, started, ended in sections:
                 self._pool.extend((started, ended))
+            if late is not None:
+                late.finish()
             with self._changed:
                 self._read.append((seconds, steps))
                 self._unread -= 1

@@ -17,7 +17,8 @@ import torch
 from torchtelemetry.metric import Metric, MetricKind, PerRankMetric
 from torchtelemetry.report._values import MetricDescriptor, ReportValue
 from torchtelemetry.report.signals._base import Signal, SignalContext, WindowTiming
-from torchtelemetry.report.signals._clock import HostTimer
+from torchtelemetry.report.signals._clock import HostTimer, TracedHostTimer
+from torchtelemetry.report.signals._timeline import NO_SECTIONS, SectionLog
 
 __all__ = ["DATA_PHASE", "DATA_WAIT", "DATA_WAIT_SHARE", "DataWait", "check_seconds"]
 
@@ -33,7 +34,8 @@ class DataWait(Signal):
     name = "data_wait"
     keywords = ("data_time",)
 
-    def __init__(self, context: SignalContext) -> None:
+    def __init__(self, context: SignalContext, log: SectionLog = NO_SECTIONS) -> None:
+        """`log`: the window's timeline for its trace, where each timed wait goes as the section "data"."""
         super().__init__(context)
 
         def per_rank(unit: str, description: str) -> PerRankMetric:
@@ -46,7 +48,11 @@ class DataWait(Signal):
         self._seconds = 0.0
         self._steps = 0
         self._seen = False
-        self._timer = HostTimer(self.record_wait, DATA_PHASE)
+        self._timer = (
+            TracedHostTimer(self.record_wait, DATA_PHASE, log=log, kind=log.kind(DATA_PHASE))
+            if log.keeps
+            else HostTimer(self.record_wait, DATA_PHASE)
+        )
 
     def timers(self) -> dict[str, HostTimer]:
         return {DATA_PHASE: self._timer}

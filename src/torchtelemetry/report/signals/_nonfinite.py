@@ -36,7 +36,7 @@ from torchtelemetry.metric import (
     nonfinite_count,
 )
 from torchtelemetry.report._values import MetricDescriptor, ReportValue
-from torchtelemetry.report.signals._base import Signal, SignalContext, WindowTiming
+from torchtelemetry.report.signals._base import Signal, SignalContext, WindowTiming, by_index
 
 __all__ = ["CountingUpdate", "NonFiniteCounts", "NonFiniteSentinel", "host_nonfinite", "nonfinite_count"]
 
@@ -178,8 +178,8 @@ class NonFiniteSentinel(Signal):
             self.counts.flush()
 
     def derive(self, window: dict[str, ReportValue], timing: WindowTiming) -> None:
-        counts = _by_index(window.pop(f"{STATE}/count", None))
-        first_ranks = _by_index(window.pop(f"{STATE}/first_rank", None))
+        counts = by_index(window.pop(f"{STATE}/count", None))
+        first_ranks = by_index(window.pop(f"{STATE}/first_rank", None))
         if not self.paths:
             return
         window[COUNT] = {path: counts.get(index, 0.0) for index, path in enumerate(self.paths)}
@@ -230,12 +230,6 @@ def _unwrap(metric: Metric, counts: NonFiniteCounts) -> None:
                 metric.__dict__["update"] = current.update
             return
         outer, current = current, current.update
-
-
-def _by_index(values: ReportValue | None) -> dict[int, float]:
-    if not isinstance(values, Mapping):
-        return {}
-    return {int(index): float(value) for index, value in values.items()}
 
 
 def watched_metrics(leaves: Sequence[tuple[str, Metric]], paths: Sequence[str] | None) -> dict[str, Metric]:

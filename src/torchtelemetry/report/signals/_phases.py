@@ -37,11 +37,18 @@ from torchtelemetry.report.signals._base import (
     median,
     median_rank,
 )
-from torchtelemetry.report.signals._clock import EventClock, HostClock, PhaseClock, PhaseTimer
+from torchtelemetry.report.signals._clock import (
+    EventClock,
+    HostClock,
+    PhaseClock,
+    PhaseTimer,
+    TracedHostClock,
+)
 from torchtelemetry.report.signals._data_wait import DATA_PHASE, DATA_WAIT
 from torchtelemetry.report.signals._hang import HEARTBEAT_LABELS
 from torchtelemetry.report.signals._stragglers import StragglerScores
 from torchtelemetry.report.signals._sync_wait import SYNC_WAIT
+from torchtelemetry.report.signals._timeline import NO_SECTIONS, SectionLog
 
 __all__ = ["DEFAULT_PHASES", "MEDIAN_RANK", "PhaseTimes", "Phases", "check_phase_names"]
 
@@ -105,14 +112,18 @@ class Phases(Signal):
         *,
         top_k: int = 3,
         clock: PhaseClock | None = None,
+        log: SectionLog = NO_SECTIONS,
     ) -> None:
+        """`log`: the window's timeline for its trace, whose first kinds are `phases` in order."""
         super().__init__(context)
         self.phases = check_phase_names(phases)
         self.times = PhaseTimes(context.world_size, context.rank, self.phases).to(context.device)
         if clock is None:
             clock = (
-                EventClock(len(self.phases), context.device)
+                EventClock(len(self.phases), context.device, log=log)
                 if context.device.type == "cuda"
+                else TracedHostClock(len(self.phases), log)
+                if log.keeps
                 else HostClock(len(self.phases))
             )
         self._clock = clock

@@ -11,6 +11,7 @@ from torchtelemetry.report._values import MetricDescriptor, ReportValue
 from torchtelemetry.report.signals._base import Signal, WindowTiming
 from torchtelemetry.report.signals._clock import HostTimer, PhaseTimer
 from torchtelemetry.report.signals._data_wait import DATA_PHASE
+from torchtelemetry.report.signals._layers import LayerWatch
 
 __all__ = ["SignalSet"]
 
@@ -108,6 +109,11 @@ class SignalSet:
             raise self._undeclared("Telemetry.watch_gradient_sync", phase)
         if not any([signal.watch_gradient_sync(model, phase) for signal in self.signals]):
             raise ValueError("Telemetry.watch_gradient_sync: no signal here times the gradient collective")
+
+    def watch_layers(self, model: Any, watch: LayerWatch) -> None:
+        """Watch `model`'s layers (`Telemetry.watch_layers`)."""
+        if not any([signal.watch_layers(model, watch) for signal in self.signals]):
+            raise ValueError("Telemetry.watch_layers: no signal here watches layers")
 
     def flush(self, duration_s: float, *, final: bool = False) -> None:
         """Every signal hands its host values to the window's state: staged by the state's collector

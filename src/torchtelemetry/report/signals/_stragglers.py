@@ -59,6 +59,7 @@ __all__ = [
     "NOISE_WINDOWS",
     "StragglerScores",
     "medians_of_others",
+    "phase_work",
 ]
 
 logger = logging.getLogger(__name__)
@@ -161,12 +162,11 @@ class StragglerScores:
         return report
 
     def _work(self, phase: str, timed: dict[int, float], sync_wait: Mapping[int, float]) -> dict[int, float]:
-        """`timed` of `phase` as the ranks' own work: less the sync wait in `sync_phase`, which is
-        left out (empty) where some rank's wait is not known."""
-        if phase != self.sync_phase or len(timed) < 2:
-            return timed
-        unmeasured = sorted(timed.keys() - sync_wait.keys())
-        if unmeasured:
+        """`timed` of `phase` as the ranks' own work (`phase_work`); empty, said once, where the sync
+        wait is not known."""
+        work = phase_work(phase, timed, sync_wait, self.sync_phase)
+        if work is None:
+            unmeasured = sorted(timed.keys() - sync_wait.keys())
             if self._warn and not self._warned:
                 self._warned = True
                 logger.warning(
@@ -180,8 +180,7 @@ class StragglerScores:
                     unmeasured[0],
                 )
             return {}
-        work = {rank: seconds - sync_wait[rank] for rank, seconds in timed.items()}
-        return {rank: seconds for rank, seconds in work.items() if seconds > 0}
+        return work
 
     def _score_phase(
         self, phase: str, timed: dict[int, float], step_s: float, out: dict[str, dict[str, float]]
@@ -244,6 +243,20 @@ class StragglerScores:
                 phase: {int(rank): float(best) for rank, best in ranks.items()}
                 for phase, ranks in state.items()
             }
+
+
+def phase_work(
+    phase: str, timed: Mapping[int, float], sync_wait: Mapping[int, float], sync_phase: str
+) -> dict[int, float] | None:
+    """`timed[rank]`, seconds per step in `phase`, as the ranks' own work: in `sync_phase` (with
+    several ranks) less each rank's sync wait, ranks left with none dropped; None there when some
+    rank's wait is not known (the ranks that wait would score slowest)."""
+    if phase != sync_phase or len(timed) < 2:
+        return dict(timed)
+    if timed.keys() - sync_wait.keys():
+        return None
+    work = {rank: seconds - sync_wait[rank] for rank, seconds in timed.items()}
+    return {rank: seconds for rank, seconds in work.items() if seconds > 0}
 
 
 def medians_of_others(times: Mapping[int, float]) -> dict[int, float]:

@@ -44,10 +44,13 @@ from torch.utils._pytree import tree_leaves
 from torchtelemetry.metric import Metric, MetricKind, PerRankMetric
 from torchtelemetry.report._values import MetricDescriptor, ReportValue
 from torchtelemetry.report.signals._base import Signal, SignalContext, WindowTiming
+from torchtelemetry.report.signals._timeline import NO_SECTIONS, SYNC_WAIT_SECTION, SectionLog
 
 __all__ = ["SYNC_WAIT", "SyncWait"]
 
 SYNC_WAIT = "train/sync_wait"
+MAX_WAITS_KEPT = 1024
+"""Backward passes a window keeps the times of for its trace (gradient accumulation runs several)."""
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +60,8 @@ class SyncWait(Signal):
 
     name = "sync_wait"
 
-    def __init__(self, context: SignalContext) -> None:
+    def __init__(self, context: SignalContext, log: SectionLog = NO_SECTIONS) -> None:
+        """`log`: the window's timeline for its trace, where each wait goes as the section "sync_wait"."""
         super().__init__(context)
         self.wait = PerRankMetric(
             context.world_size,
@@ -70,6 +74,9 @@ class SyncWait(Signal):
         self._task = -1  # the autograd graph task whose end is being timed
         self._seconds = 0.0
         self._spans: list[tuple[Any, Any]] = []  # CUDA events not yet read
+        self._log = log
+        self._kind = log.kind(SYNC_WAIT_SECTION) if log.keeps else 0
+        self._waits: list[tuple[float, float]] = []  # host times for the log, handed over at flush
         self._steps = 0
         self._watched: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
@@ -125,6 +132,8 @@ class SyncWait(Signal):
                 self._spans.append((started, ended))
             else:
                 self._seconds += ended - started
+                if self._log.keeps and len(self._waits) < MAX_WAITS_KEPT:
+                    self._waits.append((started, ended))
 
     def _mark(self) -> Any:
         if self._device.type != "cuda":
@@ -150,11 +159,15 @@ class SyncWait(Signal):
         with self._lock:
             seconds, self._seconds = self._seconds, 0.0
             pending, self._spans = self._spans, []
+            waits, self._waits = self._waits, []
+        for started, ended in waits:
+            self._log.record(self._kind, started, ended)
         for started, ended in pending:
             if final:
                 ended.synchronize()
             if ended.query():
                 seconds += started.elapsed_time(ended) / 1000
+                self._log.record_events(self._kind, started, ended)
             else:
                 with self._lock:
                     self._spans.append((started, ended))
