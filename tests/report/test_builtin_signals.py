@@ -12,7 +12,15 @@ from tests.report.windows import collect_window, context
 from tests.step_inputs import step_inputs
 from torchtelemetry.metric import metric_leaves
 from torchtelemetry.report import ModelFlops, RankSeriesLimit
-from torchtelemetry.report.signals import Signal, SignalSet, builtin_descriptors, builtin_signals
+from torchtelemetry.report.signals import (
+    CAPTURE_DESCRIPTORS,
+    Captures,
+    Signal,
+    SignalSet,
+    builtin_descriptors,
+    builtin_signals,
+    event_only_descriptors,
+)
 
 
 def _signals(max_rank_series: int = 64, **overrides) -> tuple[SignalSet, dict]:
@@ -32,12 +40,14 @@ def _signals(max_rank_series: int = 64, **overrides) -> tuple[SignalSet, dict]:
     ), metrics
 
 
-def _feed(signals: SignalSet, metrics: dict, steps: int) -> None:
+def _feed(
+    signals: SignalSet, metrics: dict, steps: int, loss: tuple[float, ...] = (2.0, float("nan"))
+) -> None:
     for step in range(steps):
         with signals.data_wait_timer():
             pass
         with signals.phase("forward"):
-            metrics["train"]["loss"].update(torch.tensor([2.0, float("nan")]))
+            metrics["train"]["loss"].update(torch.tensor(loss))
         with signals.phase("backward"):
             pass
         signals.record_step(
@@ -59,6 +69,22 @@ def test_every_name_a_window_exports_is_described_and_no_raw_state_leaks(max_ran
         assert name in window
     assert window["train/nonfinite/count"] == {"train/loss": 3.0}
     assert window["train/tokens"] == 3 * 128 and window["train/samples"] == 12
+
+
+def test_event_names_are_described_and_a_healthy_window_has_none() -> None:
+    """What each signal declares exported only once something happened (`Signal.event_names`: the
+    dashboards' checks leave their panels out) is a name it describes, and absent from a window of
+    healthy steps, as are a hang report's."""
+    signals, metrics = _signals()
+    _feed(signals, metrics, 3, loss=(2.0, 3.0))
+    window = collect_window(signals, step=2, steps=3, duration_s=0.1)
+    signals.close()
+    for signal in (*signals.signals, Captures):
+        described = {d.name for d in (CAPTURE_DESCRIPTORS if signal is Captures else signal.descriptors())}
+        assert signal.event_names <= described, signal.name
+    events = {descriptor.name for descriptor in event_only_descriptors()}
+    assert {"train/nonfinite/first_step", "train/straggler/top_rank", "train/hang/rank"} <= events
+    assert "train/nonfinite/count" in window and not set(window) & events, sorted(set(window) & events)
 
 
 def test_unfed_signals_export_nothing() -> None:

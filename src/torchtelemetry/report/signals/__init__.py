@@ -28,6 +28,7 @@ from torchtelemetry.report.signals._builtin import (
     builtin_descriptors,
     builtin_signals,
     cuda_only_descriptors,
+    event_only_descriptors,
     signal_descriptors,
 )
 from torchtelemetry.report.signals._captures import (
@@ -228,6 +229,7 @@ __all__ = [
     "builtin_descriptors",
     "builtin_signals",
     "cuda_only_descriptors",
+    "event_only_descriptors",
     "check_count",
     "check_phase_names",
     "finite_by_rank",

@@ -92,6 +92,10 @@ class Signal:
     flush_reads_state: ClassVar[bool] = False
     """Whether `flush` reads the window's state (derives a state from another): such a signal is
     flushed after every other, so that the host values they staged are applied in one go."""
+    event_names: ClassVar[frozenset[str]] = frozenset()
+    """The names of `descriptors()` exported only once something happened in the run (a non-finite
+    value, a rank that straggles, a capture): a healthy run has none, and the dashboards' panels of
+    them stay empty (`event_only_descriptors()`)."""
 
     def __init__(self, context: SignalContext) -> None:
         self.context = context
