@@ -1,5 +1,6 @@
-"""One rank's training loop: DDP training with its phases timed and its gradient wait measured, metric
-updates, `Telemetry`, a checkpoint now and then (goodput), a Ctrl-C all ranks agree on (`StopOnSignal`)."""
+"""One rank's training loop: DDP training with its phases timed, its gradient wait measured and its
+layers watched, metric updates, `Telemetry`, a checkpoint now and then (goodput), a Ctrl-C all ranks
+agree on (`StopOnSignal`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from torchtelemetry.demo._checkpoint import checkpoint_directory, save_checkpoint
-from torchtelemetry.demo._config import DemoConfig
+from torchtelemetry.demo._config import DemoConfig, run_directory
 from torchtelemetry.demo._console import (
     INTERRUPTED_EXIT_CODE,
     above_the_bar,
@@ -53,6 +54,7 @@ def train(config: DemoConfig, rank: int, world_size: int, device: torch.device) 
         run_id=run_id,
         flops_per_token=flops_per_token(model, config.seq_len),  # TFLOP/s (and MFU on a known GPU)
         window_lines=config.console,
+        dump_dir=run_directory(run_id),  # captures and a hung rank's stacks, beside the run's files
         run_config={
             "steps": config.steps,
             "world_size": world_size,
@@ -61,6 +63,7 @@ def train(config: DemoConfig, rank: int, world_size: int, device: torch.device) 
         },
     )
     telemetry.watch_gradient_sync(ddp)  # each rank's wait in the all-reduce (train/sync_wait)
+    telemetry.watch_layers(ddp)  # each layer's gradient and parameter norms, where a NaN was born
     checkpoints = checkpoint_directory(run_id)
     if rank == 0:
         print_banner(config, telemetry, world_size, device, checkpoints)
