@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.servers import PrometheusServer, PushgatewayServer, VictoriaMetricsServer, binary
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _evidence_outside_the_checkout(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Captures and hang stacks of runs that name no `dump_dir` go to a temporary directory, not into
+    the checkout (ranks and demo processes inherit the environment)."""
+    os.environ.setdefault("TORCHTELEMETRY_DUMP_DIR", str(tmp_path_factory.mktemp("dumps")))
 
 
 def _require(name: str) -> str:

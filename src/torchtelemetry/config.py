@@ -105,8 +105,9 @@ class TelemetryConfig:
     when the job has no TCP rendezvous store of its own to use (a `file://` init); 0: one the
     kernel picks."""
     dump_dir: str | os.PathLike[str] | None = None
-    """Where captures and a hung rank's stacks (and NCCL's flight recorder) are written; None: the
-    current directory. Give every rank the same: the exporting rank names the directories in it."""
+    """Where captures and a hung rank's stacks (and NCCL's flight recorder) are written; None:
+    `$TORCHTELEMETRY_DUMP_DIR`, else the current directory. Give every rank the same: the exporting
+    rank names the directories in it."""
     capture_on: Sequence[str] = CAPTURE_TRIGGERS
     """The verdicts that capture evidence (a profile of the next `capture_steps` steps, every thread's
     stacks) on the rank they name: "straggler" (`train/straggler/top_rank`, with the median rank of

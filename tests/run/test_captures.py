@@ -281,3 +281,20 @@ def test_a_profiler_already_running_is_left_alone_and_the_capture_fails_once(tmp
         assert [path.name for path in (tmp_path / name).iterdir()] == ["stacks.txt"]
     failures = [warning for warning in warnings if "a profiler is already running" in warning]
     assert len(failures) == 2
+
+
+def test_without_dump_dir_captures_go_where_the_environment_says(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job spec's `TORCHTELEMETRY_DUMP_DIR` stands in for `dump_dir` (else the current directory)."""
+    monkeypatch.setenv("TORCHTELEMETRY_DUMP_DIR", str(tmp_path / "evidence"))
+    monkeypatch.chdir(tmp_path)
+    loss_metric = tt.WeightedMeanMetric()
+    with tt.Telemetry({"train": {"loss": loss_metric}}, every=2, run_id="env", nvml=False) as telemetry:
+        for step in range(8):
+            loss_metric.update(torch.tensor(1.0), 1)
+            if step == 3:
+                telemetry.request_capture(0)
+            telemetry.step(step)
+    assert _captures(tmp_path) == []
+    assert _captures(tmp_path / "evidence") == ["torchtelemetry-capture-env-rank0-step7-request"]

@@ -21,6 +21,7 @@ from pathlib import Path
 
 __all__ = [
     "CAPTURE_PREFIX",
+    "DUMP_DIR_ENV",
     "MAX_DUMPS",
     "DumpFiles",
     "HangCaptures",
@@ -37,6 +38,8 @@ logger = logging.getLogger(__name__)
 
 MAX_DUMPS = 16
 """Stack files one rank writes per `Telemetry` at most (a flight record rides with its stack file)."""
+DUMP_DIR_ENV = "TORCHTELEMETRY_DUMP_DIR"
+"""The environment variable naming `dump_dir` where the configuration gives none (a job spec's)."""
 CAPTURE_PREFIX = "torchtelemetry-capture-"
 """How the name of every capture directory begins."""
 STACKS_FILE = "stacks.txt"
@@ -53,8 +56,10 @@ def open_exclusive(path: Path) -> int:
 
 
 def dump_directory(dump_dir: str | os.PathLike[str] | None) -> Path:
-    """`TelemetryConfig.dump_dir`, or the current directory."""
-    return Path(dump_dir) if dump_dir is not None else Path.cwd()
+    """`TelemetryConfig.dump_dir`, else `$TORCHTELEMETRY_DUMP_DIR`, else the current directory."""
+    if dump_dir is not None:
+        return Path(dump_dir)
+    return Path(os.environ.get(DUMP_DIR_ENV) or Path.cwd())
 
 
 def flight_recorder_on(backend: str | None) -> bool:
