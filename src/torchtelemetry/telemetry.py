@@ -14,7 +14,7 @@ from torchtelemetry._process import check_same_process, current_pid
 from torchtelemetry._started import start_run
 from torchtelemetry._startup import TelemetryStartupError, require_process_group
 from torchtelemetry.config import TelemetryConfig
-from torchtelemetry.export import Exporter, RunInfo
+from torchtelemetry.export import Exporter, RunInfo, print_startup_line
 from torchtelemetry.report import (
     DEFAULT_LAYER_STATS,
     HostTimer,
@@ -57,7 +57,8 @@ class Telemetry:
     call `torch.distributed.init_process_group()` first.
 
     Args:
-        metrics: a PyTree of Metrics; paths become names (`{"train": {"loss": m}}` -> `train/loss`).
+        metrics: nested dicts of Metrics, whose keys name them (`{"train": {"loss": m}}` ->
+            `train/loss`); a list, a tuple or a bare Metric raises a `TypeError` saying where.
         exporters: exporters (constructed on every rank; only the group's rank 0 starts them), or a
             comma-separated spec resolved through entry points, with options as literal keyword
             arguments: "console, prometheus(port=9464)" (`exporters_from_spec`).
@@ -89,6 +90,8 @@ class Telemetry:
         self._windows = started.windows
         self._signals, self._publisher, self._progress = parts.signals, parts.publisher, parts.progress
         self._closed = self._raised = False
+        if self.is_exporting:
+            print_startup_line(self.run, self.every, self.hub.exporters)
 
     @property
     def run(self) -> RunInfo:

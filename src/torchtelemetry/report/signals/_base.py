@@ -1,6 +1,6 @@
 """The signal protocol: each built-in training signal is one small object.
 
-A signal is a subclass of `Signal` that overrides what it needs of its 15 members (3 declarations,
+A signal is a subclass of `Signal` that overrides what it needs of its 17 members (5 declarations,
 12 hooks with do-nothing defaults). Each is either part of a window's life (declare, take a step,
 hand a window over, derive it) or something several signals do; a concern of the model or of the
 whole run (`Telemetry.phase()`, `watch_gradient_sync()`, `watch_layers()`) reaches the one signal
@@ -8,6 +8,10 @@ that has it directly through `SignalSet`, and what lasts for the run is `torchte
 
 - `name`: the key of its host values and state (they ride windows and checkpoints by name).
 - `keywords`: the `Telemetry.step()` keywords it takes, so that `SignalSet` routes them to it.
+- `sample_inputs()`: a value `check()` accepts for each keyword, as a training step gives it (the
+  tests' training loops feed every signal's samples).
+- `event_names`: the names it exports only once something went wrong (a non-finite value, a
+  straggler, a capture): a healthy run has none, and the live dashboards' checks allow them empty.
 - `flush_reads_state`: its `flush` reads the window's state: flushed after the others, so that
   their staged host values are applied once (the non-finite sentinel).
 - `metrics()`, at set-up: its window state, reduced with the user's metrics in the one collective.
@@ -24,6 +28,7 @@ that has it directly through `SignalSet`, and what lasts for the run is `torchte
   hand host accumulators to the window's state (in-place device ops, never a sync).
 - `host_values()`, training thread, as a window is scheduled: host facts its `derive` needs.
 - `derive(window, timing)`, publishing thread, window after window: raw values to exported names.
+  A counter's window value is the window's increment (the publisher keeps the running total).
 - `state_dict()` / `load_state_dict()`, training thread: what it carries over a restart.
 - `close()`: stop its threads and remove its hooks; the last window has been flushed.
 
@@ -107,6 +112,10 @@ class Signal:
     flush_reads_state: ClassVar[bool] = False
     """Whether `flush` reads the window's state (derives a state from another): such a signal is
     flushed after every other, so that the host values they staged are applied in one go."""
+    event_names: ClassVar[frozenset[str]] = frozenset()
+    """The names of `descriptors()` exported only once something happened in the run (a non-finite
+    value, a rank that straggles, a capture): a healthy run has none, and the dashboards' panels of
+    them stay empty (`event_only_descriptors()`)."""
 
     def __init__(self, context: SignalContext) -> None:
         self.context = context
@@ -131,6 +140,12 @@ class Signal:
 
     def record(self, keyword: str, value: Any) -> None:
         """Take a checked value of one step (host arithmetic, or in-place device ops: never a sync)."""
+
+    def sample_inputs(self) -> dict[str, Any]:
+        """A value `check` accepts for each of `keywords`, as a training step would give it: what the
+        tests' training loops feed `Telemetry.step()`, so a new keyword reaches every loop that feeds
+        them all without being named there (as a metric's `examples()` reach the metric suites)."""
+        return {}
 
     def on_step(self, step: int, step_time: float | None) -> None:
         """Step `step` ended; `step_time` is the host time since the previous one (None for the first)."""

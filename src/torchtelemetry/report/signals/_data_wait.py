@@ -70,6 +70,9 @@ class DataWait(Signal):
     def check(self, keyword: str, value: Any) -> None:
         check_seconds(value)
 
+    def sample_inputs(self) -> dict[str, Any]:
+        return {"data_time": 0.001}
+
     def record(self, keyword: str, value: Any) -> None:
         self.record_wait(float(value))
 

@@ -73,6 +73,9 @@ class LayerStatistics(Signal):
     """Per-layer norms and where a NaN was born, once `watch_layers()` was called (see the module)."""
 
     name = "layers"
+    event_names = frozenset(
+        f"{path}/{name}" for path in (FIRST_NONFINITE, FIRST_NONFINITE_RANK) for name in PASSES
+    )
 
     def __init__(
         self,

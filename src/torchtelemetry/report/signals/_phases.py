@@ -46,7 +46,7 @@ from torchtelemetry.report.signals._clock import (
 )
 from torchtelemetry.report.signals._data_wait import DATA_PHASE, DATA_WAIT
 from torchtelemetry.report.signals._hang import HEARTBEAT_LABELS
-from torchtelemetry.report.signals._stragglers import StragglerScores
+from torchtelemetry.report.signals._stragglers import TOP_RANK, TOP_SCORE, StragglerScores
 from torchtelemetry.report.signals._sync_wait import SYNC_WAIT
 from torchtelemetry.report.signals._timeline import NO_SECTIONS, SectionLog
 
@@ -104,6 +104,7 @@ class Phases(Signal):
     """The phases of `TelemetryConfig.phases` and the data wait, with straggler scores."""
 
     name = "phases"
+    event_names = frozenset({TOP_RANK, TOP_SCORE})
 
     def __init__(
         self,
