@@ -67,14 +67,17 @@ class StartedRun:
 
     def collect_last(self) -> None:
         """The training thread left the loop: collect and export the last partial window (and goodput
-        of a checkpoint marked after it), unless a collection failed."""
+        of a checkpoint marked after it, captures triggered by it), unless a collection failed."""
         windows = self.windows
         windows.closing()
         if windows.failure is None:
             if windows.steps_in_window:
                 windows.schedule(final=True)
             windows.drain(block=True)
-            self.parts.publisher.amend(self.parts.goodput.late_gauges())
+            late = self.parts.goodput.late_gauges()
+            if self.parts.captures is not None:
+                late |= self.parts.captures.late_counts()
+            self.parts.publisher.amend(late)
 
     def checkpoint_saved(self, step: int) -> None:
         """The checkpoint of `step` is durable: goodput and the traces take note."""
