@@ -140,7 +140,7 @@ def _pieces(telemetry: tt.Telemetry) -> dict[str, float]:
 
     sync_wait = SyncWait(SignalContext(world_size=1, rank=0, device=torch.device("cpu")))
     bare, watched, inputs = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.randn(2, 4)
-    sync_wait.watch_gradient_sync(watched, "backward")
+    sync_wait.watch_gradient_sync(watched)
 
     calls = {
         "phase section": section,

@@ -203,9 +203,14 @@ def layout(panels: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def metric(path: str) -> str:
-    """The Prometheus name of the built-in signal at `path`, read from the signal objects."""
+    """The Prometheus name of the built-in signal at `path`, read from the signal objects (a path
+    described twice is one name: the last description of it)."""
     from torchtelemetry.export import prometheus_name
     from torchtelemetry.report import signal_descriptors
 
-    (descriptor,) = [d for d in signal_descriptors() if d.name == path]
-    return prometheus_name(descriptor)
+    by_path = {d.name: d for d in signal_descriptors()}
+    if path not in by_path:
+        raise KeyError(
+            f"dashboards: no built-in signal exports {path!r}; a panel reads what a signal describes"
+        )
+    return prometheus_name(by_path[path])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 import time
 from pathlib import Path
@@ -15,6 +16,7 @@ import torch.distributed as dist
 
 import torchtelemetry as tt
 from tests.distributed import run_ranks
+from tests.step_inputs import step_inputs
 
 EVERY = 3
 STEPS = 10  # windows end at steps 2, 5, 8; close() exports the partial window ending at 9
@@ -41,7 +43,10 @@ def _train_two_ranks(rank: int, world_size: int, path: str) -> dict[str, Any]:
         metrics["train"]["loss"].update(torch.tensor([_loss_value(rank, step)]), torch.tensor([rank + 1.0]))
         metrics["train"]["seen"].update(torch.tensor(2.0 + rank))
         metrics["train"]["worst"].update(torch.tensor(float(step * (rank + 1))))
-        telemetry.step(step, tokens=torch.tensor(10 * (rank + 1)), samples=rank + 1, learning_rate=0.1 * step)
+        telemetry.step(
+            step,
+            **step_inputs(tokens=torch.tensor(10 * (rank + 1)), samples=rank + 1, learning_rate=0.1 * step),
+        )
     telemetry.close()
     return {"latest": telemetry.latest, "exporting": telemetry.is_exporting}
 
@@ -69,7 +74,7 @@ def test_two_ranks_export_exact_windows_and_close_exports_the_partial_window(tmp
     path = tmp_path / "metrics.jsonl"
     results = run_ranks(_train_two_ranks, 2, str(path))
     assert [r["exporting"] for r in results] == [True, False]
-    host_timed = {"train/tokens_per_second", "train/samples_per_second"}
+    host_timed = {"train/tokens_per_second", "train/samples_per_second", "train/phases/share"}
     host_timed |= {"train/goodput", "train/goodput/wall_time", "train/goodput/productive_time"}
     host_timed |= {"train/step_time/histogram"}  # each rank's own steps (the exporting rank's is exported)
     same = [{k: v for k, v in r["latest"].items() if k not in host_timed} for r in results]
@@ -171,6 +176,28 @@ def test_names_that_clash_with_the_built_in_signals_are_rejected() -> None:
 def test_illegal_metric_names_fail_at_construction() -> None:
     with pytest.raises(tt.report.InvalidMetricNameError, match="grad norm"):
         tt.Telemetry({"grad norm": tt.MaxMetric()}, [], signals=False)
+
+
+NOT_MAPPINGS = {
+    "a list": ([tt.SumMetric()], "the metric tree is a list"),
+    "a tuple": ((tt.SumMetric(), tt.MaxMetric()), "the metric tree is a tuple"),
+    "a bare Metric": (tt.SumMetric(), "the metric tree is a SumMetric"),
+    "a list in a dict": ({"train": [tt.SumMetric()]}, "'train' in the metric tree is a list"),
+    "a tuple deeper": (
+        {"train": {"losses": (tt.SumMetric(),)}},
+        "'train/losses' in the metric tree is a tuple",
+    ),
+}
+
+
+@pytest.mark.parametrize(("metrics", "problem"), list(NOT_MAPPINGS.values()), ids=list(NOT_MAPPINGS))
+def test_a_metric_tree_that_is_not_a_mapping_is_refused_naming_where(metrics: Any, problem: str) -> None:
+    """Its metrics would be named by position (a list exported as `0`); the functional API keeps
+    taking any PyTree, named by position as it was given."""
+    with pytest.raises(TypeError, match=re.escape(problem) + r".*not a mapping of names to Metrics"):
+        tt.Telemetry(metrics, [])
+    assert tt.sync_and_compute(metrics) is not None
+    assert tt.sync_metrics(metrics) is None
 
 
 def test_above_the_rank_series_limit_step_time_becomes_min_median_max() -> None:

@@ -16,6 +16,7 @@ import torch
 import torchtelemetry as tt
 from tests.hostsync import NoHostSync
 from tests.ops import OpCounter
+from tests.step_inputs import step_inputs
 from torchtelemetry.metric._aggregation import _any_negative  # the CPU-only checks, exempt by design
 from torchtelemetry.metric._inputs import UpdateInputs
 from torchtelemetry.report.signals import check_count  # step(tokens=)'s, CPU-only as well
@@ -112,7 +113,7 @@ def test_step_in_steady_state_never_syncs_the_device() -> None:
     telemetry = tt.Telemetry(metrics, every=2)
     try:
         for step in range(4):  # warm-up windows
-            telemetry.step(step, tokens=torch.tensor(512), samples=4, learning_rate=0.1)
+            telemetry.step(step, **step_inputs(tokens=torch.tensor(512), samples=4, learning_rate=0.1))
         for step in range(4, 24):
             metrics["loss"].update(torch.tensor(2.0), 512)
             metrics["accuracy"].update(torch.randn(4, 3), torch.tensor([0, 1, 2, 0]))
@@ -120,7 +121,7 @@ def test_step_in_steady_state_never_syncs_the_device() -> None:
             with NoHostSync(exempt=[_any_negative, UpdateInputs._ready_scalars, check_count]):
                 with telemetry.data_wait():
                     pass
-                telemetry.step(step, tokens=torch.tensor(512), samples=4, learning_rate=0.1)
+                telemetry.step(step, **step_inputs(tokens=torch.tensor(512), samples=4, learning_rate=0.1))
         telemetry.flush()
         assert telemetry.latest["loss"] == 2.0 and telemetry.latest["train/tokens"] == 24 * 512.0
     finally:

@@ -24,8 +24,10 @@ from torchtelemetry.export import (
     NullHub,
     RunInfo,
     exporters_from_spec,
+    print_window_line,
+    prints_every_report,
 )
-from torchtelemetry.metric import Metric, metric_leaves
+from torchtelemetry.metric import Metric, named_metric_leaves
 from torchtelemetry.report import (
     HANG_DESCRIPTORS,
     MetricDescriptor,
@@ -112,7 +114,7 @@ def assemble_run(metrics: Any, exporters: Sequence[Exporter] | str, config: Tele
     again when a later step fails."""
     resolved = resolve_group(config.group, op="Telemetry")
     world_size = group_world_size(resolved)
-    user_leaves = metric_leaves(metrics, op="Telemetry")
+    user_leaves = named_metric_leaves(metrics, op="Telemetry")
     device = user_leaves[0][1].device if user_leaves else torch.device("cpu")
     policy = export_policy(resolved, config.group)
     run, identity, progress = _run_of(config, policy, world_size)
@@ -139,7 +141,11 @@ def assemble_run(metrics: Any, exporters: Sequence[Exporter] | str, config: Tele
             leaves,
             descriptors,
             signals,
-            _reporting(hub, progress),
+            _reporting(
+                hub,
+                progress,
+                lines=policy.exporting and config.window_lines and not prints_every_report(exporters),
+            ),
             ranks,
             reserved=[descriptor.name for descriptor in HEALTH_DESCRIPTORS],
         )
@@ -188,16 +194,20 @@ def _run_of(
     return run, identity, progress
 
 
-def _reporting(hub: ExportHub | NullHub, progress: RunProgress | None) -> Submit:
-    """`hub.submit`, telling the progress file the step of each report."""
-    if progress is None:
+def _reporting(hub: ExportHub | NullHub, progress: RunProgress | None, *, lines: bool) -> Submit:
+    """`hub.submit`, telling the progress file the step of each report, and printing each window's
+    short line with `lines`."""
+    if progress is None and not lines:
         return hub.submit
 
     def submit(
         step: int, values: ReportValues, timestamp: float | None = None, *, window: ReportValues | None = None
     ) -> None:
         hub.submit(step, values, timestamp, window=window)
-        progress.reported(step)
+        if progress is not None:
+            progress.reported(step)
+        if lines and window is not None:
+            print_window_line(step, values, window)
 
     return submit
 

@@ -90,6 +90,10 @@ class TelemetryConfig:
     has this many)."""
     queue_size: int = 8
     """Reports buffered per exporter before the oldest is dropped."""
+    window_lines: bool = True
+    """Print a short line per window to the exporting rank's stderr (step, losses, throughput, a
+    health word), unless a `ConsoleExporter` prints every report; the line at start-up saying where
+    the reports go is printed either way."""
     hang_after_s: float | None = 300.0
     """A rank that made no progress (no step, no phase entered or left) for this long is hung: the
     exporting rank exports `train/hang/*` naming the rank the others wait for, and every stuck rank

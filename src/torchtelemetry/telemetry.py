@@ -11,17 +11,10 @@ from typing import Any
 import torch
 
 from torchtelemetry._process import check_same_process, current_pid
-from torchtelemetry._run_parts import assemble_run, startup_timeout_s
-from torchtelemetry._startup import (
-    EveryRank,
-    TelemetryStartupError,
-    agree_on_start,
-    require_process_group,
-)
-from torchtelemetry._windows import StepWindows
-from torchtelemetry.collect import AsyncMetricCollector
+from torchtelemetry._started import start_run
+from torchtelemetry._startup import TelemetryStartupError, require_process_group
 from torchtelemetry.config import TelemetryConfig
-from torchtelemetry.export import Exporter, RunInfo
+from torchtelemetry.export import Exporter, RunInfo, print_startup_line
 from torchtelemetry.report import (
     DEFAULT_LAYER_STATS,
     HostTimer,
@@ -29,10 +22,8 @@ from torchtelemetry.report import (
     MetricDescriptor,
     PhaseTimer,
     ReportValue,
-    restore_run_state,
-    run_state,
 )
-from torchtelemetry.run import HangSettings, RunIdentity, checked_attempt, watch_hangs
+from torchtelemetry.run import RunIdentity
 
 __all__ = ["RunIdentity", "Telemetry", "TelemetryConfig", "TelemetryStartupError"]
 
@@ -66,7 +57,8 @@ class Telemetry:
     call `torch.distributed.init_process_group()` first.
 
     Args:
-        metrics: a PyTree of Metrics; paths become names (`{"train": {"loss": m}}` -> `train/loss`).
+        metrics: nested dicts of Metrics, whose keys name them (`{"train": {"loss": m}}` ->
+            `train/loss`); a list, a tuple or a bare Metric raises a `TypeError` saying where.
         exporters: exporters (constructed on every rank; only the group's rank 0 starts them), or a
             comma-separated spec resolved through entry points, with options as literal keyword
             arguments: "console, prometheus(port=9464)" (`exporters_from_spec`).
@@ -84,102 +76,33 @@ class Telemetry:
         require_process_group("Telemetry")
         self._pid = current_pid()
         self._thread = threading.get_ident()
-        failure: Exception | None = None
-        try:
-            self.config = (config or TelemetryConfig()).replace(**fields)
-            parts = assemble_run(metrics, exporters, self.config)
-        except Exception as error:
-            failure = error
-        timeout_s = self.config.timeout_s if failure is None else startup_timeout_s(config, fields)
-        every_rank = EveryRank(None, timeout_s)
-        hang_watch = None
-        try:
-            every_rank = agree_on_start(
-                failure, timeout_s=timeout_s, proposal=None if failure is not None else parts.identity
-            )
-            hang_watch = watch_hangs(
-                HangSettings.of(self.config),
-                every_rank,
-                timers=parts.signals.section_timers if parts.signals is not None else (),
-                group=self.config.group,
-                exporting=parts.is_exporting,
-                run=parts.run,
-                submit=parts.submit_hang,
-                latest_step=lambda: parts.publisher.latest_step,
-                exporters=parts.exporters,
-                captures=parts.captures.hang if parts.captures is not None else None,
-            )
-            # Keyed by metric path, so errors (a layout mismatch across ranks) name metrics as the user does.
-            collector = AsyncMetricCollector(
-                dict(parts.leaves),
-                self.config.group,
-                timeout_s=timeout_s,
-                max_pending=self.config.max_pending,
-            )
-            self._collector = collector.bind()
-        except BaseException:
-            if hang_watch is not None:
-                hang_watch.close()
-            if failure is None:  # started exporters (open ports, threads) must not outlive a failed set-up,
-                parts.close()  # nor the signals' threads and their counting in update()
-            every_rank.release()
-            raise
-        self._every_rank = every_rank
-        self._hang_watch = hang_watch
+        started = start_run(metrics, exporters, config, fields)
+        self._started = started
+        self.config = started.config
         self.metrics = metrics
         self.every = self.config.every
         self.max_pending = self.config.max_pending
-        self.run = parts.run
-        """The run exported (its id: see `run_identity`)."""
-        self._identity = parts.identity
-        self._run_id_suffix = parts.run_id_suffix
-        self._progress, self._goodput = parts.progress, parts.goodput
-        self._traces = parts.traces
-        self._captures = parts.captures
+        parts = started.parts
         self.is_exporting = parts.is_exporting
         """Whether this rank exports: rank 0 of the group (`export_policy`)."""
         self.hub = parts.hub
-        self._user_leaves, self._leaves = parts.user_leaves, parts.leaves
-        self._signals = parts.signals
-        self._descriptors = parts.descriptors
-        self._publisher = parts.publisher
-        beat = hang_watch.publisher.beat if hang_watch is not None else None
-        self._windows = StepWindows(
-            self._collector,
-            self._publisher,
-            self._signals,
-            every=self.every,
-            beat=beat,
-            sections=parts.traces.log if parts.traces.log.keeps else None,
-        )
+        self._hang_watch, self._collector = started.hang_watch, started.collector
+        self._windows = started.windows
+        self._signals, self._publisher, self._progress = parts.signals, parts.publisher, parts.progress
         self._closed = self._raised = False
-        agreed = every_rank.agreed
-        if isinstance(agreed, RunIdentity) and agreed != self._identity:
-            self._adopt_run(agreed)
+        if self.is_exporting:
+            print_startup_line(self.run, self.every, self.hub.exporters)
+
+    @property
+    def run(self) -> RunInfo:
+        """The run exported (its id: see `run_identity`)."""
+        return self._started.run
 
     @property
     def run_identity(self) -> RunIdentity:
         """The run id every rank agreed on (without the group suffix) and where it came from: `run_id=`,
         the environment, the checkpoint loaded, the progress file, the launcher, or new (README)."""
-        return self._identity
-
-    def _adopt_run(self, identity: RunIdentity) -> None:
-        """Export from now on as `identity`'s run (the exporters re-describe it in order with the
-        reports), and write the progress file under it."""
-        self._identity = identity
-        self.run = RunInfo(
-            run_id=identity.run_id + self._run_id_suffix,
-            world_size=self.run.world_size,
-            config=self.run.config,
-        )
-        self.hub.adopt_run(self.run)
-        self._traces.adopt_run(self.run.run_id)
-        if self._hang_watch is not None:
-            self._hang_watch.adopt_run(self.run)
-        if self._captures is not None:
-            self._captures.adopt_run(self.run.run_id)
-        if self._progress is not None:
-            self._progress.adopt_run(self.run.run_id)
+        return self._started.identity
 
     @property
     def backpressure_waits(self) -> int:
@@ -189,7 +112,7 @@ class Telemetry:
     @property
     def descriptors(self) -> list[MetricDescriptor]:
         """Every name this telemetry exports."""
-        return list(self._descriptors)
+        return list(self._started.parts.descriptors)
 
     @property
     def latest(self) -> dict[str, ReportValue]:
@@ -289,8 +212,7 @@ class Telemetry:
         """Mark the checkpoint of `step` as durable (written and committed): for goodput, the
         training up to when `state_dict()` was taken for it reached a checkpoint."""
         self._require_open("checkpoint_saved")
-        self._goodput.checkpoint_saved(step)
-        self._traces.checkpoint_saved(step)
+        self._started.checkpoint_saved(step)
 
     def request_capture(self, rank: int, *, reason: str = "request") -> None:
         """Capture `rank`'s evidence over the next `capture_steps` steps (its profile, every thread's
@@ -301,14 +223,15 @@ class Telemetry:
         Raises a `RuntimeError` where captures are off or on another rank, a `ValueError` on a bad
         rank or reason."""
         check_same_process(self._pid, "Telemetry.request_capture")
-        if self._closed or self._captures is None:
+        captures = self._started.parts.captures
+        if self._closed or captures is None:
             why = (
                 "telemetry is closed"
                 if self._closed
                 else "captures are off (capture_on=(), or signals=False)"
             )
             raise RuntimeError(f"Telemetry.request_capture: {why}")
-        self._captures.request(rank, reason)
+        captures.request(rank, reason)
 
     def schedule_collection(self) -> None:
         """Schedule a collection of the steps since the last one now, without waiting for it.
@@ -356,26 +279,12 @@ class Telemetry:
         check_same_process(self._pid, "Telemetry.close")
         if self._closed:
             return
-        self._windows.closing()
         try:
-            if self._windows.failure is None:
-                if self._windows.steps_in_window:
-                    self._windows.schedule(final=True)
-                self._windows.drain(block=True)
-                self._publisher.amend(self._goodput.late_gauges())
+            self._started.collect_last()
         finally:
             self._closed = True
-            if self._hang_watch is not None:  # its reports go through the hub: stop it first
-                self._hang_watch.close(timeout_s)
-            self._publisher.release()  # collections still in flight after a failure must not wait for logs
-            self._collector.unbind(timeout_s=timeout_s)
-            self._traces.close(timeout_s)  # every window's verdict is in: send what is queued
-            self.hub.close(timeout_s)
-            self._every_rank.release()
-            if self._signals is not None:
-                self._signals.close()
-            if self._progress is not None:  # a failed collection or a with block that raised: not finished
-                self._progress.close(finished=self._windows.failure is None and not self._raised)
+            # A failed collection or a with block that raised: the run did not finish.
+            self._started.close(timeout_s, finished=self._windows.failure is None and not self._raised)
 
     def _require_open(self, op: str) -> None:
         check_same_process(self._pid, f"Telemetry.{op}")
@@ -425,17 +334,7 @@ class Telemetry:
         The run id rides along, so that a restart from this state continues the same run.
         """
         check_same_process(self._pid, "Telemetry.state_dict")
-        self._every_rank.require("Telemetry.state_dict")
-        if not self._closed:
-            self._windows.drain(block=True)
-            self._windows.flush_signals(final=True)
-            self._traces.state_taken(self._windows.last_step)
-        return {
-            **run_state(self._leaves, self._publisher.totals, self._signals, self.config.group),
-            **self._windows.state(),
-            "run_id": self._identity.run_id,
-            "attempt": self._traces.attempt,
-        }
+        return self._started.state_dict(collect=not self._closed)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore a `state_dict()`, also one saved at another world size: totals carry over
@@ -448,17 +347,4 @@ class Telemetry:
         counts it, once however often this is called).
         """
         check_same_process(self._pid, "Telemetry.load_state_dict")
-        saved_run_id = state.get("run_id")
-        if saved_run_id is not None and not (isinstance(saved_run_id, str) and saved_run_id):
-            raise ValueError(
-                f"Telemetry.load_state_dict: run_id must be a non-empty string, got {saved_run_id!r}; "
-                "pass the state Telemetry.state_dict() returned"
-            )
-        saved_attempt = checked_attempt(state.get("attempt", 0))
-        if saved_run_id and not self._identity.pinned and saved_run_id != self._identity.run_id:
-            self._adopt_run(RunIdentity(saved_run_id, "checkpoint"))
-        restore_run_state(
-            state, self._leaves, self._user_leaves, self._publisher.totals, self._signals, self.config.group
-        )
-        self._windows.load(state)
-        self._traces.resumed(saved_attempt)
+        self._started.load_state_dict(state)

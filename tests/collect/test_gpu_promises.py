@@ -24,6 +24,7 @@ import torchtelemetry as tt
 from tests.distributed import nccl_world_of_one, run_ranks
 from tests.gpu import busy_for, collector_worker, thread_cpu_clock
 from tests.hostsync import NoHostSync
+from tests.step_inputs import step_inputs
 from tests.sync.collectives import CollectiveRecorder
 from torchtelemetry.collect import AsyncMetricCollector
 
@@ -133,7 +134,7 @@ def test_telemetry_step_returns_while_the_training_stream_is_busy() -> None:
         for step in range(6):
             _update(metrics, step)
             busy_for(1.0)
-            telemetry.step(step, tokens=tokens, learning_rate=0.1)
+            telemetry.step(step, **step_inputs(tokens=tokens, learning_rate=0.1))
             assert not torch.cuda.current_stream().query(), f"step({step}) waited for the training stream"
         telemetry.flush()
         assert telemetry.latest["worst"] == 1.25

@@ -47,6 +47,10 @@ def test_invalid_values_exit_with_the_field_s_error(capsys: pytest.CaptureFixtur
     with pytest.raises(SystemExit):
         parse_args(["--steps", "0"], env={})
     assert "demo.steps must be at least 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(["--checkpoint-every", "0"], env={})
+    assert "demo.checkpoint_every must be at least 1" in capsys.readouterr().err
+    assert parse_args(["--checkpoint-every", "none"], env={}).checkpoint_every is None
 
 
 EXPORTER_FLAGS = {
@@ -69,13 +73,6 @@ def _built(argv: list[str]) -> dict[str, Any]:
     return {type(exporter).__name__: exporter for exporter in exporters}
 
 
-def _destination(exporter: Any) -> str:
-    for attribute in ("url", "log_dir", "path"):
-        if getattr(exporter, attribute, None) is not None:
-            return str(getattr(exporter, attribute))
-    raise AssertionError(f"{exporter!r} has no destination attribute")
-
-
 @pytest.mark.parametrize("flag", sorted(EXPORTER_FLAGS))
 def test_an_empty_exporter_flag_turns_it_on_at_its_default_and_none_turns_it_off(flag: str) -> None:
     package, name, default = EXPORTER_FLAGS[flag]
@@ -85,11 +82,11 @@ def test_an_empty_exporter_flag_turns_it_on_at_its_default_and_none_turns_it_off
     on = _built([option, ""])
     assert name in on, f'{option} "" must turn {name} on'
     if default is not None:
-        assert _destination(on[name]) == default
+        assert on[name].destination() == default
     assert name not in _built([option, "none"]), f"{option} none must leave {name} off"
     assert '"" turns it on at its default destination' in build_parser(env={}).epilog
 
 
 def test_the_jsonl_file_is_written_by_default() -> None:
     assert parse_args([], env={}).jsonl == ""
-    assert _destination(_built([])["JsonlExporter"]) == "runs/the-run/metrics.jsonl"
+    assert _built([])["JsonlExporter"].destination() == "runs/the-run/metrics.jsonl"

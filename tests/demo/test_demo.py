@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from tests.demo._process import demo_process
 from tests.distributed import free_port
 from tests.receivers import OtlpHttpReceiver, metrics_by_name, wait_for_wandb_logs
 from tests.servers import PrometheusServer
@@ -61,29 +62,22 @@ def test_demo_exports_exact_values_to_every_backend(tmp_path: Path) -> None:
     mlflow_uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     with PrometheusServer(tmp_path / "prometheus") as prometheus, OtlpHttpReceiver() as otlp:
         prometheus.scrape("trainer", [f"127.0.0.1:{port}"])
-        demo = subprocess.Popen(
-            [sys.executable, "-m", "torchtelemetry.demo", "--nproc", str(RANKS), "--steps", str(steps),
-             "--every", str(every), "--prometheus-port", str(port), "--otlp", otlp.endpoint,
-             "--wandb", "offline", "--jsonl", str(jsonl), "--no-console", "--step-delay", "0.1",
-             "--tensorboard", str(tmp_path / "tb"), "--mlflow", mlflow_uri, "--run-id", "demo-e2e"],
-            env=_demo_env(tmp_path),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )  # fmt: skip
-        try:
+        args = ["--nproc", str(RANKS), "--steps", str(steps), "--every", str(every),
+                "--prometheus-port", str(port), "--otlp", otlp.endpoint, "--wandb", "offline",
+                "--jsonl", str(jsonl), "--no-console", "--step-delay", "0.1", "--run-id", "demo-e2e",
+                "--tensorboard", str(tmp_path / "tb"), "--mlflow", mlflow_uri]  # fmt: skip
+        with demo_process(args, tmp_path, _demo_env(tmp_path)) as demo:
             scraped = prometheus.wait_for("torchtelemetry_train_step >= 9", timeout_s=180)
             at = time.time()
             step_samples = prometheus.query("torchtelemetry_train_step", at=at)
             loss_samples = prometheus.query("torchtelemetry_train_loss", at=at)
             output, _ = demo.communicate(timeout=240)
-        finally:
-            if demo.poll() is None:
-                demo.kill()
         assert demo.returncode == 0, output
-        banner = output.split("\n\n")[0]
-        assert f"otlp: {otlp.metrics_endpoint}" in banner, "the banner lists every target"
-        assert "wandb: " in banner and str(tmp_path / "wandb") in banner
+        (start,) = [line for line in output.splitlines() if line.startswith("torchtelemetry: run ")]
+        assert f"otlp {otlp.metrics_endpoint}" in start, "the start-up line names every destination"
+        assert f"jsonl {jsonl}" in start and f"mlflow {mlflow_uri}" in start
+        assert f"wandb {tmp_path / 'wandb'}" in start
+        assert not [line for line in output.splitlines() if line.startswith("torchtelemetry: step ")]
 
         lines = _read_jsonl(jsonl)
         assert [line["step"] for line in lines] == list(range(every - 1, steps, every))
@@ -155,21 +149,12 @@ def _tagged_processes(tag: str) -> list[int]:
 def test_ctrl_c_flushes_the_last_window_and_leaves_no_process(tmp_path: Path) -> None:
     tag = uuid.uuid4().hex
     jsonl = tmp_path / "metrics.jsonl"
-    demo = subprocess.Popen(
-        [sys.executable, "-m", "torchtelemetry.demo", "--steps", "100000", "--every", "5",
-         "--prometheus-port", "0", "--jsonl", str(jsonl), "--no-console", "--step-delay", "0.02"],
-        env=_demo_env(tmp_path, tag),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )  # fmt: skip
-    try:
+    args = ["--steps", "100000", "--every", "5", "--prometheus-port", "0", "--jsonl", str(jsonl),
+            "--no-console", "--step-delay", "0.02"]  # fmt: skip
+    with demo_process(args, tmp_path, _demo_env(tmp_path, tag)) as demo:
         _wait(lambda: len(_read_jsonl(jsonl)) >= 2, 120, "the demo exported nothing")
         demo.send_signal(signal.SIGINT)
         output, _ = demo.communicate(timeout=90)
-    finally:
-        if demo.poll() is None:
-            demo.kill()
     assert demo.returncode == 130, output
     summary = [line for line in output.splitlines() if line.startswith("interrupted after step")]
     assert summary, output
@@ -187,6 +172,7 @@ def test_runs_unchanged_under_torchrun(tmp_path: Path) -> None:
          "-m", "torchtelemetry.demo",
          "--steps", "20", "--every", "5", "--prometheus-port", "0", "--jsonl", str(jsonl), "--no-console"],
         env=_demo_env(tmp_path),
+        cwd=tmp_path,
         capture_output=True,
         text=True,
         timeout=240,

@@ -24,6 +24,7 @@ import torchtelemetry as tt
 from tests.distributed import run_ranks
 from tests.receivers import OtlpHttpReceiver, attributes
 from tests.servers import http_get
+from tests.step_inputs import step_inputs
 from torchtelemetry.cli import main
 from torchtelemetry.export import (
     HEALTH_DESCRIPTORS,
@@ -106,7 +107,7 @@ def _train(rank: int, world_size: int, otlp_endpoint: str, max_rank_series: int)
             optimizer.step()
             optimizer.zero_grad()
         metrics["train"]["loss"].update(loss.detach(), 4)
-        telemetry.step(step, tokens=32, samples=4, learning_rate=0.1)
+        telemetry.step(step, **step_inputs(tokens=32, samples=4, learning_rate=0.1))
         if step == 0:
             telemetry.checkpoint_saved(step)  # goodput is exported once a checkpoint is durable
     telemetry.flush()

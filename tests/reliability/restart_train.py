@@ -30,6 +30,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 import torchtelemetry as tt
+from tests.step_inputs import step_inputs
 from torchtelemetry.export import Exporter
 
 BINS = [0.5, 1.0, 2.0]
@@ -116,7 +117,7 @@ def main() -> None:
         app = state["app"]
     for step in range(app["step"] + 1, args.steps):
         tokens = feed(metrics, rank, step)
-        telemetry.step(step, tokens=torch.tensor(tokens), samples=6, learning_rate=0.01 * step)
+        telemetry.step(step, **step_inputs(tokens=torch.tensor(tokens), samples=6, learning_rate=0.01 * step))
         if (step + 1) % args.save_every == 0:
             dcp.save(
                 {"telemetry": telemetry, "app": {"step": step}},

@@ -39,6 +39,8 @@ HOST_TIMED = {
     "train/step_time/histogram",
     "train/tokens_per_second",
     "train/samples_per_second",
+    "train/data_wait_share",  # the data wait (the same in both) over the host's step time
+    "train/phases/share",
     "train/peak_memory",
     "train/memory/rss/max",
     "train/memory/rss/max_rank",
@@ -46,8 +48,9 @@ HOST_TIMED = {
     "train/goodput/productive_time",
     "train/goodput/wall_time",
 }
-RESTART_COUNTED = {"train/goodput/restarts", "train/goodput/recomputed_steps"}
-"""The same in both runs but for the restart itself."""
+RESTART_COUNTED = {"train/goodput/restarts", "train/goodput/recomputed_steps", "train/straggler/threshold"}
+"""The same in both runs but for the restart itself (a restarted run learns the straggler threshold's
+noise again: docs/signals.md)."""
 REPO = Path(__file__).resolve().parents[2]
 
 

@@ -9,9 +9,20 @@ import torch
 
 import torchtelemetry as tt
 from tests.report.windows import collect_window, context
+from tests.step_inputs import step_inputs
 from torchtelemetry.metric import metric_leaves
 from torchtelemetry.report import ModelFlops, RankSeriesLimit
-from torchtelemetry.report.signals import Signal, SignalSet, builtin_descriptors, builtin_signals
+from torchtelemetry.report.signals import (
+    CAPTURE_DESCRIPTORS,
+    Captures,
+    LayerWatch,
+    Phases,
+    Signal,
+    SignalSet,
+    builtin_descriptors,
+    builtin_signals,
+    event_only_descriptors,
+)
 
 
 def _signals(max_rank_series: int = 64, **overrides) -> tuple[SignalSet, dict]:
@@ -31,18 +42,18 @@ def _signals(max_rank_series: int = 64, **overrides) -> tuple[SignalSet, dict]:
     ), metrics
 
 
-def _feed(signals: SignalSet, metrics: dict, steps: int) -> None:
+def _feed(
+    signals: SignalSet, metrics: dict, steps: int, loss: tuple[float, ...] = (2.0, float("nan"))
+) -> None:
     for step in range(steps):
         with signals.data_wait_timer():
             pass
         with signals.phase("forward"):
-            metrics["train"]["loss"].update(torch.tensor([2.0, float("nan")]))
+            metrics["train"]["loss"].update(torch.tensor(loss))
         with signals.phase("backward"):
             pass
         signals.record_step(
-            step,
-            None if step == 0 else 0.01,
-            {"tokens": torch.tensor(128), "samples": 4, "learning_rate": 1e-3, "data_time": 0.001},
+            step, None if step == 0 else 0.01, step_inputs(tokens=torch.tensor(128), samples=4)
         )
 
 
@@ -60,6 +71,22 @@ def test_every_name_a_window_exports_is_described_and_no_raw_state_leaks(max_ran
         assert name in window
     assert window["train/nonfinite/count"] == {"train/loss": 3.0}
     assert window["train/tokens"] == 3 * 128 and window["train/samples"] == 12
+
+
+def test_event_names_are_described_and_a_healthy_window_has_none() -> None:
+    """What each signal declares exported only once something happened (`Signal.event_names`: the
+    dashboards' checks leave their panels out) is a name it describes, and absent from a window of
+    healthy steps, as are a hang report's."""
+    signals, metrics = _signals()
+    _feed(signals, metrics, 3, loss=(2.0, 3.0))
+    window = collect_window(signals, step=2, steps=3, duration_s=0.1)
+    signals.close()
+    for signal in (*signals.signals, Captures):
+        described = {d.name for d in (CAPTURE_DESCRIPTORS if signal is Captures else signal.descriptors())}
+        assert signal.event_names <= described, signal.name
+    events = {descriptor.name for descriptor in event_only_descriptors()}
+    assert {"train/nonfinite/first_step", "train/straggler/top_rank", "train/hang/rank"} <= events
+    assert "train/nonfinite/count" in window and not set(window) & events, sorted(set(window) & events)
 
 
 def test_unfed_signals_export_nothing() -> None:
@@ -81,6 +108,21 @@ def test_every_signal_is_one_object_with_a_unique_name_and_keywords() -> None:
     with pytest.raises(TypeError, match=r"no signal takes \['token'\]"):
         signals.record_step(0, None, {"token": 3})
     signals.close()
+
+
+def test_every_step_keyword_has_a_sample_input_its_signal_accepts() -> None:
+    """What the tests' training loops feed `step()` (tests/step_inputs.py): one sample per keyword,
+    declared by the signal that takes it."""
+    signals, _ = _signals()
+    try:
+        for signal in signals.signals:
+            samples = signal.sample_inputs()
+            assert set(samples) == set(signal.keywords), signal.name
+            for keyword, value in samples.items():
+                signal.check(keyword, value)
+        assert set(step_inputs()) == signals.keywords
+    finally:
+        signals.close()
 
 
 def test_step_routes_each_keyword_to_the_signal_that_declares_it() -> None:
@@ -125,3 +167,25 @@ def test_a_failed_set_up_leaves_the_users_metrics_as_they_were() -> None:
     with pytest.raises(ValueError, match=r"\['train/tokens'\] are defined twice"):
         tt.Telemetry({"train": {"loss": loss, "tokens": tt.SumMetric()}})
     assert "update" not in loss.__dict__, "the sentinel's counting stays only while a Telemetry runs"
+
+
+def test_the_model_watches_reach_their_one_signal_and_say_when_it_is_off() -> None:
+    """`watch_gradient_sync` and `watch_layers` are no hooks every signal has: the set finds the one
+    signal of each (and tells the phases which phase holds the collective); without it, it says so."""
+    signals, _ = _signals()
+    (phases,) = [signal for signal in signals.signals if isinstance(signal, Phases)]
+    model = torch.nn.Linear(2, 2)
+    signals.watch_gradient_sync(model, "forward")
+    assert phases.stragglers.sync_phase == "forward"
+    signals.watch_layers(model, LayerWatch())
+    with pytest.raises(RuntimeError, match=r"layers are watched already"):
+        signals.watch_layers(model, LayerWatch())
+    signals.close()
+    alone = SignalSet([Phases(context(), ("forward", "backward"))])
+    with pytest.raises(ValueError, match=r"the sync wait signal \('sync_wait'\) is not in this SignalSet"):
+        alone.watch_gradient_sync(model, "backward")
+    with pytest.raises(
+        ValueError, match=r"the layer statistics signal \('layers'\) is not in this SignalSet"
+    ):
+        alone.watch_layers(model, LayerWatch())
+    alone.close()

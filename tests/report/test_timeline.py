@@ -87,7 +87,7 @@ def test_the_sync_wait_goes_to_the_log_at_the_windows_flush() -> None:
     log = SectionLog(KINDS)
     wait = SyncWait(context(), log)
     model = torch.nn.Linear(4, 1)
-    wait.watch_gradient_sync(model, "backward")
+    wait.watch_gradient_sync(model)
     model(torch.ones(2, 4)).sum().backward()  # no collective: the wait is the engine's bookkeeping
     assert log.seal().sections == []  # not yet handed over
     wait.on_step(0, None)

@@ -115,7 +115,7 @@ def test_the_signal_samples_each_window_and_puts_the_exemplar_on_the_step_time_h
     exemplar = Exemplar(value=0.3, timestamp=1.0, trace_id="ab" * 16, span_id="cd" * 8)
     sink = Sink(exemplar)
     signal = TraceSampling(context(world_size=4), sink, 3)
-    signal.watch_gradient_sync(object(), "backward")
+    signal.set_sync_phase("backward")
     histogram = HistogramValue((0.1, 1.0), (0.0, 4.0, 0.0), 1.2, 4.0)
     times, wait, steps = synchronous(4, 3, "forward")
     window: dict[str, Any] = {

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 import time
 from pathlib import Path
@@ -298,3 +299,17 @@ def test_without_dump_dir_captures_go_where_the_environment_says(
             telemetry.step(step)
     assert _captures(tmp_path) == []
     assert _captures(tmp_path / "evidence") == ["torchtelemetry-capture-env-rank0-step7-request"]
+
+
+def test_a_verdict_of_the_last_window_is_counted_in_the_final_report(tmp_path: Path) -> None:
+    """A NaN in the last window triggers a capture no step is left to take: the trigger still counts
+    (no window follows to carry it, so close() exports it), and nothing is captured."""
+    loss_metric = tt.WeightedMeanMetric()
+    with tt.Telemetry(
+        {"train": {"loss": loss_metric}}, every=2, run_id="late", dump_dir=tmp_path, nvml=False
+    ) as telemetry:
+        for step in range(4):
+            loss_metric.update(torch.tensor(math.nan if step == 3 else 1.0), 1)
+            telemetry.step(step)
+    assert telemetry.latest["train/capture/count"]["nonfinite"] == 1
+    assert _captures(tmp_path) == []

@@ -34,7 +34,7 @@ from torchtelemetry.export import (
 )
 from torchtelemetry.metric import MetricKind
 from torchtelemetry.report import describe_metrics, signal_descriptors
-from torchtelemetry.report.signals import cuda_only_descriptors
+from torchtelemetry.report.signals import cuda_only_descriptors, event_only_descriptors
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
@@ -132,13 +132,9 @@ def cuda_only_names() -> frozenset[str]:
 
 
 def event_only_names() -> frozenset[str]:
-    """Sample names exported only once something happened: the first non-finite value, a rank that
-    straggles (docs/signals.md), a DDP model whose gradient all-reduce is watched, a durable
-    checkpoint (goodput), a rank that made no progress for `hang_after_s`."""
-    happened = ("train/nonfinite/first_", "train/straggler/top_", "train/sync_wait", "train/hang/")
-    checkpointed = ("train/goodput", "train/goodput/wall_time", "train/goodput/productive_time")
-    described = [d for d in signal_descriptors() if d.name.startswith(happened) or d.name in checkpointed]
-    return frozenset(name for descriptor in described for name in sample_names(descriptor))
+    """Sample names exported only once something happened (a non-finite value, a rank that
+    straggles, a capture, a hang), as the signals declare them (`event_only_descriptors()`)."""
+    return frozenset(name for descriptor in event_only_descriptors() for name in sample_names(descriptor))
 
 
 def health_descriptors() -> tuple[MetricDescriptor, ...]:
@@ -270,6 +266,13 @@ def dashboard_generator() -> Any:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def unplaced_descriptors() -> list[MetricDescriptor]:
+    """The built-in signals no fixed panel shows (`unplaced_names()` of dashboards/generate.py: a
+    panel of its own is optional): the discovery variables list them like the run's own metrics."""
+    unplaced = dashboard_generator().unplaced_names()
+    return [d for d in signal_descriptors() if sample_names(d) & unplaced]
 
 
 def generated_training_dashboard() -> str:

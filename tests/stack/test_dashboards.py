@@ -32,9 +32,10 @@ from tests.stack._stack import (
     substitute,
     training_descriptors,
     tree_descriptors,
+    unplaced_descriptors,
     variables_used,
 )
-from torchtelemetry.export import MetricDescriptor
+from torchtelemetry.export import MetricDescriptor, prometheus_name
 from torchtelemetry.metric import MetricKind
 from torchtelemetry.report import signal_descriptors
 
@@ -188,31 +189,49 @@ def test_discovery_variables_list_exactly_the_trees_own_metrics(tree: str) -> No
     a fixed panel shows (one without a panel of its own is listed: `unplaced_names()`)."""
     variables = _variables(DASHBOARDS[DASHBOARD_DIR / "training.json"])
     listed = {name: discovered(variables[name], _run_names(tree)) for name in DISCOVERY_VARIABLES}
-    unplaced = [d for d in signal_descriptors() if set(sample_names(d)) & GENERATOR.unplaced_names()]
-    assert listed == own_names(tree, unplaced)
+    assert listed == own_names(tree, unplaced_descriptors())
+
+
+def _unused_path(stem: str) -> str:
+    """`stem`, lengthened until no built-in signal and no tree of `TREES` exports a name of that path."""
+    taken = {d.name for d in training_descriptors()}
+    path = stem
+    while path in taken:
+        path += "_x"
+    return path
 
 
 def test_a_signal_added_without_a_panel_is_shown_by_the_discovered_panels(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A new built-in gauge and counter, with no panel written for them: the regenerated dashboard
-    lists them in its Gauge and Counter variables (so the repeated panels show them), and only them
-    besides the run's own metrics."""
+    """A new built-in gauge and counter, with no panel written for them (docs/signals.md: a panel of
+    its own is optional): the regenerated dashboard lists them in its Gauge and Counter variables (so
+    the repeated panels show them), and only them besides the run's own metrics. Their names are
+    made up unused, so that a real signal of the same name can never clash with them."""
     added = (
-        MetricDescriptor("train/grad_scale", description="the loss scale of mixed precision"),
-        MetricDescriptor("train/skipped_steps", MetricKind.COUNTER, description="optimizer steps skipped"),
+        MetricDescriptor(_unused_path("train/made_up_gauge"), description="a made-up gauge"),
+        MetricDescriptor(_unused_path("train/made_up_count"), MetricKind.COUNTER, description="made up"),
     )
     builtin = torchtelemetry.report.signal_descriptors
     monkeypatch.setattr(torchtelemetry.report, "signal_descriptors", lambda: (*builtin(), *added))
     generator = dashboard_generator()
-    assert generator.unplaced_names() == {
-        "torchtelemetry_train_grad_scale",
-        "torchtelemetry_train_skipped_steps_total",
-    }
+    assert generator.unplaced_names() == {prometheus_name(d) for d in added}
     variables = _variables(generator.build())
     names = _run_names("demo") | {name for d in added for name in sample_names(d)}
     listed = {name: discovered(variables[name], names) for name in DISCOVERY_VARIABLES}
     assert listed == own_names("demo", added)
+
+
+def test_a_signal_described_twice_under_one_path_leaves_the_dashboard_as_it_is(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A made-up signal of a real signal's name (the test above once made up `train/grad_scale`)
+    describes that path twice: the panel that reads it is built once, as before."""
+    expected = generated_training_dashboard()
+    builtin = torchtelemetry.report.signal_descriptors
+    (tokens,) = [d for d in builtin() if d.name == "train/tokens"]
+    monkeypatch.setattr(torchtelemetry.report, "signal_descriptors", lambda: (*builtin(), tokens))
+    assert dashboard_generator().render() == expected
 
 
 def test_no_panel_ranks_step_times_or_divides_them_into_a_straggler_ratio() -> None:

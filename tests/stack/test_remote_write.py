@@ -24,8 +24,9 @@ import pytest
 
 from tests.distributed import free_port, run_ranks
 from tests.servers import PrometheusServer, PushgatewayServer, VictoriaMetricsServer
-from tests.stack._live import check_dashboards, wait_for_ranks
-from tests.stack._stack import PROMETHEUS_DIR, TREES, feed, load_yaml
+from tests.stack._live import check_dashboards, still_training, wait_for_ranks
+from tests.stack._stack import PROMETHEUS_DIR, TREES, load_yaml
+from tests.stack._training import RUN_LIMIT_S, train_until_stopped
 from torchtelemetry.export import NAMESPACE
 
 AGENT_CONFIG = PROMETHEUS_DIR / "prometheus-agent.yml"
@@ -34,7 +35,6 @@ SCRAPE_JOB = "torchtelemetry"
 """The agent config's job for rank 0's endpoint."""
 PUSHED_JOB = "pushed"
 """The job rank 0 pushes under (kept by the config's honor_labels), apart from the scrape job."""
-RUN_LIMIT_S = 150.0
 REL_TOL = 5e-12
 """VictoriaMetrics stores a float as a 12-significant-digit decimal: half a unit in the 12th digit."""
 
@@ -42,11 +42,8 @@ REL_TOL = 5e-12
 def _train(
     rank: int, world_size: int, port: int, gateway_url: str, jsonl: str, run_id: str, stop: str
 ) -> Any:
-    """The demo tree and every built-in signal on each rank, until told to stop; rank 0 exports to
-    the scrape endpoint, the Pushgateway and JSONL. Returns rank 0's descriptors."""
-    import torch
-    import torch.distributed as dist
-
+    """The demo tree and every signal a CPU run can show on each rank, until told to stop; rank 0
+    exports to the scrape endpoint, the Pushgateway and JSONL. Returns rank 0's descriptors."""
     from torchtelemetry.export import JsonlExporter, PrometheusExporter, PushgatewayExporter
     from torchtelemetry.telemetry import Telemetry
 
@@ -63,23 +60,10 @@ def _train(
         flops_per_token=6e6,
         peak_flops=1e12,
         queue_size=1024,  # JSONL must keep every report the endpoints served
+        dump_dir=Path(stop).parent,  # the straggler's captures
     )
-    generator = torch.Generator().manual_seed(rank)
-    deadline = time.monotonic() + RUN_LIMIT_S
-    step = 0
     try:
-        while True:
-            if step % 10 == 0:
-                stopping = torch.tensor([float(Path(stop).exists() or time.monotonic() > deadline)])
-                dist.all_reduce(stopping, op=dist.ReduceOp.MAX)  # every rank stops at the same step
-                if stopping.item():
-                    break
-            with telemetry.data_wait():
-                time.sleep(0.002)
-            feed(TREE, metrics, generator)
-            telemetry.step(step, tokens=8 * 16, samples=8, learning_rate=1e-3 / (1 + step))
-            time.sleep(0.02 * (1 + rank))
-            step += 1
+        train_until_stopped(telemetry, TREE, metrics, rank, stop)
     finally:
         telemetry.close()
     return [(d.name, d.kind.value, d.unit, d.label_name) for d in telemetry.descriptors]
@@ -132,21 +116,31 @@ def _expected_samples(record: dict[str, Any], descriptors: list[tuple]) -> dict[
 
 
 def _compare(
-    stored: list[dict[str, Any]], reports: dict[int, dict[tuple, float]], job: str
+    stored: list[dict[str, Any]], reports: dict[tuple[int, float], dict[tuple, float]], job: str
 ) -> tuple[int, set]:
-    """Check every sample of `job` against the report of the step the same scrape carried; returns
-    the samples compared and the steps seen."""
+    """Check every sample of `job` against the report the same scrape carried (`reports` by step and
+    timestamp: the step and the report's time scraped with it tell it apart from the final report's
+    amendment, of the same step); returns the samples compared and the steps seen."""
     own_labels = {"__name__", "job", "instance", "run", "route", "cluster"}
     namespace = f"{NAMESPACE}_"  # not the Pushgateway's own push_time_seconds
     series = [
         s for s in stored if s["metric"]["job"] == job and s["metric"]["__name__"].startswith(namespace)
     ]
-    steps_at = {
-        timestamp: int(value)
-        for s in series
-        if s["metric"]["__name__"] == "torchtelemetry_train_step"
-        for timestamp, value in zip(s["timestamps"], s["values"], strict=True)
-        if not _staleness_marker(value)
+    steps_at, updated_at = (
+        {
+            timestamp: value
+            for s in series
+            if s["metric"]["__name__"] == name
+            for timestamp, value in zip(s["timestamps"], s["values"], strict=True)
+            if not _staleness_marker(value)
+        }
+        for name in ("torchtelemetry_train_step", "torchtelemetry_last_update_timestamp_seconds")
+    )
+    report_at = {
+        timestamp: min(
+            (key for key in reports if key[0] == step), key=lambda key: abs(key[1] - updated_at[timestamp])
+        )
+        for timestamp, step in steps_at.items()
     }
     compared, mismatches = 0, []
     for s in series:
@@ -156,7 +150,7 @@ def _compare(
         for timestamp, value in zip(s["timestamps"], s["values"], strict=True):
             if _staleness_marker(value) or timestamp not in steps_at:
                 continue  # a staleness marker (the target went away), or a sample of no report
-            expected = reports[steps_at[timestamp]].get(key)
+            expected = reports[report_at[timestamp]].get(key)
             if expected is None:
                 assert name in ("torchtelemetry_run_finished_timestamp_seconds",) or name.startswith(
                     "torchtelemetry_exporter_"
@@ -168,7 +162,7 @@ def _compare(
                     f"{key} at step {steps_at[timestamp]}: stored {value!r}, reported {expected!r}"
                 )
     assert not mismatches, f"{job}: {len(mismatches)} samples differ:\n" + "\n".join(mismatches[:20])
-    return compared, set(steps_at.values())
+    return compared, {int(step) for step in steps_at.values()}
 
 
 def _staleness_marker(value: float | None) -> bool:
@@ -211,6 +205,7 @@ def test_a_two_rank_run_through_a_prometheus_agent_reads_back_exactly_from_victo
                 check = check_dashboards(
                     url, TREE, {"scrape": SCRAPE_JOB, "pushgateway": PUSHED_JOB}, run_id, "4s"
                 )
+                still_training(ranks, RUN_LIMIT_S)
                 assert not check.missing, "panel queries without data in VictoriaMetrics:\n" + "\n".join(
                     check.missing
                 )
@@ -228,14 +223,19 @@ def test_a_two_rank_run_through_a_prometheus_agent_reads_back_exactly_from_victo
         agent.stop()
 
     records = [json.loads(line) for line in jsonl.read_text().splitlines()]
-    reports = {record["step"]: _expected_samples(record, descriptors) for record in records}
-    assert len(reports) == len(records) > 3
+    steps = [record["step"] for record in records]
+    # A report per window; close() amends the last with the goodput of a checkpoint marked after it.
+    *windows, last = steps
+    assert windows == sorted(set(windows)) and last >= windows[-1] and len(windows) > 3, steps
+    reports = {
+        (record["step"], record["timestamp"]): _expected_samples(record, descriptors) for record in records
+    }
     stored = victoriametrics.export(f'{{run="{run_id}"}}')
     assert {s["metric"]["cluster"] for s in stored} == {"training"}  # the config's external label
     seen: dict[str, set[int]] = defaultdict(set)
     for job in (SCRAPE_JOB, PUSHED_JOB):
         compared, seen[job] = _compare(stored, reports, job)
         assert compared > 100, (job, compared)
-    final = max(reports)
+    final = max(steps)
     assert final in seen[PUSHED_JOB], "the gateway keeps the final report"
     assert len(seen[SCRAPE_JOB]) > 3 and len(seen[PUSHED_JOB]) > 3, seen

@@ -25,36 +25,30 @@ import pytest
 
 from tests.distributed import free_port, run_ranks
 from tests.servers import PrometheusServer, PushgatewayServer, QueryError, query
-from tests.stack._live import check_dashboards, wait_for_ranks
+from tests.stack._live import check_dashboards, still_training, wait_for_ranks
 from tests.stack._stack import (
     PROMETHEUS_HOST_CONFIG,
     TREES,
     alert_rules,
     dashboards,
-    feed,
     load_yaml,
     panels,
     substitute,
 )
+from tests.stack._training import RUN_LIMIT_S, SAMPLES, TOKENS, train_until_stopped
 
 WORLD_SIZE = 2
 JOB = "torchtelemetry"
 """`PushgatewayExporter`'s default job (kept by `honor_labels`), and the shipped scrape job's name."""
 ROUTES = ("scrape", "pushgateway")
-TOKENS, SAMPLES = 8 * 16, 8
-"""Per rank and step: what `_train` feeds `step()`."""
 SETTLED_SCRAPES = 3
-RUN_LIMIT_S = 150.0
-"""The ranks stop on their own after this long, should the test never tell them to."""
 
 
 def _train(
     rank: int, world_size: int, tree: str, port: int, gateway_url: str, run_id: str, stop_file: str
 ) -> int:
-    """Train-like loop on one rank: a tree's metrics plus every built-in signal, until told to stop."""
-    import torch
-    import torch.distributed as dist
-
+    """A tree's metrics plus every signal a CPU run can show on one rank, exported through both
+    routes, until told to stop."""
     import torchtelemetry as tt
     from torchtelemetry.export import PrometheusExporter, PushgatewayExporter
     from torchtelemetry.telemetry import Telemetry
@@ -68,29 +62,12 @@ def _train(
         run_id=run_id,
         flops_per_token=6e6,
         peak_flops=1e12,
+        dump_dir=Path(stop_file).parent,  # the straggler's captures
     )
-    generator = torch.Generator().manual_seed(rank)
-    deadline = time.monotonic() + RUN_LIMIT_S
-    step = 0
     try:
-        while True:
-            if step % 10 == 0:
-                stop = torch.tensor([float(Path(stop_file).exists() or time.monotonic() > deadline)])
-                dist.all_reduce(stop, op=dist.ReduceOp.MAX)  # every rank stops at the same step
-                if stop.item():
-                    break
-            with telemetry.data_wait():
-                time.sleep(0.002)
-            with telemetry.phase("forward"):
-                feed(tree, metrics, generator)
-            with telemetry.phase("backward"):
-                time.sleep(0.001 * (1 + rank))
-            telemetry.step(step, tokens=TOKENS, samples=SAMPLES, learning_rate=1e-3 / (1 + step))
-            time.sleep(0.02 * (1 + rank))  # rank 1 is the slower one
-            step += 1
+        return train_until_stopped(telemetry, tree, metrics, rank, stop_file)
     finally:
         telemetry.close()
-    return step
 
 
 def _settled(prometheus: PrometheusServer) -> float:
@@ -187,6 +164,7 @@ def test_every_panel_and_alert_on_a_real_two_rank_run(
                 instances=instances,
                 settled=lambda: _settled(prometheus),
             )
+            still_training(ranks, RUN_LIMIT_S)
             assert not check.missing, "panel queries without data:\n" + "\n".join(check.missing)
             wrong = check.added_up
             for route in ROUTES:

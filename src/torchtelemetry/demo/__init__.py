@@ -5,9 +5,10 @@ DistributedDataParallel (gloo on CPU, NCCL on GPUs). Spawns `--nproc` ranks
 itself, or runs unchanged under `torchrun` (`python -m torchtelemetry.demo`).
 
 One file per job: `_config` (`DemoConfig`), `_cli` (the command line generated from it),
-`_model` (model, data, one training step, the metrics), `_exporters` (what the flags turn
-on), `_loop` (one rank's training loop), `_console` (progress and summary), `_launcher`
-(spawning ranks, Ctrl-C).
+`_model` (model, data, one training step with its phases, the metrics), `_exporters` (what the
+flags turn on), `_checkpoint` (model, optimizer and telemetry state, marked durable for goodput),
+`_loop` (one rank's training loop), `_console` (progress and summary), `_launcher` (spawning
+ranks, Ctrl-C).
 """
 
 from __future__ import annotations

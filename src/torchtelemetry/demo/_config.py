@@ -8,14 +8,21 @@ None (`none` on the command line) leaves it off.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
-__all__ = ["DEFAULT_DESTINATION", "DEFAULT_PUSHGATEWAY", "DemoConfig"]
+__all__ = ["DEFAULT_DESTINATION", "DEFAULT_PUSHGATEWAY", "DemoConfig", "run_directory"]
 
 DEFAULT_DESTINATION = ""
 """The value of an exporter field that turns its exporter on at its default destination."""
 
 DEFAULT_PUSHGATEWAY = "http://127.0.0.1:9091"
 """Where `--pushgateway ""` pushes: the Pushgateway of the repository's stack, on loopback."""
+
+
+def run_directory(run_id: str) -> Path:
+    """The run's own directory, `runs/<run_id>` under the working directory (.gitignore ignores
+    `/runs/`): the default home of its files, its checkpoint and its captures."""
+    return Path("runs") / run_id
 
 
 @dataclass(kw_only=True, slots=True)
@@ -58,7 +65,10 @@ class DemoConfig:
     jsonl: str | None = field(default=DEFAULT_DESTINATION, metadata={"env": "TORCHTELEMETRY_JSONL"})
     """JSONL output path ("", the default: runs/<run_id>/metrics.jsonl; none: off)."""
     console: bool = True
-    """One console line per report."""
+    """A short line per window on stderr (step, loss, throughput, health: `TelemetryConfig.window_lines`)."""
+    checkpoint_every: int | None = 50
+    """Steps between checkpoints (model, optimizer and telemetry state, one file replaced each time:
+    runs/<run_id>/checkpoint/checkpoint.pt; goodput counts the training they hold); None: none."""
     run_id: str | None = None
     """Run id (default: generated)."""
     seed: int = 0
@@ -67,8 +77,8 @@ class DemoConfig:
     """Extra host sleep per step in seconds, to slow the run down for live viewing."""
 
     def __post_init__(self) -> None:
-        for key in ("nproc", "steps", "every", "batch_size", "seq_len", "vocab"):
-            if getattr(self, key) < 1:
+        for key in ("nproc", "steps", "every", "batch_size", "seq_len", "vocab", "checkpoint_every"):
+            if getattr(self, key) is not None and getattr(self, key) < 1:
                 raise ValueError(f"demo.{key} must be at least 1, got {getattr(self, key)}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"demo.device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")

@@ -1,9 +1,13 @@
-"""The demo's console: progress bar, banner and summary on rank 0, report lines above the bar."""
+"""The demo's console: progress bar, banner and summary on rank 0; lines written to stderr while the
+bar is shown (the window lines `Telemetry` prints, warnings) go above it."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from typing import Any
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, TextIO
 
 import torch
 
@@ -11,7 +15,7 @@ from torchtelemetry.demo._config import DemoConfig
 
 __all__ = [
     "INTERRUPTED_EXIT_CODE",
-    "ProgressSafeStream",
+    "above_the_bar",
     "advance",
     "print_banner",
     "print_summary",
@@ -22,19 +26,21 @@ INTERRUPTED_EXIT_CODE = 130
 """Exit status after Ctrl-C: the run stopped early, flushed everything and exited cleanly."""
 
 
-class ProgressSafeStream:
-    """Console lines written above the progress bar instead of through it."""
+class _AboveTheBar:
+    """A stream whose lines tqdm writes above its bars, on `stream` (each write ends with its newline:
+    `Telemetry`'s lines, logging's and warnings' do)."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
 
     def write(self, text: str) -> int:
-        try:
-            from tqdm import tqdm
-        except ImportError:
-            return sys.stderr.write(text)
-        tqdm.write(text.rstrip("\n"), file=sys.stderr)
+        from tqdm import tqdm
+
+        tqdm.write(text.rstrip("\n"), file=self._stream)
         return len(text)
 
     def flush(self) -> None:
-        sys.stderr.flush()
+        self._stream.flush()
 
 
 def progress_bar(config: DemoConfig, *, enabled: bool) -> Any:
@@ -45,6 +51,20 @@ def progress_bar(config: DemoConfig, *, enabled: bool) -> Any:
     except ImportError:
         return None
     return tqdm(total=config.steps, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True)
+
+
+@contextlib.contextmanager
+def above_the_bar(progress: Any) -> Iterator[None]:
+    """While the bar `progress` is shown, what is written to `sys.stderr` goes above it; the bar is
+    closed at the end."""
+    if progress is None:
+        yield
+        return
+    try:
+        with contextlib.redirect_stderr(_AboveTheBar(sys.stderr)):
+            yield
+    finally:
+        progress.close()
 
 
 def advance(progress: Any, telemetry: Any) -> None:
@@ -60,13 +80,13 @@ def advance(progress: Any, telemetry: Any) -> None:
         )
 
 
-def print_banner(config: DemoConfig, telemetry: Any, world_size: int, device: torch.device) -> None:
+def print_banner(
+    config: DemoConfig, telemetry: Any, world_size: int, device: torch.device, checkpoints: Path
+) -> None:
+    """What the run is; where its reports go is the line `Telemetry` printed at start-up."""
     print(f"torchtelemetry demo: run {telemetry.run.run_id}, {world_size} ranks on {device.type}", flush=True)
-    for exporter in telemetry.hub.exporters:
-        keys = ("url", "path", "log_dir", "tracking_uri")  # where each exporter sends its reports
-        where = next(filter(None, (getattr(exporter, key, None) for key in keys)), None)
-        if where:
-            print(f"  {exporter.name}: {where}", flush=True)
+    if config.checkpoint_every is not None:
+        print(f"  checkpoint every {config.checkpoint_every} steps: {checkpoints}", flush=True)
     print("  full stack (Prometheus, Grafana, Collector, Pushgateway): docker compose up -d", flush=True)
 
 

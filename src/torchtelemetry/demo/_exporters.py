@@ -3,23 +3,20 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any
 
-from torchtelemetry.demo._config import DEFAULT_PUSHGATEWAY, DemoConfig
-from torchtelemetry.demo._console import ProgressSafeStream
+from torchtelemetry.demo._config import DEFAULT_PUSHGATEWAY, DemoConfig, run_directory
 
 __all__ = ["build_exporters"]
 
 
 def build_exporters(config: DemoConfig, run_id: str) -> list[Any]:
-    """Console, Prometheus, Pushgateway, OTLP, W&B, TensorBoard, MLflow and JSONL, as `config` asks:
-    each exporter field None is off, "" on at the exporter's default destination."""
+    """Prometheus, Pushgateway, OTLP, W&B, TensorBoard, MLflow and JSONL, as `config` asks: each
+    exporter field None is off, "" on at the exporter's default destination (the console's short line
+    per window is `Telemetry`'s own: `TelemetryConfig.window_lines`)."""
     from torchtelemetry import export
 
     exporters: list[Any] = []
-    if config.console:
-        exporters.append(export.ConsoleExporter(stream=ProgressSafeStream()))
     if config.prometheus_port is not None:
         exporters.append(export.PrometheusExporter(port=config.prometheus_port))
     if config.pushgateway is not None:
@@ -37,10 +34,10 @@ def build_exporters(config: DemoConfig, run_id: str) -> list[Any]:
         )
     if config.tensorboard is not None:
         exporters.append(
-            export.TensorBoardExporter(config.tensorboard or Path("runs") / run_id / "tensorboard")
+            export.TensorBoardExporter(config.tensorboard or run_directory(run_id) / "tensorboard")
         )
     if config.mlflow is not None:
         exporters.append(export.MLflowExporter(config.mlflow or None, experiment_name="torchtelemetry-demo"))
     if config.jsonl is not None:
-        exporters.append(export.JsonlExporter(config.jsonl or Path("runs") / run_id / "metrics.jsonl"))
+        exporters.append(export.JsonlExporter(config.jsonl or run_directory(run_id) / "metrics.jsonl"))
     return exporters

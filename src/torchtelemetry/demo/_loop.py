@@ -1,5 +1,6 @@
-"""One rank's training loop: DDP training, metric updates, `Telemetry`, a Ctrl-C all ranks agree on
-(`StopOnSignal`)."""
+"""One rank's training loop: DDP training with its phases timed, its gradient wait measured and its
+layers watched, metric updates, `Telemetry`, a checkpoint now and then (goodput), a Ctrl-C all ranks
+agree on (`StopOnSignal`)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from torchtelemetry.demo._config import DemoConfig
+from torchtelemetry.demo._checkpoint import checkpoint_directory, save_checkpoint
+from torchtelemetry.demo._config import DemoConfig, run_directory
 from torchtelemetry.demo._console import (
     INTERRUPTED_EXIT_CODE,
+    above_the_bar,
     advance,
     print_banner,
     print_summary,
@@ -50,6 +53,8 @@ def train(config: DemoConfig, rank: int, world_size: int, device: torch.device) 
         every=config.every,
         run_id=run_id,
         flops_per_token=flops_per_token(model, config.seq_len),  # TFLOP/s (and MFU on a known GPU)
+        window_lines=config.console,
+        dump_dir=run_directory(run_id),  # captures and a hung rank's stacks, beside the run's files
         run_config={
             "steps": config.steps,
             "world_size": world_size,
@@ -58,30 +63,35 @@ def train(config: DemoConfig, rank: int, world_size: int, device: torch.device) 
         },
     )
     telemetry.watch_gradient_sync(ddp)  # each rank's wait in the all-reduce (train/sync_wait)
+    telemetry.watch_layers(ddp)  # each layer's gradient and parameter norms, where a NaN was born
+    checkpoints = checkpoint_directory(run_id)
     if rank == 0:
-        print_banner(config, telemetry, world_size, device)
+        print_banner(config, telemetry, world_size, device, checkpoints)
     stop = tt.StopOnSignal(every=config.every)
     progress = progress_bar(config, enabled=rank == 0)
     last_step = -1
-    try:
-        for step in range(config.steps):
-            if stop.agreed():
-                break
-            learning_rate = learning_rate_at(config, step)
-            with telemetry.data_wait():  # what a DataLoader's next() is in a real loop
-                batch = synthetic_batch(generator, config, device)
-            result = train_step(ddp, optimizer, batch, learning_rate)
-            update_metrics(metrics, result)
-            telemetry.step(step, tokens=result.tokens, samples=config.batch_size, learning_rate=learning_rate)
-            last_step = step
-            if config.step_delay_s:
-                time.sleep(config.step_delay_s)
-            advance(progress, telemetry)
-    finally:
-        stop.restore()
-        telemetry.close()
-        if progress is not None:
-            progress.close()
+    with above_the_bar(progress):
+        try:
+            for step in range(config.steps):
+                if stop.agreed():
+                    break
+                learning_rate = learning_rate_at(config, step)
+                with telemetry.data_wait():  # what a DataLoader's next() is in a real loop
+                    batch = synthetic_batch(generator, config, device)
+                result = train_step(ddp, optimizer, batch, learning_rate, phase=telemetry.phase)
+                update_metrics(metrics, result)
+                telemetry.step(
+                    step, tokens=result.tokens, samples=config.batch_size, learning_rate=learning_rate
+                )
+                if config.checkpoint_every is not None and (step + 1) % config.checkpoint_every == 0:
+                    save_checkpoint(checkpoints, step, ddp, optimizer, telemetry)
+                last_step = step
+                if config.step_delay_s:
+                    time.sleep(config.step_delay_s)
+                advance(progress, telemetry)
+        finally:
+            stop.restore()
+            telemetry.close()
     status = INTERRUPTED_EXIT_CODE if stop.signum is not None else 0
     if rank == 0:
         print_summary(telemetry, last_step, status)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,20 +91,32 @@ class StepResult:
     tokens: int
 
 
+def _untimed(name: str) -> contextlib.AbstractContextManager[Any]:
+    return contextlib.nullcontext()
+
+
 def train_step(
-    model: nn.Module, optimizer: torch.optim.Optimizer, batch: torch.Tensor, learning_rate: float
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: torch.Tensor,
+    learning_rate: float,
+    phase: Callable[[str], contextlib.AbstractContextManager[Any]] = _untimed,
 ) -> StepResult:
-    """One optimizer step of next-token prediction on `batch` (sequences of `seq_len + 1` tokens)."""
+    """One optimizer step of next-token prediction on `batch` (sequences of `seq_len + 1` tokens),
+    its forward, backward and optimizer step each inside `phase(name)` (`Telemetry.phase` times them)."""
     for group in optimizer.param_groups:
         group["lr"] = learning_rate
     inputs, targets = batch[:, :-1], batch[:, 1:]
-    logits = model(inputs)
-    vocab = logits.shape[-1]
-    loss = nn.functional.cross_entropy(logits.reshape(-1, vocab), targets.reshape(-1))
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    grad_norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
-    optimizer.step()
+    with phase("forward"):
+        logits = model(inputs)
+        vocab = logits.shape[-1]
+        loss = nn.functional.cross_entropy(logits.reshape(-1, vocab), targets.reshape(-1))
+    with phase("backward"):  # holds DDP's gradient all-reduce (`watch_gradient_sync`)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+    with phase("optimizer"):
+        grad_norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
+        optimizer.step()
     return StepResult(
         loss.detach(),
         logits.detach().reshape(-1, vocab),

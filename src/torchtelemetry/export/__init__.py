@@ -8,6 +8,13 @@ here, beside the exporters that use it. The values a report carries (`HistogramV
 
 from torchtelemetry.export._base import BaseExporter, ExportFailed
 from torchtelemetry.export._console import ConsoleExporter
+from torchtelemetry.export._console_lines import (
+    print_startup_line,
+    print_window_line,
+    prints_every_report,
+    startup_line,
+    window_line,
+)
 from torchtelemetry.export._exposition import ROUTE_LABEL, ROUTES, RUN_LABEL
 from torchtelemetry.export._final_scrape import (
     DEFAULT_LINGER_S,
@@ -116,7 +123,12 @@ __all__ = [
     "otel_unit",
     "prometheus_label_name",
     "prometheus_name",
+    "print_startup_line",
+    "print_window_line",
+    "prints_every_report",
     "redact_url",
+    "startup_line",
     "tracker_label_name",
     "tracker_name",
+    "window_line",
 ]

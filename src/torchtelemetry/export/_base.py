@@ -13,7 +13,8 @@ once. A subclass implements small hooks:
 - `_flush(timeout_s) -> bool`: deliver what is buffered (only once started);
 - `_close(timeout_s)`: release what the exporter opened (called once, started or not).
 
-An exporter whose readers pull (a scrape endpoint) overrides `closing_until()`: while its close
+`destination()` says where the reports go (the start-up line names it). An exporter whose readers
+pull (a scrape endpoint) overrides `closing_until()`: while its close
 waits for them to read the final report, the time it returns by, so the hub waits for it.
 
 Every hook runs under the exporter's lock, one at a time. `Exporter` stays the extension point:
@@ -189,6 +190,11 @@ class BaseExporter:
         for readers that pull (a scrape endpoint's final scrape); the hub's close waits that long
         for it, past its own deadline. None (the default): close is bounded by its `timeout_s`.
         Called from any thread, without the exporter's lock."""
+        return None
+
+    def destination(self) -> str | None:
+        """Where the reports go (a URL with its secrets masked, a file, a directory), for the line a
+        `Telemetry` prints at start-up; None (the default): the exporter's name says it all."""
         return None
 
     # -- hooks ------------------------------------------------------------------------------

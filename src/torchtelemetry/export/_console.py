@@ -29,6 +29,9 @@ class ConsoleExporter(BaseExporter):
         self._stream = stream
         self._run_id = ""
 
+    def destination(self) -> str | None:
+        return "stderr" if self._stream is None else getattr(self._stream, "name", None)
+
     def _describe(self, descriptors: Sequence[MetricDescriptor], run: RunInfo) -> None:
         self._run_id = run.run_id
 

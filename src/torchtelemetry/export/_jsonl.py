@@ -31,6 +31,9 @@ class JsonlExporter(BaseExporter):
         self._file: IO[str] | None = None
         self._run_id = ""
 
+    def destination(self) -> str | None:
+        return str(self.path)
+
     def _describe(self, descriptors: Sequence[MetricDescriptor], run: RunInfo) -> None:
         self._run_id = run.run_id
 

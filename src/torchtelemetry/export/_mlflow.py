@@ -92,6 +92,9 @@ class MLflowExporter(BaseExporter):
         self.run_id: str | None = None
         """The MLflow run id (None until the first export reached the tracking store)."""
 
+    def destination(self) -> str | None:
+        return redact_url(self.tracking_uri)
+
     def _describe(self, descriptors: Sequence[MetricDescriptor], run: RunInfo) -> None:
         self._keys.describe(descriptors)
 

@@ -177,6 +177,9 @@ class OTelExporter(BaseExporter):
         what logs, errors and the demo show."""
         return redact_url(self.endpoint)
 
+    def destination(self) -> str | None:
+        return self.url
+
     def span_sender(self) -> OtlpSpanSender:
         """A sender of finished spans to `traces_endpoint` with this exporter's settings and resource
         (for the run's traces: every rank builds one, a sampled rank sends). Raises a `ValueError`

@@ -149,6 +149,9 @@ class PrometheusExporter(BaseExporter):
                 ) from error
             logger.info("PrometheusExporter %r: serving %s", self.name, self.url)
 
+    def destination(self) -> str | None:
+        return self.url
+
     def _describe(self, descriptors: Sequence[MetricDescriptor], run: RunInfo) -> None:
         self._collector.set_descriptors(descriptors, run)
 

@@ -108,6 +108,9 @@ class PushgatewayExporter(BaseExporter):
         """The grouping key besides `job` (the run id and any extra labels); None before describe."""
         return None if self._grouping_key is None else dict(self._grouping_key)
 
+    def destination(self) -> str | None:
+        return redact_url(self.url)
+
     def _describe(self, descriptors: Sequence[MetricDescriptor], run: RunInfo) -> None:
         """Check and learn the names (raises `NameCollisionError`); the run id joins the grouping key."""
         self._collector.set_descriptors(descriptors, run)

@@ -74,6 +74,9 @@ class TensorBoardExporter(BaseExporter):
         )
         self._writer: Any = None
 
+    def destination(self) -> str | None:
+        return str(self.log_dir) if self.log_dir is not None else None
+
     def _describe(self, descriptors: Sequence[MetricDescriptor], run: RunInfo) -> None:
         self._keys.describe(descriptors)
 

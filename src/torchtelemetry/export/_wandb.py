@@ -121,6 +121,9 @@ class WandbExporter(BaseExporter):
         """The directory the run writes to; None before the run starts."""
         return getattr(self._run, "dir", None) if self._run is not None else None
 
+    def destination(self) -> str | None:
+        return self.url or self.path
+
     def _describe(self, descriptors: Sequence[MetricDescriptor], run: RunInfo) -> None:
         self._keys.describe(descriptors)
 

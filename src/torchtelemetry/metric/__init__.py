@@ -24,7 +24,7 @@ from torchtelemetry.metric._inputs import nonfinite_count
 from torchtelemetry.metric._reshard import gather_local_states, restore_local_states
 from torchtelemetry.metric._staging import STAGED_DTYPES, UpdateStage
 from torchtelemetry.metric._sync import SyncHandle, sync_accumulators, sync_metrics
-from torchtelemetry.metric._tree import metric_leaves, named_accumulators
+from torchtelemetry.metric._tree import metric_leaves, named_accumulators, named_metric_leaves
 
 __all__ = [
     "DEFAULT_LABEL_NAME",
@@ -53,6 +53,7 @@ __all__ = [
     "gather_local_states",
     "metric_leaves",
     "named_accumulators",
+    "named_metric_leaves",
     "nonfinite_count",
     "restore_local_states",
     "same_identity",

@@ -159,12 +159,13 @@ class WindowPublisher:
 
     def amend(self, values: Mapping[str, ReportValue]) -> None:
         """Export the latest report again, now, with `values` (of this run's own names, known on this
-        host only after its window was scheduled: goodput of a checkpoint marked since) in place of
-        theirs. Nothing before the first report, nor while a window is in flight (its report is newer)."""
+        host only after its window was scheduled: goodput of a checkpoint marked since, captures its
+        verdicts triggered): a gauge in place of its value, a counter's increment added to its total.
+        Nothing before the first report, nor while a window is in flight (its report is newer)."""
         with self._lock:
             if not values or self.latest_step is None or self._in_flight:
                 return
-            self.latest = {**self.latest, **values}
+            self.latest = {**self.latest, **self.totals.add(values)}
             self._submit(self.latest_step, self.latest, wall_time())
 
     def log(self, values: Mapping[str, ReportValue], step: int) -> None:

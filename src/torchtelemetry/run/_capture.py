@@ -229,6 +229,14 @@ class CaptureRun:
             self._desk.judge(verdicts)
         return self._ledger.carried(carried, began)
 
+    def late_counts(self) -> ReportValues:
+        """The triggers the exporting rank counted after the last window (that window's own verdicts,
+        a hang capture learned since): no window carries them, so `close()` exports them with the
+        last report."""
+        if self._desk is None:
+            return {}
+        return CaptureReport(self._desk.take_counts(), None, ()).values()
+
     def hang_reported(self, values: ReportValues) -> ReportValues:
         """A hang report (the exporting rank's monitor's), with the captures' values once the rank it
         names wrote its stacks to a hang capture; the next window counts it."""

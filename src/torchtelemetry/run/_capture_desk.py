@@ -94,6 +94,12 @@ class CaptureDesk:
         """Nothing to send (read without the lock: what arrives meanwhile leaves with a later window)."""
         return not (self._counts or self._hangs or (self._queue and not self._roles))
 
+    def take_counts(self) -> dict[str, int]:
+        """The triggers counted since the last window, no longer to be carried by one."""
+        with self._lock:
+            counts, self._counts = self._counts, {}
+            return counts
+
     def take(self) -> CaptureWindow:
         """What the next window carries from this rank: the counts since the last window, a hang
         capture, and an order if one waits and the last one settled."""

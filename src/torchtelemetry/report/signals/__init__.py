@@ -3,10 +3,11 @@
 Step time, data wait, tokens and samples with their rates, model FLOPs, learning rate, peak memory;
 and for health: phases, the sync wait and straggler scores, the non-finite sentinel and spike scores, memory
 health, goodput, GPU health (NVML), and per layer (`watch_layers`) the norms and where a NaN was
-born. Adding a signal is one module and its test, and a line in `builtin_signals`. docs/signals.md
-lists every name, unit and cost. Hangs are not a window's signal (a hang stops the windows):
-`torchtelemetry.run` watches them; `_hang` holds the names of the hang report and the phase labels
-the heartbeat reserves. `_captures` carries the run's capture orders and outcomes in the window.
+born. Adding a signal is one module, its test, a line in `builtin_signals` and its doc rows
+(docs/signals.md, "Adding a signal", which lists every name, unit and cost). Hangs are not a
+window's signal (a hang stops the windows): `torchtelemetry.run` watches them; `_hang` holds the
+names of the hang report and the phase labels the heartbeat reserves. `_captures` carries the run's
+capture orders and outcomes in the window.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from torchtelemetry.report.signals._builtin import (
     builtin_descriptors,
     builtin_signals,
     cuda_only_descriptors,
+    event_only_descriptors,
     signal_descriptors,
 )
 from torchtelemetry.report.signals._captures import (
@@ -63,14 +65,13 @@ from torchtelemetry.report.signals._hang import (
     UNKNOWN_PHASE,
 )
 from torchtelemetry.report.signals._layer_model import ROOT_LAYER, copies
-from torchtelemetry.report.signals._layers import (
+from torchtelemetry.report.signals._layer_state import (
     DEFAULT_LAYER_STATS,
-    DEFAULT_MAX_LAYER_SERIES,
     LAYER_STATS,
     LayerState,
-    LayerStatistics,
     LayerWatch,
 )
+from torchtelemetry.report.signals._layers import DEFAULT_MAX_LAYER_SERIES, LayerStatistics
 from torchtelemetry.report.signals._learning_rate import LearningRate
 from torchtelemetry.report.signals._memory_health import MemoryHealth, memory_descriptors, resident_bytes
 from torchtelemetry.report.signals._nonfinite import CountingUpdate, NonFiniteSentinel, watched_metrics
@@ -227,6 +228,7 @@ __all__ = [
     "builtin_descriptors",
     "builtin_signals",
     "cuda_only_descriptors",
+    "event_only_descriptors",
     "check_count",
     "check_phase_names",
     "finite_by_rank",

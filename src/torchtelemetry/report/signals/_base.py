@@ -1,11 +1,38 @@
 """The signal protocol: each built-in training signal is one small object.
 
-A signal knows its names, units and kinds (`descriptors`), the device state it keeps for a window
-(`metrics`, reduced with the user's metrics in the window's one collective), what it takes per
-step (`keywords`, routed from `Telemetry.step()`), how it hands host values to that state once per
-window (`flush`, training thread, no host sync), and how it turns a collected window into what is
-exported (`derive`, on the thread that publishes reports). Adding a signal is one module and its
-test; `SignalSet` routes to it.
+A signal is a subclass of `Signal` that overrides what it needs of its 17 members (5 declarations,
+12 hooks with do-nothing defaults). Each is either part of a window's life (declare, take a step,
+hand a window over, derive it) or something several signals do; a concern of the model or of the
+whole run (`Telemetry.phase()`, `watch_gradient_sync()`, `watch_layers()`) reaches the one signal
+that has it directly through `SignalSet`, and what lasts for the run is `torchtelemetry.run`'s.
+
+- `name`: the key of its host values and state (they ride windows and checkpoints by name).
+- `keywords`: the `Telemetry.step()` keywords it takes, so that `SignalSet` routes them to it.
+- `sample_inputs()`: a value `check()` accepts for each keyword, as a training step gives it (the
+  tests' training loops feed every signal's samples).
+- `event_names`: the names it exports only once something went wrong (a non-finite value, a
+  straggler, a capture): a healthy run has none, and the live dashboards' checks allow them empty.
+- `flush_reads_state`: its `flush` reads the window's state: flushed after the others, so that
+  their staged host values are applied once (the non-finite sentinel).
+- `metrics()`, at set-up: its window state, reduced with the user's metrics in the one collective.
+- `descriptors()`, at set-up: every name `derive` may export (the hub, the registry and the
+  dashboards know them before the first window).
+- `cuda_descriptors()`, with no instance: the names it exports on CUDA only, so that a CPU machine
+  still lists them (memory, peak memory, GPU health).
+- `check(keyword, value)`, training thread, each step: refuse bad input before anything of the step
+  is recorded (a step is recorded whole or not at all).
+- `record(keyword, value)`, training thread, after every keyword was checked: take the value.
+- `on_step(step, step_time)`, training thread, at each step's end: counts and per-step device work
+  (`SignalSet` calls only the signals that override it).
+- `flush(duration_s, final=)`, training thread, once per window, before a checkpoint and at close:
+  hand host accumulators to the window's state (in-place device ops, never a sync).
+- `host_values()`, training thread, as a window is scheduled: host facts its `derive` needs.
+- `derive(window, timing)`, publishing thread, window after window: raw values to exported names.
+  A counter's window value is the window's increment (the publisher keeps the running total).
+- `state_dict()` / `load_state_dict()`, training thread: what it carries over a restart.
+- `close()`: stop its threads and remove its hooks; the last window has been flushed.
+
+Adding a signal: docs/signals.md, "Adding a signal".
 """
 
 from __future__ import annotations
@@ -14,16 +41,12 @@ import math
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 
 from torchtelemetry.metric import DEFAULT_STATE_DTYPE, Metric, MetricAccumulator, ReduceOp
 from torchtelemetry.report._values import MetricDescriptor, ReportValue
-
-if TYPE_CHECKING:
-    from torchtelemetry.report.signals._clock import HostTimer, PhaseTimer
-    from torchtelemetry.report.signals._layers import LayerWatch
 
 __all__ = [
     "RankValues",
@@ -75,7 +98,7 @@ class SignalContext:
 
 
 class Signal:
-    """Base class of a built-in signal; every method has a do-nothing default.
+    """Base class of a built-in signal; every hook has a do-nothing default (the module lists them).
 
     Threads: `record`, `on_step`, `flush`, `host_values`, `state_dict` and `load_state_dict` run on
     the training thread; `derive` on the thread that publishes reports, one window at a time, in
@@ -89,6 +112,10 @@ class Signal:
     flush_reads_state: ClassVar[bool] = False
     """Whether `flush` reads the window's state (derives a state from another): such a signal is
     flushed after every other, so that the host values they staged are applied in one go."""
+    event_names: ClassVar[frozenset[str]] = frozenset()
+    """The names of `descriptors()` exported only once something happened in the run (a non-finite
+    value, a rank that straggles, a capture): a healthy run has none, and the dashboards' panels of
+    them stay empty (`event_only_descriptors()`)."""
 
     def __init__(self, context: SignalContext) -> None:
         self.context = context
@@ -107,27 +134,18 @@ class Signal:
         the alert rules know them on any machine)."""
         return []
 
-    def timers(self) -> Mapping[str, PhaseTimer | HostTimer]:
-        """The sections of the training thread this signal times, by the name `Telemetry.phase()`
-        takes (the heartbeat reads where the thread is from them)."""
-        return {}
-
-    def watch_gradient_sync(self, model: Any, phase: str) -> bool:
-        """`Telemetry.watch_gradient_sync(model, phase=...)`: True if this signal times the wait for
-        `model`'s gradient collective, False if it only takes note of `phase`."""
-        return False
-
-    def watch_layers(self, model: Any, watch: LayerWatch) -> bool:
-        """`Telemetry.watch_layers(model, ...)`: True if this signal watches `model`'s layers as
-        `watch` says (it hooks them), False if it takes no note."""
-        return False
-
     def check(self, keyword: str, value: Any) -> None:
         """Raise, naming the signal, if `value` given as `keyword` cannot be recorded. Runs for every
         keyword of a step before anything of the step is recorded."""
 
     def record(self, keyword: str, value: Any) -> None:
         """Take a checked value of one step (host arithmetic, or in-place device ops: never a sync)."""
+
+    def sample_inputs(self) -> dict[str, Any]:
+        """A value `check` accepts for each of `keywords`, as a training step would give it: what the
+        tests' training loops feed `Telemetry.step()`, so a new keyword reaches every loop that feeds
+        them all without being named there (as a metric's `examples()` reach the metric suites)."""
+        return {}
 
     def on_step(self, step: int, step_time: float | None) -> None:
         """Step `step` ended; `step_time` is the host time since the previous one (None for the first)."""

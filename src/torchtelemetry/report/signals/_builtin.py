@@ -37,6 +37,7 @@ __all__ = [
     "builtin_descriptors",
     "builtin_signals",
     "cuda_only_descriptors",
+    "event_only_descriptors",
     "signal_descriptors",
 ]
 
@@ -144,3 +145,12 @@ def signal_descriptors() -> list[MetricDescriptor]:
         found.update((d.name, d) for d in described)
     found.update((d.name, d) for d in (*HANG_DESCRIPTORS, *CAPTURE_DESCRIPTORS))
     return list(found.values())
+
+
+def event_only_descriptors() -> list[MetricDescriptor]:
+    """The names the built-in signals export only once something happened in the run, so that a
+    healthy run has none: each signal's own `event_names` (the captures' among them) and a hang
+    report's."""
+    declared = {name for cls in (*_described(1)[1], Captures) for name in cls.event_names}
+    declared |= {descriptor.name for descriptor in HANG_DESCRIPTORS}
+    return [descriptor for descriptor in signal_descriptors() if descriptor.name in declared]

@@ -261,6 +261,7 @@ class Captures(Signal):
     """Carries capture orders and outcomes in the window and reads the verdicts (see the module)."""
 
     name = "captures"
+    event_names = frozenset({CAPTURE_RANK, CAPTURE_STEP, CAPTURE_FILE})
 
     def __init__(self, context: SignalContext, source: CaptureSource) -> None:
         super().__init__(context)

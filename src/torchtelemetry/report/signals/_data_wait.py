@@ -55,6 +55,7 @@ class DataWait(Signal):
         )
 
     def timers(self) -> dict[str, HostTimer]:
+        """The data wait's timer, as the phase "data" (`Telemetry.data_wait()`)."""
         return {DATA_PHASE: self._timer}
 
     def metrics(self) -> dict[str, Metric]:
@@ -68,6 +69,9 @@ class DataWait(Signal):
 
     def check(self, keyword: str, value: Any) -> None:
         check_seconds(value)
+
+    def sample_inputs(self) -> dict[str, Any]:
+        return {"data_time": 0.001}
 
     def record(self, keyword: str, value: Any) -> None:
         self.record_wait(float(value))

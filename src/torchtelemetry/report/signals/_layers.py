@@ -16,7 +16,8 @@ first in the order the pass reaches the layers.
 
 Above `max_layer_series` layers, only the `max_layer_series` layers of largest gradient norm (the
 non-finite ones first) are exported one series per layer, with min / median / max over layers.
-Everything is kept by layer name: the names ride the window's layout and the checkpoint.
+Everything is kept by layer name: the names ride the window's layout and the checkpoint. The window's
+state, the names and `LayerWatch` are `_layer_state`'s; the model side is `_layer_model`'s.
 """
 
 from __future__ import annotations
@@ -24,104 +25,36 @@ from __future__ import annotations
 import math
 import statistics
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from torchtelemetry.metric import DEFAULT_STATE_DTYPE, Metric, MetricAccumulator, ReduceOp
+from torchtelemetry.metric import Metric
 from torchtelemetry.report._values import MetricDescriptor, ReportValue
 from torchtelemetry.report.signals._base import Signal, SignalContext, WindowTiming, by_index
 from torchtelemetry.report.signals._layer_model import Measurement, WatchedLayers
+from torchtelemetry.report.signals._layer_state import (
+    FIRST_NONFINITE,
+    FIRST_NONFINITE_RANK,
+    GRAD_NORM,
+    LAYER_STATS,
+    PARAM_NORM,
+    PASSES,
+    RANK_CODES,
+    STATE,
+    LayerState,
+    LayerWatch,
+)
 from torchtelemetry.sync import GroupLike, resolve_group
 
-__all__ = [
-    "DEFAULT_LAYER_STATS",
-    "DEFAULT_MAX_LAYER_SERIES",
-    "LAYER_STATS",
-    "LayerState",
-    "LayerStatistics",
-    "LayerWatch",
-]
+__all__ = ["DEFAULT_MAX_LAYER_SERIES", "LayerStatistics"]
 
-STATE = "train/layer/window"
-GRAD_NORM = "train/layer/grad_norm"
-PARAM_NORM = "train/layer/param_norm"
-FIRST_NONFINITE = "train/layer/first_nonfinite"
-FIRST_NONFINITE_RANK = "train/layer/first_nonfinite_rank"
-PASSES = ("forward", "backward")
-LAYER_STATS = {"grad_norm": GRAD_NORM, "param_norm": PARAM_NORM}
-"""The statistics `watch_layers(stats=)` takes, and the names they export."""
-DEFAULT_LAYER_STATS = ("grad_norm", "param_norm")
 DEFAULT_MAX_LAYER_SERIES = 64
 """`TelemetryConfig.max_layer_series` by default."""
 OVER_LAYERS = ("min", "median", "max")
-RANK_CODES = 1 << 20
-"""A first non-finite value is kept as `step * RANK_CODES + rank`: a world size does not change it."""
-
-
-class LayerState(Metric):
-    """A window's per-layer state: shares of the sums of squares (SUM) and the first non-finite
-    value's `step * RANK_CODES + rank` per pass (MIN), one row per layer name."""
-
-    keyed_states: ClassVar[Mapping[str, str]] = {
-        "grad_sumsq": "layers",
-        "param_sumsq": "layers",
-        "first": "layers",
-    }
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.resize((), torch.device("cpu"))
-
-    def resize(self, layers: Sequence[str], device: torch.device) -> None:
-        """One row per layer of `layers` from now on (a collector holding this state rebuilds its
-        layout at its next collection, and checks it across the ranks then)."""
-        self.layers = tuple(layers)
-        count = len(self.layers)
-        sums = torch.zeros(count)
-        self.grad_sumsq = MetricAccumulator(sums, ReduceOp.SUM, dtype=DEFAULT_STATE_DTYPE, device=device)
-        self.param_sumsq = MetricAccumulator(sums, ReduceOp.SUM, dtype=DEFAULT_STATE_DTYPE, device=device)
-        first = torch.full((count, len(PASSES)), math.inf)
-        self.first = MetricAccumulator(first, ReduceOp.MIN, dtype=DEFAULT_STATE_DTYPE, device=device)
-
-    def configuration(self) -> dict[str, Any]:
-        """The layer names: ranks must watch the same ones."""
-        return {**super().configuration(), "layers": list(self.layers)}
-
-    def compute(self) -> dict[str, torch.Tensor]:
-        first = self.first.value
-        return {
-            "grad_sumsq": self.grad_sumsq.value.clone(),
-            "param_sumsq": self.param_sumsq.value.clone(),
-            **{f"first_{name}": first[:, index].clone() for index, name in enumerate(PASSES)},
-        }
-
-
-@dataclass(frozen=True, slots=True)
-class LayerWatch:
-    """What `Telemetry.watch_layers` is asked to watch (its arguments, checked when built), and the
-    group the windows are reduced over."""
-
-    layers: Sequence[str] | None = None
-    stats: Sequence[str] = DEFAULT_LAYER_STATS
-    every: int | None = None
-    nonfinite: bool = True
-    group: GroupLike = None
-
-    def __post_init__(self) -> None:
-        stats = self.stats
-        if isinstance(stats, str) or not set(stats) <= LAYER_STATS.keys():
-            raise ValueError(
-                f"Telemetry.watch_layers: stats must be a sequence of {sorted(LAYER_STATS)}, got {stats!r}"
-            )
-        every = self.every
-        if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
-            raise ValueError(
-                f"Telemetry.watch_layers: every must be a positive number of steps or None, got {every!r}"
-            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +73,9 @@ class LayerStatistics(Signal):
     """Per-layer norms and where a NaN was born, once `watch_layers()` was called (see the module)."""
 
     name = "layers"
+    event_names = frozenset(
+        f"{path}/{name}" for path in (FIRST_NONFINITE, FIRST_NONFINITE_RANK) for name in PASSES
+    )
 
     def __init__(
         self,
@@ -190,7 +126,8 @@ class LayerStatistics(Signal):
             ]
         return described
 
-    def watch_layers(self, model: torch.nn.Module, watch: LayerWatch) -> bool:
+    def watch_layers(self, model: torch.nn.Module, watch: LayerWatch) -> None:
+        """Hook `model`'s layers and the optimizers' steps as `watch` says (`Telemetry.watch_layers`)."""
         if self._layers is not None:
             raise RuntimeError("Telemetry.watch_layers: layers are watched already; call it once")
         group_ranks = _group_ranks(watch.group)
@@ -207,7 +144,6 @@ class LayerStatistics(Signal):
         from torch.optim.optimizer import register_optimizer_step_pre_hook
 
         self._optimizer_hook = register_optimizer_step_pre_hook(self._before_optimizer_step)
-        return True
 
     # -- training thread ---------------------------------------------------------------------
 

@@ -55,6 +55,9 @@ class LearningRate(Signal):
             f"{shape or type(value).__name__}; nothing of this step was recorded"
         )
 
+    def sample_inputs(self) -> dict[str, Any]:
+        return {"learning_rate": 1e-3}
+
     def record(self, keyword: str, value: Any) -> None:
         self._seen = True
         self._value = float(value)

@@ -141,6 +141,7 @@ class NonFiniteSentinel(Signal):
 
     name = "nonfinite"
     flush_reads_state = True
+    event_names = frozenset({FIRST_RANK, FIRST_STEP})
 
     def __init__(self, context: SignalContext, watched: Mapping[str, Metric]) -> None:
         super().__init__(context)

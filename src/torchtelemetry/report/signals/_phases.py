@@ -46,7 +46,7 @@ from torchtelemetry.report.signals._clock import (
 )
 from torchtelemetry.report.signals._data_wait import DATA_PHASE, DATA_WAIT
 from torchtelemetry.report.signals._hang import HEARTBEAT_LABELS
-from torchtelemetry.report.signals._stragglers import StragglerScores
+from torchtelemetry.report.signals._stragglers import TOP_RANK, TOP_SCORE, StragglerScores
 from torchtelemetry.report.signals._sync_wait import SYNC_WAIT
 from torchtelemetry.report.signals._timeline import NO_SECTIONS, SectionLog
 
@@ -104,6 +104,7 @@ class Phases(Signal):
     """The phases of `TelemetryConfig.phases` and the data wait, with straggler scores."""
 
     name = "phases"
+    event_names = frozenset({TOP_RANK, TOP_SCORE})
 
     def __init__(
         self,
@@ -135,10 +136,10 @@ class Phases(Signal):
         """The context manager of every declared phase."""
         return dict(self._timers)
 
-    def watch_gradient_sync(self, model: Any, phase: str) -> bool:
-        """`phase` holds the gradient collective: its straggler scores are taken less the wait."""
+    def set_sync_phase(self, phase: str) -> None:
+        """`phase` holds the gradient collective (`Telemetry.watch_gradient_sync(phase=)`): its
+        straggler scores are taken less the wait."""
         self.stragglers.sync_phase = phase
-        return False
 
     def metrics(self) -> dict[str, Metric]:
         return {PHASE: self.times} if self.phases else {}

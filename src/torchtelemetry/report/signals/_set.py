@@ -4,20 +4,28 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from torchtelemetry.metric import Metric
 from torchtelemetry.report._values import MetricDescriptor, ReportValue
 from torchtelemetry.report.signals._base import Signal, WindowTiming
 from torchtelemetry.report.signals._clock import HostTimer, PhaseTimer
-from torchtelemetry.report.signals._data_wait import DATA_PHASE
-from torchtelemetry.report.signals._layers import LayerWatch
+from torchtelemetry.report.signals._data_wait import DATA_PHASE, DataWait
+from torchtelemetry.report.signals._layer_state import LayerWatch
+from torchtelemetry.report.signals._layers import LayerStatistics
+from torchtelemetry.report.signals._phases import Phases
+from torchtelemetry.report.signals._sync_wait import SyncWait
+from torchtelemetry.report.signals._trace_sampling import TraceSampling
 
 __all__ = ["SignalSet"]
 
+SignalT = TypeVar("SignalT", bound=Signal)
+
 
 class SignalSet:
-    """Routes `Telemetry.step()` keywords, `phase()` sections and windows to signals.
+    """Routes `Telemetry.step()` keywords and windows to signals, and `phase()`, `data_wait()`,
+    `watch_gradient_sync()` and `watch_layers()` to the one signal that has each (found by its
+    class: a class's `name` is fixed, so there is at most one of it).
 
     Signals derive in the order given: one that reads another's raw values (throughput reads the
     token count) comes after it. Names, keywords and metric paths must not repeat.
@@ -25,22 +33,29 @@ class SignalSet:
 
     def __init__(self, signals: Sequence[Signal]) -> None:
         self.signals = tuple(signals)
-        timers = [(name, timer) for signal in self.signals for name, timer in signal.timers().items()]
         names = collections.Counter(signal.name for signal in self.signals)
         keywords = collections.Counter(keyword for signal in self.signals for keyword in signal.keywords)
-        sections = collections.Counter(name for name, _ in timers)
         repeated = sorted(
-            name for counted in (names, keywords, sections) for name, count in counted.items() if count > 1
+            name for counted in (names, keywords) for name, count in counted.items() if count > 1
         )
         if repeated:
-            raise ValueError(f"SignalSet: signal names, step keywords or phases {repeated} are used twice")
+            raise ValueError(f"SignalSet: signal names or step keywords {repeated} are used twice")
         self._by_keyword = {keyword: signal for signal in self.signals for keyword in signal.keywords}
-        self._timers = dict(timers)
+        self._timers: dict[str, PhaseTimer | HostTimer] = {
+            name: timer
+            for signal in self.signals
+            if isinstance(signal, DataWait | Phases)  # the data wait's phase is refused as a phase name
+            for name, timer in signal.timers().items()
+        }
         self._flush_order = sorted(self.signals, key=lambda signal: signal.flush_reads_state)
         self._on_step = [
             signal.on_step for signal in self.signals if type(signal).on_step is not Signal.on_step
         ]
         """The `on_step` of the signals that take note of every step (the others' does nothing)."""
+
+    def _find(self, kind: type[SignalT]) -> SignalT | None:
+        """The signal of class `kind`, None when it is off."""
+        return next((signal for signal in self.signals if isinstance(signal, kind)), None)
 
     @property
     def keywords(self) -> frozenset[str]:
@@ -112,16 +127,30 @@ class SignalSet:
         return tuple(self._timers.values())
 
     def watch_gradient_sync(self, model: Any, phase: str) -> None:
-        """Time the wait for `model`'s gradient collective, held by phase `phase`."""
+        """Time the wait for `model`'s gradient collective (the sync wait signal), held by phase
+        `phase`: the phases' straggler scores and the trace sampling take that wait out of it."""
         if phase == DATA_PHASE or phase not in self._timers:
             raise self._undeclared("Telemetry.watch_gradient_sync", phase)
-        if not any([signal.watch_gradient_sync(model, phase) for signal in self.signals]):
-            raise ValueError("Telemetry.watch_gradient_sync: no signal here times the gradient collective")
+        wait = self._find(SyncWait)
+        if wait is None:
+            raise ValueError(
+                f"Telemetry.watch_gradient_sync: the sync wait signal ({SyncWait.name!r}) is not in "
+                "this SignalSet"
+            )
+        wait.watch_gradient_sync(model)
+        for signal in self.signals:
+            if isinstance(signal, Phases | TraceSampling):
+                signal.set_sync_phase(phase)
 
     def watch_layers(self, model: Any, watch: LayerWatch) -> None:
-        """Watch `model`'s layers (`Telemetry.watch_layers`)."""
-        if not any([signal.watch_layers(model, watch) for signal in self.signals]):
-            raise ValueError("Telemetry.watch_layers: no signal here watches layers")
+        """Watch `model`'s layers (`Telemetry.watch_layers`): the layer statistics signal."""
+        layers = self._find(LayerStatistics)
+        if layers is None:
+            raise ValueError(
+                f"Telemetry.watch_layers: the layer statistics signal ({LayerStatistics.name!r}) is not in "
+                "this SignalSet"
+            )
+        layers.watch_layers(model, watch)
 
     def flush(self, duration_s: float, *, final: bool = False) -> None:
         """Every signal hands its host values to the window's state: staged by the state's collector

@@ -83,7 +83,7 @@ class SyncWait(Signal):
         self._watching = False
         self._closed = False
 
-    def watch_gradient_sync(self, model: Any, phase: str) -> bool:
+    def watch_gradient_sync(self, model: Any) -> None:
         """Time the backward passes through `model` (a forward hook; `model` itself is not changed)."""
         if not isinstance(model, torch.nn.Module):
             raise TypeError(
@@ -104,7 +104,6 @@ class SyncWait(Signal):
                     "rank that waits there can still score slow in those phases (docs/signals.md)",
                     type(model).__name__,
                 )
-        return True
 
     # -- the threads the autograd engine runs hooks and callbacks on ------------------------
 

@@ -56,6 +56,9 @@ class Count(Signal):
     def check(self, keyword: str, value: Any) -> None:
         check_count(self.path, value)
 
+    def sample_inputs(self) -> dict[str, Any]:
+        return {self.keywords[0]: 64}
+
     def record(self, keyword: str, value: Any) -> None:
         self._seen = True
         if isinstance(value, torch.Tensor):

@@ -127,10 +127,10 @@ class TraceSampling(Signal):
         self._sync_phase = DEFAULT_SYNC_PHASE
         self._windows = 0
 
-    def watch_gradient_sync(self, model: Any, phase: str) -> bool:
-        """`phase` holds the gradient collective: taken less the wait, as the straggler scores take it."""
+    def set_sync_phase(self, phase: str) -> None:
+        """`phase` holds the gradient collective (`Telemetry.watch_gradient_sync(phase=)`): taken less
+        the wait, as the straggler scores take it."""
         self._sync_phase = phase
-        return False
 
     def host_values(self) -> Any:
         return self._sink.window_sealed()
