@@ -42,44 +42,24 @@ class StagedRows:
         self._blocks: dict[int, tuple[torch.Tensor, Any, list[torch.Tensor]]] = {}
         self._plans: dict[tuple[tuple[int, ...], tuple[torch.dtype | None, ...]], tuple[Any, ...]] = {}
 
-    def add(self, mark: int, operand: Any) -> int:
-        """Stage an entry of one operand (`count` 1); returns the entries staged."""
-        marks = self.marks
+    def add(self, mark: int, *operands: Any) -> int:
+        """Stage an entry of `count` operands; returns the entries staged."""
+        marks, slots = self.marks, self.slots
         marks.append(mark)
-        kind = type(operand)
-        if kind is float or kind is int:
-            self.slots.extend((None, operand))
-        else:
-            self._tensor(operand)
+        for operand in operands:
+            kind = type(operand)
+            if kind is float or kind is int:
+                slots.extend((None, operand))
+                continue
+            dtype = operand.dtype
+            slots.extend((dtype, 0.0))
+            group = self._by_dtype.get(dtype)
+            if group is None:
+                group = self._by_dtype[dtype] = []
+            group.append(operand)
+            self.tensors.append(operand)
+            self.versions.append(operand._version)
         return len(marks)
-
-    def add_pair(self, mark: int, first: Any, second: Any) -> int:
-        """Stage an entry of two operands (`count` 2); returns the entries staged."""
-        marks = self.marks
-        marks.append(mark)
-        kind, other = type(first), type(second)
-        if (kind is float or kind is int) and (other is float or other is int):
-            self.slots.extend((None, first, None, second))
-            return len(marks)
-        if kind is float or kind is int:
-            self.slots.extend((None, first))
-        else:
-            self._tensor(first)
-        if other is float or other is int:
-            self.slots.extend((None, second))
-        else:
-            self._tensor(second)
-        return len(marks)
-
-    def _tensor(self, operand: torch.Tensor) -> None:
-        dtype = operand.dtype
-        self.slots.extend((dtype, 0.0))
-        group = self._by_dtype.get(dtype)
-        if group is None:
-            group = self._by_dtype[dtype] = []
-        group.append(operand)
-        self.tensors.append(operand)
-        self.versions.append(operand._version)
 
     def changed(self) -> list[int]:
         """Marks of the entries whose staged tensor was modified in place since it was staged."""

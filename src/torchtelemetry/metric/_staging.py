@@ -122,15 +122,15 @@ class _Sums(StagePart):
         self._rows = StagedRows(2, buffer.device)
 
     def fold(self, offset: int, value: torch.Tensor | float, op: ReduceOp) -> None:
-        if self._rows.add_pair(offset, value, 1.0) >= MAX_STAGED:
+        if self._rows.add(offset, value, 1.0) >= MAX_STAGED:
             self.flush()
 
     def add_product(self, offset: int, value: torch.Tensor | float, weight: torch.Tensor | float) -> None:
-        if self._rows.add_pair(offset, value, weight) >= MAX_STAGED:
+        if self._rows.add(offset, value, weight) >= MAX_STAGED:
             self.flush()
 
     def count_nonfinite(self, offset: int, value: torch.Tensor) -> None:
-        if self._rows.add_pair(~offset, value, 0.0) >= MAX_STAGED:
+        if self._rows.add(~offset, value, 0.0) >= MAX_STAGED:
             self.flush()
 
     @property
