@@ -93,3 +93,21 @@ def test_jsonl_failures_are_reported_not_raised(tmp_path: Path) -> None:
     assert exporter.export(2, {"x": 1.0}, 0.0) is ExportResult.FAILURE
     with pytest.warns(RuntimeWarning, match="already closed"):
         exporter.close()
+
+
+def test_jsonl_never_follows_a_symlink_and_makes_its_file_private(tmp_path: Path) -> None:
+    """A link planted at the path (its name is public: a run's log directory) is never written
+    through; the exporter says so, and its exports fail instead of raising into training."""
+    target = tmp_path / "someone_elses_file"
+    target.write_text("theirs\n")
+    planted = tmp_path / "metrics.jsonl"
+    planted.symlink_to(target)
+    exporter = JsonlExporter(planted)
+    exporter.describe([], RUN)
+    assert exporter.export(1, {"x": 1.0}, 0.0) is ExportResult.FAILURE
+    exporter.close()
+    assert target.read_text() == "theirs\n"
+    fresh = JsonlExporter(tmp_path / "new.jsonl")
+    fresh.describe([], RUN)
+    fresh.close()
+    assert (tmp_path / "new.jsonl").stat().st_mode & 0o777 == 0o600

@@ -35,7 +35,7 @@ from tests.stack._stack import (
     unplaced_descriptors,
     variables_used,
 )
-from torchtelemetry.export import MetricDescriptor, prometheus_name
+from torchtelemetry.export import MetricDescriptor
 from torchtelemetry.metric import MetricKind
 from torchtelemetry.report import signal_descriptors
 
@@ -212,14 +212,15 @@ def test_a_signal_added_without_a_panel_is_shown_by_the_discovered_panels(
         MetricDescriptor(_unused_path("train/made_up_gauge"), description="a made-up gauge"),
         MetricDescriptor(_unused_path("train/made_up_count"), MetricKind.COUNTER, description="made up"),
     )
+    unplaced = [*unplaced_descriptors(), *added]  # beside the real signals without a panel
     builtin = torchtelemetry.report.signal_descriptors
     monkeypatch.setattr(torchtelemetry.report, "signal_descriptors", lambda: (*builtin(), *added))
     generator = dashboard_generator()
-    assert generator.unplaced_names() == {prometheus_name(d) for d in added}
+    assert generator.unplaced_names() == {name for d in unplaced for name in sample_names(d)}
     variables = _variables(generator.build())
-    names = _run_names("demo") | {name for d in added for name in sample_names(d)}
+    names = _run_names("demo") | {name for d in unplaced for name in sample_names(d)}
     listed = {name: discovered(variables[name], names) for name in DISCOVERY_VARIABLES}
-    assert listed == own_names("demo", added)
+    assert listed == own_names("demo", unplaced)
 
 
 def test_a_signal_described_twice_under_one_path_leaves_the_dashboard_as_it_is(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -15,6 +16,10 @@ from torchtelemetry.report import HistogramValue, MetricDescriptor, ReportValues
 
 __all__ = ["JsonlExporter"]
 
+logger = logging.getLogger(__name__)
+
+_APPEND = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+
 
 class JsonlExporter(BaseExporter):
     """Appends `{"step", "timestamp", "run_id", "values"}` per report to `path` (opened on first describe).
@@ -22,7 +27,8 @@ class JsonlExporter(BaseExporter):
     Values keep their shape: floats, `{label: float}` mappings, and histograms
     as `{"bounds", "counts", "sum", "count"}`. Non-finite floats are written as the JSON
     strings "NaN", "Infinity" and "-Infinity" (as OpenTelemetry's JSON encoding does), so every
-    line is standard JSON and a NaN loss is told apart from a missing one.
+    line is standard JSON and a NaN loss is told apart from a missing one. A new file is made mode
+    0600; a symbolic link at `path` is never followed (the exporter logs it, and its exports fail).
     """
 
     def __init__(self, path: str | os.PathLike[str] = "torchtelemetry.jsonl", *, name: str = "jsonl") -> None:
@@ -38,8 +44,14 @@ class JsonlExporter(BaseExporter):
         self._run_id = run.run_id
 
     def _start(self, run: RunInfo) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = self.path.open("a", encoding="utf-8")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = os.fdopen(os.open(self.path, _APPEND, 0o600), "a", encoding="utf-8")
+        except OSError as error:
+            reason = "a symbolic link, never followed" if self.path.is_symlink() else error.strerror
+            logger.warning(
+                "JsonlExporter %r: cannot open %s (%s); its reports fail", self.name, self.path, reason
+            )
 
     def _export(self, step: int, values: ReportValues, timestamp: float) -> None:
         if self._file is None:

@@ -2,9 +2,10 @@
 
 `step(tokens=, samples=)`: a tensor is added on the device (no host read), a number on the host
 and handed over once per window. Counts are checked before anything of the step is recorded
-(`check_count`). Per window: the count (a counter: its running total is exported), the rate over
-the window's wall time, and with `TelemetryConfig.flops_per_token` (or `flops_per_sample`)
-torchtitan's TFLOP/s and MFU per device (`_flops.model_flops`). Not exported until fed.
+(`check_count`). Per window: the count (a counter: the window's increment, which the publisher adds
+up into the total every backend gets), the rate over the window's wall time, and with
+`TelemetryConfig.flops_per_token` (or `flops_per_sample`) torchtitan's TFLOP/s and MFU per device
+(`_flops.model_flops`). Not exported until fed.
 """
 
 from __future__ import annotations
