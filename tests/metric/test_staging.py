@@ -58,6 +58,18 @@ def test_a_loss_and_its_token_count_are_staged_and_applied_when_read() -> None:
     assert metric.total_weight.local.item() == 4 * 515 and _pending(metric) == 0
 
 
+def test_a_weight_too_large_for_the_state_is_refused_at_update_and_the_staged_updates_stay() -> None:
+    """A Python int beyond 64 bits cannot be staged (the flush would fail on it, taking every update
+    staged with it): refused at `update()`, naming the metric, nothing staged lost."""
+    metric = staged(tt.WeightedMeanMetric())
+    metric.update(torch.tensor(2.0), 3)
+    with pytest.raises(
+        ValueError, match=r"WeightedMeanMetric: weight=1000\d+ does not fit in a 64-bit integer"
+    ):
+        metric.update(torch.tensor(1.0), 10**400)
+    assert metric.compute().item() == 2.0 and metric.total_weight.local.item() == 3
+
+
 def _reads() -> dict[str, object]:
     return {
         "local": lambda m: m.weighted_sum.local.clone(),

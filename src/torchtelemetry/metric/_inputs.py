@@ -118,7 +118,7 @@ class UpdateInputs:
             and not (value.requires_grad or value.dim())
             and value.device == device
             and (
-                (kind is float or kind is int) and weight >= 0
+                (kind is float or (kind is int and weight <= _INT64_MAX)) and weight >= 0
                 if kind is not _TENSOR
                 else (
                     (
