@@ -246,7 +246,9 @@ def test_backend_gone_or_hanging_mid_run_then_back(backend: Backend, hub: Export
         hub.submit(step, {"train/loss": float(step)})
     assert hub.force_flush(10)
     assert backend.latest()["step"] == 3
-    assert hub.health()[backend.name].errors == 0
+    # Up to here the backend is healthy, though on a loaded host one push may outlast the 0.5 s
+    # timeout (the flush delivered it): what the fault changes is counted from here.
+    before = hub.health()[backend.name]
 
     accepted = backend.proxy.accepted
     getattr(backend.proxy, fault)()
@@ -254,8 +256,8 @@ def test_backend_gone_or_hanging_mid_run_then_back(backend: Backend, hub: Export
     assert_queue_bound(hub, backend.name, 33)
     settle(hub, backend.name, 33)
     health = hub.health()[backend.name]
-    assert health.exported_reports == 3
-    assert health.errors >= 1
+    assert health.exported_reports == before.exported_reports  # nothing exported while away
+    assert health.errors > before.errors
     if fault == "hang":
         assert backend.proxy.accepted > accepted  # the exporter really reached the black hole
         assert health.dropped_reports >= 1  # each export waits out its timeout: the burst overflows

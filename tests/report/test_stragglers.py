@@ -355,3 +355,20 @@ def test_a_rank_slower_than_its_own_best_is_seen_even_when_all_slow_down_togethe
 
 def test_phases_no_rank_spent_time_in_are_not_scored() -> None:
     assert StragglerScores(top_k=3).score({"forward": {0: 0.0, 1: 0.0}}, 1.0) == {}
+
+
+@pytest.mark.parametrize("world", [2, 4, 64])
+def test_a_straggler_that_recovers_is_cleared_by_an_empty_top_once(world: int) -> None:
+    """Rank 1 straggles for 8 windows, then works as its peers: the first window that names nobody
+    gives `top_rank` and `top_score` empty (a scrape endpoint, which keeps a name's last value, drops
+    the last stragglers), the later ones leave them out."""
+    rng = random.Random(world)
+    slow = [healthy_work(world, rng) for _ in range(8)]
+    for work in slow:
+        work[1]["optimizer"] += SLOW_S
+    reports = run(StragglerScores(top_k=3), [*slow, *(healthy_work(world, rng) for _ in range(8))])
+    assert named(reports[7]) == [1]
+    cleared = next(index for index, report in enumerate(reports) if index > 7 and not named(report))
+    assert reports[cleared]["train/straggler/top_rank"] == reports[cleared]["train/straggler/top_score"] == {}
+    for report in reports[cleared + 1 :]:
+        assert "train/straggler/top_rank" not in report and "train/straggler/top_score" not in report

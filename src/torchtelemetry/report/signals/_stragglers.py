@@ -108,6 +108,8 @@ class StragglerScores:
         self._best: dict[str, dict[int, float]] = {}
         self._recent: dict[str, deque[dict[int, float]]] = {}
         self._passing: dict[str, set[int]] = {}
+        self._named = False
+        """Whether the last window named a straggler (the next one to name nobody says so)."""
         self._warned = False
         self._lock = threading.Lock()
 
@@ -144,7 +146,9 @@ class StragglerScores:
     ) -> dict[str, ReportValue]:
         """The scores of one window: `times[phase][rank]` seconds per step, `step_s` the window's
         seconds per step (0: unknown, so no cost and nobody named), `sync_wait[rank]` seconds per
-        step waited for the gradient collective (inside `sync_phase`)."""
+        step waited for the gradient collective (inside `sync_phase`). `top_rank` and `top_score`
+        are absent while nobody straggles, and empty in the first window after a straggler: a
+        scrape endpoint, which serves a name's last value until a report replaces it, drops them."""
         names = (SCORE, RANK, OWN_BEST_SCORE, OWN_BEST_RANK, THRESHOLD, COST)
         out: dict[str, dict[str, float]] = {name: {} for name in names}
         overall: dict[int, float] = {}
@@ -159,6 +163,9 @@ class StragglerScores:
         if top:
             report[TOP_RANK] = {str(place): float(rank) for place, (rank, _) in enumerate(top, start=1)}
             report[TOP_SCORE] = {str(place): score for place, (_, score) in enumerate(top, start=1)}
+        elif self._named:  # nobody any more: empty once, so that no backend keeps the last ones
+            report[TOP_RANK], report[TOP_SCORE] = {}, {}
+        self._named = bool(top)
         return report
 
     def _work(self, phase: str, timed: dict[int, float], sync_wait: Mapping[int, float]) -> dict[int, float]:
