@@ -446,7 +446,7 @@ def test_awkward_label_values_round_trip_through_the_exposition(promtool: str) -
 
 def test_awkward_label_values_and_run_id_through_the_pushgateway(pushgateway: PushgatewayServer) -> None:
     run_id = AWKWARD_RUN + "/with/slashes"  # a grouping-key value with "/" travels base64-encoded
-    exporter = PushgatewayExporter(pushgateway.url, timeout_s=5, keep_on_close=False)
+    exporter = PushgatewayExporter(pushgateway.url, timeout_s=30, keep_on_close=False)  # a loaded host's
     exporter.describe([STEP_TIME], RunInfo(run_id=run_id))
     assert exporter.export(1, {"train/step_time": AWKWARD}, 1.0) is ExportResult.SUCCESS
     assert {"job": "torchtelemetry", "run": run_id} in pushgateway.groups()
@@ -456,7 +456,7 @@ def test_awkward_label_values_and_run_id_through_the_pushgateway(pushgateway: Pu
     family = found["torchtelemetry_train_step_time_seconds"]
     samples = [s for s in family.samples if s.labels["run"] == run_id]
     assert _by_label(samples, "torchtelemetry_train_step_time_seconds") == AWKWARD
-    exporter.close(5)
+    exporter.close(30)
     assert [g for g in pushgateway.groups() if g.get("run") == run_id] == []
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -84,12 +85,18 @@ def _panel_expr(dashboard: dict[str, Any], title: str) -> str:
 EXPORTER_OF_ROUTE = {"scrape": "prometheus", "pushgateway": "pushgateway"}
 
 
-def _check_totals(url: str, values: dict[str, str], at: float) -> list[str]:
+def _check_totals(url: str, values: dict[str, str], settled: Callable[[], float]) -> list[str]:
     """The stat panels' totals against what the run fed up to the step of the report they show:
     tokens and samples, and the reports exported by the exporter of the route (every report is a
-    window of `every=2` steps; the report counts itself)."""
+    window of `every=2` steps; the report counts itself), at a `settled()` moment that has a step
+    (a scrape that timed out on a loaded host marks the series stale until the next one)."""
     selector = f'job="{values["job"]}", run="{values["run"]}", route="{values["route"]}"'
-    (step,) = query(url, f"torchtelemetry_train_step{{{selector}}}", at=at)
+    deadline = time.monotonic() + 30
+    while not (found := query(url, f"torchtelemetry_train_step{{{selector}}}", at=(at := settled()))):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no torchtelemetry_train_step{{{selector}}} for 30 s")
+        time.sleep(1)
+    (step,) = found
     steps = step.value + 1  # the report of step s covers steps 0..s
     expected = {
         "Tokens seen": [steps * TOKENS * WORLD_SIZE],
@@ -169,7 +176,7 @@ def test_every_panel_and_alert_on_a_real_two_rank_run(
             wrong = check.added_up
             for route in ROUTES:
                 values = {"job": JOB, "run": run_id, "route": route, "__rate_interval": rate_interval}
-                wrong += _check_totals(url, values, _settled(prometheus))
+                wrong += _check_totals(url, values, lambda: _settled(prometheus))
             assert not wrong, "panels adding up copies of the run:\n" + "\n".join(wrong)
 
             per_rank = query(
