@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from tests.distributed import free_port, run_ranks
-from tests.servers import PrometheusServer, PushgatewayServer, QueryError, query
+from tests.servers import PrometheusServer, PushgatewayServer, QueryError, Sample, query
 from tests.stack._live import check_dashboards, still_training, wait_for_ranks
 from tests.stack._stack import (
     PROMETHEUS_HOST_CONFIG,
@@ -76,6 +76,17 @@ def _settled(prometheus: PrometheusServer) -> float:
     return time.time() - SETTLED_SCRAPES * prometheus.scrape_interval_s
 
 
+def _at_a_settled_moment(url: str, expr: str, settled: Callable[[], float]) -> tuple[list[Sample], float]:
+    """`expr`'s samples at a `settled()` moment where it has some, and that moment (a scrape that
+    timed out on a loaded host marks the series stale until the next one)."""
+    deadline = time.monotonic() + 30
+    while not (found := query(url, expr, at=(at := settled()))):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no {expr} at any settled moment for 30 s")
+        time.sleep(1)
+    return found, at
+
+
 def _panel_expr(dashboard: dict[str, Any], title: str) -> str:
     (panel,) = [panel for panel in panels(dashboard) if panel["title"] == title]
     (target,) = panel["targets"]
@@ -91,12 +102,7 @@ def _check_totals(url: str, values: dict[str, str], settled: Callable[[], float]
     window of `every=2` steps; the report counts itself), at a `settled()` moment that has a step
     (a scrape that timed out on a loaded host marks the series stale until the next one)."""
     selector = f'job="{values["job"]}", run="{values["run"]}", route="{values["route"]}"'
-    deadline = time.monotonic() + 30
-    while not (found := query(url, f"torchtelemetry_train_step{{{selector}}}", at=(at := settled()))):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"no torchtelemetry_train_step{{{selector}}} for 30 s")
-        time.sleep(1)
-    (step,) = found
+    (step,), at = _at_a_settled_moment(url, f"torchtelemetry_train_step{{{selector}}}", settled)
     steps = step.value + 1  # the report of step s covers steps 0..s
     expected = {
         "Tokens seen": [steps * TOKENS * WORLD_SIZE],
@@ -179,8 +185,10 @@ def test_every_panel_and_alert_on_a_real_two_rank_run(
                 wrong += _check_totals(url, values, lambda: _settled(prometheus))
             assert not wrong, "panels adding up copies of the run:\n" + "\n".join(wrong)
 
-            per_rank = query(
-                url, f'torchtelemetry_train_step_time_seconds{{job="{JOB}", run="{run_id}", route="scrape"}}'
+            per_rank, _ = _at_a_settled_moment(
+                url,
+                f'torchtelemetry_train_step_time_seconds{{job="{JOB}", run="{run_id}", route="scrape"}}',
+                lambda: _settled(prometheus),
             )
             assert sorted(sample.labels["rank"] for sample in per_rank) == ["0", "1"]
 
