@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from tests.trees import pytree
-from torchtelemetry.collect._results import _builder
+from torchtelemetry.collect._results import _built, _structure
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,6 +59,6 @@ class TreeSpec25:
     [(1.0, [1.0]), ({"a": 1, "b": 2}, [1, 2]), ({"macro_f1": 0.5, "f1": [0.1, 0.9]}, None)],
 )
 def test_results_are_built_with_the_treespec_api_of_the_torch_floor(tree: Any, leaves: list | None) -> None:
-    build = _builder(TreeSpec25(pytree.tree_structure(tree)))  # type: ignore[arg-type]
+    structure = _structure(TreeSpec25(pytree.tree_structure(tree)))  # type: ignore[arg-type]
     if leaves is not None:  # the fast paths: a leaf, a dict of leaves
-        assert build(leaves) == tree
+        assert _built(structure, leaves) == tree

@@ -141,6 +141,45 @@ def test_the_batched_part_of_a_window_leaves_custom_computes_to_their_states_cop
     assert expected[2] == 5.0
 
 
+class SeenCounts(tt.Metric):
+    """A custom compute() whose tensor results change shape and dtype with the values it reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts = tt.MetricAccumulator(torch.zeros(4), "sum")
+
+    def update(self, label: int) -> None:
+        self.counts.update(torch.nn.functional.one_hot(torch.tensor(label), 4).double())
+
+    def compute(self) -> dict[str, torch.Tensor]:
+        seen = int(self.counts.value.count_nonzero().item())
+        leading = self.counts.value[:seen]
+        return {"leading": leading if seen % 2 else leading.long(), "seen": torch.tensor(seen)}
+
+
+def test_a_window_reuses_the_placement_of_results_that_look_alike_and_no_other() -> None:
+    """Where each result leaf sits in a window's flat tensor is made again only when a result's
+    structure, dtype or shape changes; the values after a changed result (the sum, the mean) move
+    with it, and every window gives each metric's own compute()."""
+    metrics = {"seen": SeenCounts(), "sum": tt.SumMetric(), "mean": tt.WeightedMeanMetric()}
+    plan = WindowPlan(metric_leaves(metrics, op="test"), 1)
+    slot = WindowExchange(plan.layout, None).new_slot(plan.device)
+    placements = []
+    for labels in ([0], [], [1], [2], []):  # seen: 1 (float), 1, 2 (int64), 3 (float), 3
+        for label in labels:
+            metrics["seen"].update(label)
+        metrics["sum"].update(torch.tensor(float(len(labels) + 1)))
+        metrics["mean"].update(torch.tensor(0.25 * len(labels)), 2.0)
+        torch._foreach_copy_(plan.layout.views(slot.buffers), plan.local_tensors())
+        flat, placement = plan.compute(slot.buffers)
+        expected = [to_python(metric.compute()) for metric in metrics.values()]
+        assert_same(plan.results(flat, placement), expected)
+        placements.append(placement)
+    assert placements[1] is placements[0] and placements[4] is placements[3]
+    assert len({id(placement) for placement in placements}) == 3
+    assert expected == [{"leading": [1.0, 1.0, 1.0], "seen": 3}, 8.0, 0.15]
+
+
 def test_sync_and_compute_reads_without_resetting() -> None:
     metric = tt.WeightedMeanMetric()
     metric.update(torch.tensor(3.0), 2.0)

@@ -1,14 +1,16 @@
 """A window's results: every leaf of every metric's results in one flat int64 tensor (floats first,
 as their float64 bits), turned into Python values with one `tolist()` per part and put back in each
-metric's result structure."""
+metric's result structure.
+
+Where each leaf sits (the placement) depends only on what the results look like: their structure
+and each tensor leaf's dtype and shape, the same window after window. `Results.packed` reuses the
+placement of the window before when its results look alike, so a window's host work is the tensor
+ops and one pass over the values."""
 
 from __future__ import annotations
 
-import functools
-import operator
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 from torch.utils import _pytree as pytree
@@ -17,18 +19,26 @@ __all__ = ["STEPS_POSITION", "ResultPlacement", "Results", "place"]
 
 STEPS_POSITION = -1
 """The position `Results.add` is given for the ranks' steps (not a metric's)."""
-_ONE_LEAF = operator.itemgetter(0)
+
+Structure: TypeAlias = "tuple[Any, ...] | pytree.TreeSpec | None"
+"""How a result's leaves become the result again: None for a single leaf, the keys of a dict of
+leaves, else the result's TreeSpec."""
+
+_TENSOR = frozenset({torch.Tensor})
 
 
 @dataclass(frozen=True, slots=True)
 class ResultPlacement:
     """Where each metric's result leaves sit in a window's flat result tensor."""
 
-    pieces: tuple[tuple[list[int], Any, list[tuple]], ...]
-    """(metric positions, results builder from leaves, leaf descriptors) per batched group or custom
-    metric."""
+    pieces: tuple[tuple[list[int], Structure, tuple[tuple, ...], tuple[int, int] | None], ...]
+    """(metric positions, their results' `Structure`, leaf descriptors, and `(part, start)` when each
+    metric's result is one scalar) per batched group or custom metric."""
     floats: int
     """Number of float64 words at the start of the flat tensor (int64 values follow)."""
+    signature: tuple | None = None
+    """What the results placed looked like (positions, structure, and each tensor leaf's dtype and
+    shape); None when a leaf is not a tensor (its value is part of the placement)."""
 
 
 class Results:
@@ -37,46 +47,90 @@ class Results:
     def __init__(self) -> None:
         self._floats: list[torch.Tensor] = []
         self._ints: list[torch.Tensor] = []
-        self._counts = [0, 0]
-        self._pieces: list[tuple[list[int], Any, list[tuple]]] = []
+        self._added: list[tuple[list[int], Structure, list[Any], int, bool]] = []
+        self._signature: list[Any] | None = []
 
     def add(self, positions: list[int], results: Any, k: int, *, unbatched: bool = False) -> None:
         """The results of the metrics at `positions`, each tensor leaf batched over them (`k`
         instances along dim 0), or holding one metric's own leaves if `unbatched`."""
-        leaves, spec = pytree.tree_flatten(results)
-        if unbatched:
-            leaves = [leaf.unsqueeze(0) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
-        self._pieces.append((positions, _builder(spec), [self._place(leaf, k) for leaf in leaves]))
+        structure, leaves = _flattened(results)
+        self._added.append((positions, structure, leaves, k, unbatched))
+        signature = self._signature
+        for leaf in leaves:
+            if isinstance(leaf, torch.Tensor):
+                (self._floats if leaf.is_floating_point() else self._ints).append(leaf.reshape(-1))
+                if signature is not None:
+                    signature.append((leaf.dtype, leaf.shape))
+            else:
+                self._signature = signature = None
+        if signature is not None:
+            signature.append((positions, structure, k, unbatched))
 
-    def _place(self, leaf: Any, k: int) -> tuple:
-        if not isinstance(leaf, torch.Tensor):
-            return ("value", leaf)
-        part = 0 if leaf.is_floating_point() else 1
-        (self._floats if part == 0 else self._ints).append(leaf.reshape(-1))
-        kind = "bool" if leaf.dtype == torch.bool else ("float", "int")[part]
-        described = (kind, self._counts[part], leaf.numel() // k, tuple(leaf.shape[1:]))
-        self._counts[part] += leaf.numel()
-        return described
-
-    def packed(self) -> tuple[torch.Tensor, ResultPlacement]:
+    def packed(self, previous: ResultPlacement | None = None) -> tuple[torch.Tensor, ResultPlacement]:
+        """The flat tensor and its placement (`previous`, when the results look as they did there)."""
         parts = []
         if self._floats:
             parts.append(torch.cat(self._floats).to(torch.float64).view(torch.int64))
         if self._ints:
             parts.append(torch.cat(self._ints).to(torch.int64))
         flat = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
-        return flat, ResultPlacement(tuple(self._pieces), self._counts[0])
+        signature = None if self._signature is None else tuple(self._signature)
+        if previous is not None and signature is not None and previous.signature == signature:
+            return flat, previous
+        return flat, self._placement(signature)
+
+    def _placement(self, signature: tuple | None) -> ResultPlacement:
+        counts = [0, 0]
+        pieces = []
+        for positions, structure, leaves, k, unbatched in self._added:
+            described = []
+            for leaf in leaves:
+                if not isinstance(leaf, torch.Tensor):
+                    described.append(("value", leaf))
+                    continue
+                part = 0 if leaf.is_floating_point() else 1
+                kind = "bool" if leaf.dtype == torch.bool else ("float", "int")[part]
+                shape = tuple(leaf.shape) if unbatched else tuple(leaf.shape[1:])
+                described.append((kind, counts[part], leaf.numel() // k, shape))
+                counts[part] += leaf.numel()
+            first = described[0] if len(described) == 1 else None
+            scalar = (
+                (first[0] == "int", first[1])
+                if structure is None and first is not None and first[0] in ("float", "int") and not first[3]
+                else None
+            )
+            pieces.append((positions, structure, tuple(described), scalar))
+        return ResultPlacement(tuple(pieces), counts[0], signature)
 
 
-def _builder(spec: pytree.TreeSpec) -> Callable[[list[Any]], Any]:
-    """A fast `tree_unflatten` for the specs results have most: a leaf, or a dict of leaves."""
+def _flattened(results: Any) -> tuple[Structure, list[Any]]:
+    """`results`' structure and leaves, as `pytree.tree_flatten` orders them (a tensor and a dict of
+    tensors, what results are most, without it)."""
+    if isinstance(results, torch.Tensor):
+        return None, [results]
+    if type(results) is dict and _TENSOR.issuperset(map(type, results.values())):
+        return tuple(results), list(results.values())
+    leaves, spec = pytree.tree_flatten(results)
+    return _structure(spec), leaves
+
+
+def _structure(spec: pytree.TreeSpec) -> Structure:
+    """The `Structure` of results flattened to `spec` (read with the TreeSpec API of torch 2.5)."""
     if spec.is_leaf():
-        return _ONE_LEAF
+        return None
     # Every child a leaf: one node and one leaf each (TreeSpec.children() is torch >= 2.10 only).
     if spec.type is dict and spec.num_nodes == spec.num_leaves + 1 == spec.num_children + 1:
-        keys = tuple(spec.context)
-        return lambda leaves: dict(zip(keys, leaves, strict=True))
-    return functools.partial(pytree.tree_unflatten, treespec=spec)
+        return tuple(spec.context)
+    return spec
+
+
+def _built(structure: Structure, leaves: list[Any]) -> Any:
+    """The result of `structure` from its `leaves`."""
+    if structure is None:
+        return leaves[0]
+    if type(structure) is tuple:
+        return dict(zip(structure, leaves, strict=True))
+    return pytree.tree_unflatten(leaves, structure)
 
 
 def _nested(values: list, shape: tuple[int, ...]) -> Any:
@@ -93,12 +147,11 @@ def place(out: list[Any], flat: torch.Tensor, placement: ResultPlacement) -> lis
     the ranks' steps, if `placement` holds them (at `STEPS_POSITION`)."""
     steps = None
     values = (flat[: placement.floats].view(torch.float64).tolist(), flat[placement.floats :].tolist())
-    for positions, build, described in placement.pieces:
-        if build is _ONE_LEAF and described[0][0] in ("float", "int") and not described[0][3]:
-            start = described[0][1]  # the common case: one scalar per metric
-            scalars = values[described[0][0] == "int"][start : start + len(positions)]
-            for position, scalar in zip(positions, scalars, strict=True):
-                out[position] = scalar
+    for positions, structure, described, scalar in placement.pieces:
+        if scalar is not None:  # the common case: one scalar per metric
+            part, start = scalar
+            for position, value in zip(positions, values[part][start : start + len(positions)], strict=True):
+                out[position] = value
             continue
         per_metric: list[list[Any]] = [[] for _ in positions]
         for leaf in described:
@@ -108,12 +161,15 @@ def place(out: list[Any], flat: torch.Tensor, placement: ResultPlacement) -> lis
                 continue
             kind, start, size, shape = leaf
             source = values[0 if kind == "float" else 1]
-            for i, instance in enumerate(per_metric):
-                chunk = source[start + i * size : start + (i + 1) * size]
-                instance.append(_nested([bool(v) for v in chunk] if kind == "bool" else chunk, shape))
+            for instance in per_metric:
+                chunk = source[start : start + size]
+                start += size
+                if kind == "bool":
+                    chunk = list(map(bool, chunk))
+                instance.append(chunk if len(shape) == 1 else _nested(chunk, shape))
         if positions == [STEPS_POSITION]:
             steps = per_metric[0][0]
             continue
         for position, instance in zip(positions, per_metric, strict=True):
-            out[position] = build(instance)
+            out[position] = _built(structure, instance)
     return steps

@@ -161,6 +161,15 @@ class WindowPlan:
         self.world_size = world_size
         self._state_identity = state_identity(self._registered())
         self._custom_on: dict[torch.device, list[tuple[int, Metric]]] = {}
+        self._custom_entries = [
+            (key, start, start + math.prod(self.layout.shape(index)), self.layout.shape(index))
+            for index in range(self._custom_from, len(self.accumulators))
+            for key, start in [self.layout.offset(index)]
+        ]
+        """Each custom metric's state in a window's buffers: (bucket, start, end, shape)."""
+        self._placements: dict[str, ResultPlacement] = {}
+        """The last placement of each kind of result (`compute`'s with and without the custom
+        metrics, `compute_custom`'s), reused while the results look alike."""
 
     def _registered(self) -> list[MetricAccumulator]:
         return [acc for _, metric in self.named for acc in metric.accumulators.values()]
@@ -217,11 +226,19 @@ class WindowPlan:
             }
             results.add(group.positions, group.rule.compute(states, group.constants_on(device)), k)
         if custom and self._custom:
-            views = self.layout.views(buffers)[self._custom_from : len(self.accumulators)]
-            self._compute_custom(results, views, device)
+            self._compute_custom(results, self._custom_views(buffers), device)
         key, start = self._steps_at
         results.add([STEPS_POSITION], buffers[key][start : start + self.world_size].unsqueeze(0), 1)
-        return results.packed()
+        return self._packed(results, "all" if custom else "built-in")
+
+    def _packed(self, results: Results, kind: str) -> tuple[torch.Tensor, ResultPlacement]:
+        flat, placement = results.packed(self._placements.get(kind))
+        self._placements[kind] = placement
+        return flat, placement
+
+    def _custom_views(self, buffers: dict[BucketKey, torch.Tensor]) -> list[torch.Tensor]:
+        """Each custom metric's state in `buffers`, as `layout.views` gives it."""
+        return [buffers[key][start:end].view(shape) for key, start, end, shape in self._custom_entries]
 
     def custom_states(self, buffers: dict[BucketKey, torch.Tensor]) -> dict[BucketKey, torch.Tensor]:
         """The custom metrics' states in the reduced `buffers`, packed into one new buffer per
@@ -231,8 +248,7 @@ class WindowPlan:
         metrics."""
         if self._custom_layout is None:
             return {}
-        views = self.layout.views(buffers)[self._custom_from : len(self.accumulators)]
-        return self._custom_layout.storage(views)
+        return self._custom_layout.storage(self._custom_views(buffers))
 
     def custom_states_like(self, *, pin_memory: bool) -> dict[BucketKey, torch.Tensor]:
         """Host buffers shaped as `custom_states` returns them (allocated once, at bind)."""
@@ -250,7 +266,7 @@ class WindowPlan:
         if self._custom_layout is not None:
             device = next(iter(states.values())).device
             self._compute_custom(results, self._custom_layout.views(states), device)
-        return results.packed()
+        return self._packed(results, "custom")
 
     def _compute_custom(self, results: Results, views: list[torch.Tensor], device: torch.device) -> None:
         if device not in self._custom_on:
