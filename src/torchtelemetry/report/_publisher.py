@@ -10,7 +10,7 @@ from typing import Any, Protocol
 
 from torchtelemetry.metric import Metric, MetricKind
 from torchtelemetry.report._clock import wall_time
-from torchtelemetry.report._flatten import describe_metrics, flatten_results
+from torchtelemetry.report._flatten import ResultNaming, describe_metrics
 from torchtelemetry.report._naming import InvalidMetricNameError, NameCollisionError, sanitize_path
 from torchtelemetry.report._ranks import RankSeriesLimit
 from torchtelemetry.report._totals import RunningTotals
@@ -90,7 +90,7 @@ class WindowPublisher:
         *,
         reserved: Collection[str] = (),
     ) -> None:
-        self._leaves = leaves
+        self._naming = ResultNaming(leaves)
         self._signals = signals
         self._ranks = ranks
         self._submit = submit
@@ -137,7 +137,7 @@ class WindowPublisher:
         """Build the report of `in_flight` (`results` per leaf); once released, submit it and what
         waited for it."""
         timing = in_flight.timing
-        window = flatten_results(self._leaves, results)
+        window = self._naming.flatten(results)
         if self._signals is not None:
             self._signals.derive(window, timing)
         self._ranks.derive(window)
