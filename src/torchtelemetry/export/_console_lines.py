@@ -9,6 +9,7 @@ report; a run that has one prints no short lines beside it.
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 from collections.abc import Mapping, Sequence
@@ -59,7 +60,8 @@ def window_line(step: int, values: ReportValues, window: ReportValues) -> str:
     """`torchtelemetry: step 120 | train/loss 0.4213 | 12.3k tokens/s | ok`: each loss of the
     report (a name ending in `loss`), the throughput and a health word (`_health_word`)."""
     parts = [f"{PREFIX} step {step}"]
-    parts += [f"{name} {value:.4g}" for name, value in values.items() if _is_loss(name, value)]
+    losses = [name for name in _losses(tuple(values)) if isinstance(values[name], float)]
+    parts += [f"{name} {values[name]:.4g}" for name in losses]
     for name, unit in THROUGHPUT:
         rate = values.get(name)
         if isinstance(rate, float):
@@ -77,17 +79,20 @@ def _health_word(values: ReportValues, window: ReportValues) -> str:
     if _added(window.get("train/spike/count")):
         found.append("spike")
     stragglers = values.get("train/straggler/top_rank")
-    if isinstance(stragglers, Mapping) and stragglers:
+    if stragglers and isinstance(stragglers, Mapping):
         found.append(f"straggler rank {int(stragglers[min(stragglers)])}")
     return ", ".join(found) or "ok"
 
 
-def _is_loss(name: str, value: ReportValue) -> bool:
-    return name.rsplit("/", 1)[-1].endswith("loss") and isinstance(value, float)
+@functools.lru_cache(maxsize=8)
+def _losses(names: tuple[str, ...]) -> tuple[str, ...]:
+    """The names of `names` that are losses (the last segment ends in `loss`): a run's reports carry
+    the same names window after window, so this is worked out once."""
+    return tuple(name for name in names if name.rsplit("/", 1)[-1].endswith("loss"))
 
 
 def _added(value: ReportValue | None) -> bool:
-    counts = value.values() if isinstance(value, Mapping) else [value]
+    counts = value.values() if type(value) is dict or isinstance(value, Mapping) else [value]
     return any(isinstance(count, float) and count > 0 for count in counts)
 
 

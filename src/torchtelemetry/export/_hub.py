@@ -143,7 +143,7 @@ class ExportHub:
         if not self._started:
             raise RuntimeError("ExportHub.submit: call describe(descriptors) first")
         values = dict(values)  # a copy: names the hub refuses are dropped from it
-        if any(name not in self._descriptors for name in values):
+        if not values.keys() <= self._descriptors.keys():
             self._describe_new(values)
         timestamp = wall_time() if timestamp is None else timestamp
         for queue in self._queues:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
+import operator
 from collections.abc import Collection, Mapping
 from typing import Any
 
@@ -32,8 +34,12 @@ class RunningTotals:
     def add(self, window: Mapping[str, ReportValue]) -> dict[str, ReportValue]:
         """Fold one window's values in; returns the window with totals in place of cumulative names."""
         reported = dict(window)
+        totals = self._totals
         for name in self.cumulative & window.keys():
-            reported[name] = self._totals[name] = _sum(name, self._totals.get(name), window[name])
+            value, total = window[name], totals.get(name)
+            reported[name] = totals[name] = (
+                total + value if type(value) is float and type(total) is float else _sum(name, total, value)
+            )
         return reported
 
     def state_dict(self) -> str:
@@ -86,12 +92,12 @@ def _sum(name: str, total: ReportValue | None, value: ReportValue) -> ReportValu
             return value
         return HistogramValue(
             bounds=value.bounds,
-            counts=tuple(a + b for a, b in zip(total.counts, value.counts, strict=True)),
+            counts=tuple(itertools.starmap(operator.add, zip(total.counts, value.counts, strict=True))),
             sum=total.sum + value.sum,
             count=total.count + value.count,
             exemplar=value.exemplar,  # the newest window's, as Prometheus and OTLP show one
         )
-    if isinstance(value, Mapping):
+    if type(value) is dict or isinstance(value, Mapping):  # a dict first: no ABC check
         if isinstance(total, float):
             logger.warning(
                 "%s: the running total over ranks (%s, restored from a run with values per rank above "
@@ -100,7 +106,7 @@ def _sum(name: str, total: ReportValue | None, value: ReportValue) -> ReportValu
                 name,
                 total,
             )
-        totals = dict(total) if isinstance(total, Mapping) else {}
+        totals = dict(total) if type(total) is dict or isinstance(total, Mapping) else {}
         for label, count in value.items():
             totals[label] = totals.get(label, 0.0) + count
         return totals
