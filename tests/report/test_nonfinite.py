@@ -131,6 +131,39 @@ def test_spike_scores_follow_the_recent_windows_and_survive_a_checkpoint() -> No
         Spikes(context(), (), sigma=6.0, windows=2)
 
 
+def test_a_constant_history_scores_nothing_though_its_float_mean_is_not_its_value() -> None:
+    history = [0.1] * 12
+    assert math.fsum(history) / len(history) != 0.1  # a float mean would see a spread of rounding
+    spikes = Spikes(context(), ("train/loss",), sigma=6.0, windows=len(history))
+    for value in [*history, 0.1, 0.2]:
+        window = {"train/loss": value}
+        spikes.derive(window, _timing())
+        assert window["train/spike/count"] == {"train/loss": 0.0} and "train/spike/score" not in window
+
+
+@pytest.mark.parametrize("scale", [1e-170, 1e-3, 1.0, 1e160])
+def test_spike_scores_are_those_of_the_exact_mean_and_deviation(scale: float) -> None:
+    """In floats, with the deviations scaled before they are squared: as `statistics` computes them
+    exactly, at any scale (the squares of 1e-170 underflow, those of 1e160 overflow)."""
+    import statistics
+
+    from torchtelemetry.report.signals._spikes import mean_and_deviation
+
+    generator = np.random.default_rng(0)
+    for size in (MIN_HISTORY, 13, 32):
+        history = [scale * (2.0 + float(x)) for x in generator.normal(0, 0.05, size)]
+        spikes = Spikes(context(), ("train/loss",), sigma=6.0, windows=size)
+        spikes.load_state_dict({"history": {"train/loss": history}})
+        window = {"train/loss": scale * 2.5}
+        spikes.derive(window, _timing())
+        exact = (scale * 2.5 - statistics.fmean(history)) / statistics.pstdev(history)
+        assert window["train/spike/score"]["train/loss"] == pytest.approx(exact, rel=1e-12)
+        assert mean_and_deviation(history) == pytest.approx(
+            (statistics.fmean(history), statistics.pstdev(history)), rel=1e-12
+        )
+        assert window["train/spike/count"] == {"train/loss": float(exact > 6.0)}
+
+
 def _timing():
     from torchtelemetry.report.signals import WindowTiming
 

@@ -17,16 +17,15 @@ from __future__ import annotations
 
 import collections
 import math
-import statistics
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from torchtelemetry.metric import MetricKind
 from torchtelemetry.report._values import MetricDescriptor, ReportValue
 from torchtelemetry.report.signals._base import Signal, SignalContext, WindowTiming
 
-__all__ = ["MIN_HISTORY", "Spikes"]
+__all__ = ["MIN_HISTORY", "Spikes", "mean_and_deviation"]
 
 MIN_HISTORY = 8
 """Window values a metric needs before its values are scored."""
@@ -70,14 +69,13 @@ class Spikes(Signal):
         with self._lock:
             for path in self.paths:
                 value = window.get(path)
-                if isinstance(value, Mapping) or not isinstance(value, float) or not math.isfinite(value):
+                if not isinstance(value, float) or not math.isfinite(value):
                     continue
                 history = self._history[path]
-                if len(history) >= MIN_HISTORY:
-                    spread = statistics.pstdev(history)
-                    middle = statistics.fmean(history)
-                    if spread > 0:  # a constant history scores nothing
-                        scores[path] = (value - middle) / spread
+                # A constant history scores nothing (its float mean need not be its value).
+                if len(history) >= MIN_HISTORY and max(history) > min(history):
+                    middle, spread = mean_and_deviation(history)
+                    scores[path] = (value - middle) / spread
                 history.append(value)
         if not self.paths:
             return
@@ -95,3 +93,18 @@ class Spikes(Signal):
                 if path in self._history:
                     self._history[path].clear()
                     self._history[path].extend(float(value) for value in values)
+
+
+def mean_and_deviation(values: Collection[float]) -> tuple[float, float]:
+    """The mean and the population standard deviation of finite `values` (not empty) in floats, from
+    correctly rounded sums (`statistics.pstdev` sums exact fractions, several Python calls a value).
+    The deviations are scaled by the largest before they are squared, so that none underflows or
+    overflows: values that are not all equal have a deviation above 0."""
+    count = len(values)
+    middle = math.fsum(values) / count
+    deviations = [value - middle for value in values]
+    scale = max(map(abs, deviations))
+    if scale == 0:
+        return middle, 0.0
+    squares = [(deviation / scale) ** 2 for deviation in deviations]
+    return middle, scale * math.sqrt(math.fsum(squares) / count)
