@@ -372,3 +372,22 @@ def test_a_straggler_that_recovers_is_cleared_by_an_empty_top_once(world: int) -
     assert reports[cleared]["train/straggler/top_rank"] == reports[cleared]["train/straggler/top_score"] == {}
     for report in reports[cleared + 1 :]:
         assert "train/straggler/top_rank" not in report and "train/straggler/top_score" not in report
+
+
+def test_the_rank_of_the_highest_lowest_and_median_value_is_the_lowest_rank_among_ties() -> None:
+    from torchtelemetry.report.signals._base import highest_rank, lowest_rank, median_rank
+
+    values = {3: 1.0, 1: 2.0, 0: 2.0, 2: 0.5, 6: 0.5}
+    assert (highest_rank(values), lowest_rank(values), median_rank(values)) == (0, 2, 3)
+    tied = {5: 1.0, 4: 1.0}
+    assert (highest_rank(tied), lowest_rank(tied), median_rank(tied)) == (4, 4, 4)
+    unbounded = {0: math.inf, 1: -math.inf}
+    assert (highest_rank(unbounded), lowest_rank(unbounded)) == (0, 1)
+    generator = random.Random(0)
+    for _ in range(200):  # as the order by (value, rank) defines them, on values with many ties
+        drawn = {rank: float(generator.randint(0, 3)) for rank in generator.sample(range(50), 9)}
+        assert highest_rank(drawn) == max(drawn, key=lambda rank: (drawn[rank], -rank))
+        assert lowest_rank(drawn) == min(drawn, key=lambda rank: (drawn[rank], rank))
+        assert median_rank(drawn) == sorted(drawn, key=lambda rank: (drawn[rank], rank))[4]
+    with pytest.raises(ValueError):
+        highest_rank({})

@@ -224,7 +224,8 @@ class WindowPlan:
                 )
                 for block in group.blocks
             }
-            results.add(group.positions, group.rule.compute(states, group.constants_on(device)), k)
+            constants = group.constants[device] if device in group.constants else group.constants_on(device)
+            results.add(group.positions, group.rule.compute(states, constants), k)
         if custom and self._custom:
             self._compute_custom(results, self._custom_views(buffers), device)
         key, start = self._steps_at
@@ -275,18 +276,15 @@ class WindowPlan:
             id(acc): view for acc, view in zip(self.accumulators[self._custom_from :], views, strict=True)
         }
         for position, metric in self._custom_on[device]:
-            computed = self._custom_compute(position, _reading(metric, state), device)
+            try:
+                computed = _reading(metric, state).compute()
+            except RuntimeError as error:
+                raise RuntimeError(
+                    f"{self.named[position][0]}: {type(metric).__name__}.compute() failed on the window's "
+                    f"state on {device} ({error}); compute() must read its state through each "
+                    "accumulator's `value` and work on that device (keep tensor constants there too)"
+                ) from error
             results.add([position], computed, 1, unbatched=True)
-
-    def _custom_compute(self, position: int, metric: Metric, device: torch.device) -> Any:
-        try:
-            return metric.compute()
-        except RuntimeError as error:
-            raise RuntimeError(
-                f"{self.named[position][0]}: {type(metric).__name__}.compute() failed on the window's "
-                f"state on {device} ({error}); compute() must read its state through each "
-                "accumulator's `value` and work on that device (keep tensor constants there too)"
-            ) from error
 
     def results(
         self,

@@ -38,6 +38,7 @@ Adding a signal: docs/signals.md, "Adding a signal".
 from __future__ import annotations
 
 import math
+import operator
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -212,26 +213,26 @@ class RankValues(Metric):
 
 def by_index(values: ReportValue | None) -> dict[int, float]:
     """A 1-D state's values as exported (`{"0": 1.5, ...}`), keyed by integer index."""
-    if not isinstance(values, Mapping):
+    if type(values) is not dict and not isinstance(values, Mapping):  # a dict first: no ABC check
         return {}
     return {int(index): float(value) for index, value in values.items()}
 
 
 def finite_by_rank(values: ReportValue | None) -> dict[int, float]:
     """The finite entries of a value per rank (`{"0": 1.5, ...}`), keyed by integer rank."""
-    if not isinstance(values, Mapping):
+    if type(values) is not dict and not isinstance(values, Mapping):
         return {}
     return {int(rank): float(value) for rank, value in values.items() if math.isfinite(value)}
 
 
 def highest_rank(values: Mapping[int, float]) -> int:
     """The rank holding the largest value (the lowest such rank on ties)."""
-    return max(values, key=lambda rank: (values[rank], -rank))
+    return -max(zip(values.values(), map(operator.neg, values), strict=True))[1]
 
 
 def lowest_rank(values: Mapping[int, float]) -> int:
     """The rank holding the smallest value (the lowest such rank on ties)."""
-    return min(values, key=lambda rank: (values[rank], rank))
+    return min(zip(values.values(), values, strict=True))[1]
 
 
 def median(values: Mapping[int, float]) -> float:
@@ -241,5 +242,5 @@ def median(values: Mapping[int, float]) -> float:
 def median_rank(values: Mapping[int, float]) -> int:
     """The rank holding the lower median value (ordered by value, then rank): of two ranks, the
     one with the smaller value."""
-    ordered = sorted(values, key=lambda rank: (values[rank], rank))
-    return ordered[(len(ordered) - 1) // 2]
+    ordered = sorted(zip(values.values(), values, strict=True))
+    return ordered[(len(ordered) - 1) // 2][1]

@@ -331,4 +331,4 @@ def _reference(window: Mapping[str, ReportValue], rank: int) -> int | None:
 
 
 def _mapping(value: ReportValue | None) -> Mapping[str, float]:
-    return value if isinstance(value, Mapping) else {}
+    return value if type(value) is dict or isinstance(value, Mapping) else {}

@@ -131,6 +131,8 @@ class Phases(Signal):
         self._timers = {name: PhaseTimer(clock, index, name) for index, name in enumerate(self.phases)}
         self._steps = 0
         self.stragglers = StragglerScores(top_k, warn=context.rank == 0)
+        self._paths = tuple((name, f"{PHASE}/{name}") for name in self.phases)
+        """Each phase and its metric path."""
 
     def timers(self) -> dict[str, PhaseTimer]:
         """The context manager of every declared phase."""
@@ -179,12 +181,13 @@ class Phases(Signal):
 
     def derive(self, window: dict[str, ReportValue], timing: WindowTiming) -> None:
         times: dict[str, dict[int, float]] = {}
-        for name in self.phases:
-            key = f"{PHASE}/{name}"
+        per_rank_series = self.context.per_rank_series
+        for name, key in self._paths:
             by_rank = finite_by_rank(window.get(key))
-            if not self.context.per_rank_series or not any(by_rank.values()):
+            entered = any(by_rank.values())
+            if not per_rank_series or not entered:
                 window.pop(key, None)
-            if any(by_rank.values()):
+            if entered:
                 times[name] = by_rank
         data = finite_by_rank(window.get(DATA_WAIT))
         if any(data.values()):
