@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -306,7 +307,7 @@ class MetricAccumulator:
     def reading(self, state: torch.Tensor) -> MetricAccumulator:
         """A twin of this accumulator whose local state and `value` are `state` (e.g. a collection
         window's reduced state), bound nowhere; this accumulator is left as it is."""
-        twin = MetricAccumulator.__new__(MetricAccumulator)
+        twin = _StateReading.__new__(_StateReading)
         twin.reduce_op, twin._initial, twin._local, twin._synced = self.reduce_op, self._initial, state, state
         twin._binding, twin._stage, twin._at, twin._scalar = None, None, 0, state.dim() == 0
         return twin
@@ -331,3 +332,12 @@ class MetricAccumulator:
             f"MetricAccumulator(reduce_op={self.reduce_op.name}, shape={tuple(self.shape)}, "
             f"dtype={self.dtype}, device={self.device})"
         )
+
+
+class _StateReading(MetricAccumulator):
+    """What `MetricAccumulator.reading` returns: `value` and `local` are the state it reads, as it is
+    (nothing is staged for it, and no process group decides which state it is), read without a Python
+    call: a collection's custom metrics read them in their `compute()` every window."""
+
+    __slots__ = ()
+    value = local = property(operator.attrgetter("_local"))  # type: ignore[assignment]
