@@ -46,10 +46,12 @@ class _Block:
     """One state of a batched group: the K instances' states, contiguous in one bucket."""
 
     attr: str
-    key: BucketKey
+    bucket: int
+    """The bucket's index in the layout's buckets."""
     start: int
+    end: int
     shape: tuple[int, ...]
-    numel: int
+    """`(K, *state shape)`."""
 
 
 @dataclass(slots=True)
@@ -153,23 +155,34 @@ class WindowPlan:
             + [(STEPS_ENTRY, self._steps, ReduceOp.SUM)],
             {name: metric.configuration() for name, metric in named},
         )
+        self._bucket_keys = self.layout.buckets
         for group, attr, first in starts:
-            key, start = self.layout.offset(first)
-            shape = self.layout.shape(first)
-            group.blocks.append(_Block(attr, key, start, shape, math.prod(shape)))
+            bucket, start, end, shape = self._place_of(first, len(group.metrics))
+            group.blocks.append(_Block(attr, bucket, start, end, shape))
         self._steps_at = self.layout.offset(len(entries))
         self.world_size = world_size
         self._state_identity = state_identity(self._registered())
         self._custom_on: dict[torch.device, list[tuple[int, Metric]]] = {}
-        self._custom_entries = [
-            (key, start, start + math.prod(self.layout.shape(index)), self.layout.shape(index))
-            for index in range(self._custom_from, len(self.accumulators))
-            for key, start in [self.layout.offset(index)]
-        ]
-        """Each custom metric's state in a window's buffers: (bucket, start, end, shape)."""
+        self._custom_entries = [self._place_of(index) for index in range(self._custom_from, len(entries))]
+        """Where each custom metric's state lies in a window's buffers."""
         self._placements: dict[str, ResultPlacement] = {}
         """The last placement of each kind of result (`compute`'s with and without the custom
         metrics, `compute_custom`'s), reused while the results look alike."""
+
+    def _place_of(self, index: int, count: int | None = None) -> tuple[int, int, int, tuple[int, ...]]:
+        """Where layout entry `index` lies (with `count`: it and the `count - 1` entries of its shape
+        after it): the bucket's index in `_bucket_keys`, the start and end offsets, and the shape
+        (`(count, *shape)` with `count`)."""
+        key, start = self.layout.offset(index)
+        shape = self.layout.shape(index)
+        if count is None:
+            return self._bucket_keys.index(key), start, start + math.prod(shape), shape
+        return self._bucket_keys.index(key), start, start + count * math.prod(shape), (count, *shape)
+
+    def _in_order(self, buffers: dict[BucketKey, torch.Tensor]) -> list[torch.Tensor]:
+        """`buffers` in `_bucket_keys` order: a window looks each bucket up once (a key's hash is a
+        Python call)."""
+        return [buffers[key] for key in self._bucket_keys]
 
     def _registered(self) -> list[MetricAccumulator]:
         return [acc for _, metric in self.named for acc in metric.accumulators.values()]
@@ -216,18 +229,16 @@ class WindowPlan:
         then has the same ops and result shapes every window, and reads no value on the host."""
         results = Results()
         device = next(iter(buffers.values())).device
+        tensors = self._in_order(buffers)
         for group in self._groups:
-            k = len(group.metrics)
             states = {
-                block.attr: buffers[block.key][block.start : block.start + k * block.numel].view(
-                    k, *block.shape
-                )
+                block.attr: tensors[block.bucket][block.start : block.end].view(block.shape)
                 for block in group.blocks
             }
             constants = group.constants[device] if device in group.constants else group.constants_on(device)
-            results.add(group.positions, group.rule.compute(states, constants), k)
+            results.add(group.positions, group.rule.compute(states, constants), len(group.metrics))
         if custom and self._custom:
-            self._compute_custom(results, self._custom_views(buffers), device)
+            self._compute_custom(results, self._custom_views(tensors), device)
         key, start = self._steps_at
         results.add([STEPS_POSITION], buffers[key][start : start + self.world_size].unsqueeze(0), 1)
         return self._packed(results, "all" if custom else "built-in")
@@ -237,9 +248,9 @@ class WindowPlan:
         self._placements[kind] = placement
         return flat, placement
 
-    def _custom_views(self, buffers: dict[BucketKey, torch.Tensor]) -> list[torch.Tensor]:
-        """Each custom metric's state in `buffers`, as `layout.views` gives it."""
-        return [buffers[key][start:end].view(shape) for key, start, end, shape in self._custom_entries]
+    def _custom_views(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each custom metric's state in a window's buffers (`_in_order`), as `layout.views` gives it."""
+        return [tensors[bucket][start:end].view(shape) for bucket, start, end, shape in self._custom_entries]
 
     def custom_states(self, buffers: dict[BucketKey, torch.Tensor]) -> dict[BucketKey, torch.Tensor]:
         """The custom metrics' states in the reduced `buffers`, packed into one new buffer per
@@ -249,7 +260,7 @@ class WindowPlan:
         metrics."""
         if self._custom_layout is None:
             return {}
-        return self._custom_layout.storage(self._custom_views(buffers))
+        return self._custom_layout.storage(self._custom_views(self._in_order(buffers)))
 
     def custom_states_like(self, *, pin_memory: bool) -> dict[BucketKey, torch.Tensor]:
         """Host buffers shaped as `custom_states` returns them (allocated once, at bind)."""

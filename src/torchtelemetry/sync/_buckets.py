@@ -71,7 +71,17 @@ class BucketLayout:
     signature, so ranks that agree on the shapes but not on, say, histogram bins do not agree.
     """
 
-    __slots__ = ("_buckets", "_hash", "_offsets", "_shapes", "_states", "configs", "names", "signature")
+    __slots__ = (
+        "_buckets",
+        "_hash",
+        "_negated",
+        "_offsets",
+        "_shapes",
+        "_states",
+        "configs",
+        "names",
+        "signature",
+    )
 
     def __init__(
         self,
@@ -102,6 +112,12 @@ class BucketLayout:
             self._buckets[key] = _Bucket(
                 entries=(*kept, *negated), sizes=sizes, negate_from=sum(sizes[: len(kept)])
             )
+        self._negated = [
+            (key, bucket.negate_from)
+            for key, bucket in self._buckets.items()
+            if bucket.negate_from < sum(bucket.sizes)
+        ]
+        """The buckets holding MIN entries, and where they start."""
         self._offsets: dict[int, tuple[BucketKey, int]] = {}
         for key, bucket in self._buckets.items():
             offset = 0
@@ -178,9 +194,8 @@ class BucketLayout:
 
     def negate_min_(self, buffers: dict[BucketKey, torch.Tensor]) -> dict[BucketKey, torch.Tensor]:
         """Negate (or negate back), in place, the MIN part at the end of each bucket; returns `buffers`."""
-        for key, bucket in self._buckets.items():
-            if bucket.negate_from < buffers[key].numel():
-                _negate_(buffers[key][bucket.negate_from :])
+        for key, negate_from in self._negated:
+            _negate_(buffers[key][negate_from:])
         return buffers
 
     def unpack(self, buffers: dict[BucketKey, torch.Tensor]) -> list[torch.Tensor]:

@@ -213,14 +213,14 @@ class RankValues(Metric):
 
 def by_index(values: ReportValue | None) -> dict[int, float]:
     """A 1-D state's values as exported (`{"0": 1.5, ...}`), keyed by integer index."""
-    if type(values) is not dict and not isinstance(values, Mapping):  # a dict first: no ABC check
+    if values is None or (type(values) is not dict and not isinstance(values, Mapping)):  # ABC check last
         return {}
     return {int(index): float(value) for index, value in values.items()}
 
 
 def finite_by_rank(values: ReportValue | None) -> dict[int, float]:
     """The finite entries of a value per rank (`{"0": 1.5, ...}`), keyed by integer rank."""
-    if type(values) is not dict and not isinstance(values, Mapping):
+    if values is None or (type(values) is not dict and not isinstance(values, Mapping)):
         return {}
     return {int(rank): float(value) for rank, value in values.items() if math.isfinite(value)}
 

@@ -331,4 +331,6 @@ def _reference(window: Mapping[str, ReportValue], rank: int) -> int | None:
 
 
 def _mapping(value: ReportValue | None) -> Mapping[str, float]:
+    if value is None:  # before the ABC check, a Python call
+        return {}
     return value if type(value) is dict or isinstance(value, Mapping) else {}
