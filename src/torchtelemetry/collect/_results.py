@@ -58,7 +58,8 @@ class Results:
         signature = self._signature
         for leaf in leaves:
             if isinstance(leaf, torch.Tensor):
-                (self._floats if leaf.is_floating_point() else self._ints).append(leaf.reshape(-1))
+                flat = leaf if leaf.dim() == 1 else leaf.reshape(-1)  # a view is an op too
+                (self._floats if leaf.is_floating_point() else self._ints).append(flat)
                 if signature is not None:
                     signature.append((leaf.dtype, leaf.shape))
             else:
