@@ -16,6 +16,7 @@ import torch
 import torchtelemetry as tt
 from tests.hostsync import NoHostSync
 from tests.ops import OpCounter
+from tests.readme_loop import PHASES, ReadmeLoop
 from tests.step_inputs import step_inputs
 from torchtelemetry.metric._aggregation import _any_negative  # the CPU-only checks, exempt by design
 from torchtelemetry.metric._inputs import UpdateInputs
@@ -132,38 +133,20 @@ def _library_calls_of_a_step() -> collections.Counter[str]:
     """The torchtelemetry functions README.md's loop enters on the training thread in a step that ends
     no window: the loss, accuracy from logits, a grad-norm histogram, three phases, the data wait and
     `step(tokens=, learning_rate=)` (signals and the non-finite sentinel on, as by default)."""
-    metrics = {
-        "train": {
-            "loss": tt.WeightedMeanMetric(),
-            "accuracy": tt.AccuracyMetric(),
-            "grad_norm": tt.HistogramMetric(bins=[0.1, 0.5, 1, 2, 5, 10]),
-        }
-    }
-    telemetry = tt.Telemetry(metrics, every=1000, phases=("forward", "backward", "optimizer"))
-    loss, logits, targets = torch.tensor(2.0), torch.randn(8, 4), torch.tensor([0, 1, 2, 3] * 2)
+    loop = ReadmeLoop()
+    telemetry = tt.Telemetry(loop.metrics, every=1000, phases=PHASES)
     calls: collections.Counter[str] = collections.Counter()
 
     def profile(frame: FrameType, event: str, arg: Any) -> None:
         if event == "call" and "/torchtelemetry/" in frame.f_code.co_filename:
             calls[f"{frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_code.co_name}"] += 1
 
-    def step(index: int) -> None:
-        with telemetry.data_wait():
-            pass
-        for phase in ("forward", "backward", "optimizer"):
-            with telemetry.phase(phase):
-                pass
-        metrics["train"]["loss"].update(loss, targets.numel())
-        metrics["train"]["accuracy"].update(logits, targets)
-        metrics["train"]["grad_norm"].update(torch.tensor(1.5))
-        telemetry.step(index, tokens=targets.numel(), learning_rate=0.1)
-
     try:
         for index in range(3):  # the plans of the staged flush are made once
-            step(index)
+            loop.step(telemetry, index)
         sys.setprofile(profile)  # this thread only
         try:
-            step(3)
+            loop.step(telemetry, 3)
         finally:
             sys.setprofile(None)
     finally:

@@ -10,12 +10,10 @@ import threading
 from types import FrameType
 from typing import Any
 
-import torch
-
 import torchtelemetry as tt
+from tests.readme_loop import PHASES, ReadmeLoop
 from torchtelemetry.collect._collector import _THREAD_PREFIX
 
-PHASES = ("forward", "backward", "optimizer")
 WARM_UP = 40
 """Windows before counting: more than the spike history holds (32), so every signal is in its
 steady state."""
@@ -23,10 +21,9 @@ COUNTED = 10
 
 
 def _library_calls_per_window() -> collections.Counter[str]:
-    """The torchtelemetry functions the collector's worker enters per window of README.md's loop:
-    the loss, accuracy from logits, a grad-norm histogram, three phases, the data wait and
-    `step(tokens=, learning_rate=)`, signals and the non-finite sentinel on, as by default (the
-    window's reduction, compute, naming, signals, totals, report and its console line)."""
+    """The torchtelemetry functions the collector's worker enters per window of README.md's loop
+    (tests/readme_loop.py), signals and the non-finite sentinel on, as by default: the window's
+    reduction, compute, naming, signals, totals, report and its console line."""
     calls: collections.Counter[str] = collections.Counter()
     counting = threading.Event()
     workers: dict[int, bool] = {}
@@ -40,33 +37,18 @@ def _library_calls_per_window() -> collections.Counter[str]:
             if "/torchtelemetry/" in code.co_filename:
                 calls[f"{code.co_filename.rsplit('/', 1)[-1]}:{code.co_name}"] += 1
 
-    metrics = {
-        "train": {
-            "loss": tt.WeightedMeanMetric(),
-            "accuracy": tt.AccuracyMetric(),
-            "grad_norm": tt.HistogramMetric(bins=[0.1, 0.5, 1, 2, 5, 10]),
-        }
-    }
-    loss, logits, targets = torch.tensor(2.0), torch.randn(8, 4), torch.tensor([0, 1, 2, 3] * 2)
+    loop = ReadmeLoop()
     threading.setprofile(profile)  # every thread started from now on: the collector's worker
     try:
-        telemetry = tt.Telemetry(metrics, every=2, phases=PHASES)
+        telemetry = tt.Telemetry(loop.metrics, every=2, phases=PHASES)
     finally:
-        threading.setprofile(None)  # type: ignore[arg-type]
+        threading.setprofile(None)
     try:
         for index in range(2 * (WARM_UP + COUNTED)):
             if index == 2 * WARM_UP:
                 telemetry.flush()  # nothing in flight: the counted windows are whole
                 counting.set()
-            with telemetry.data_wait():
-                pass
-            for phase in PHASES:
-                with telemetry.phase(phase):
-                    pass
-            metrics["train"]["loss"].update(loss, targets.numel())
-            metrics["train"]["accuracy"].update(logits, targets)
-            metrics["train"]["grad_norm"].update(torch.tensor(1.5))
-            telemetry.step(index, tokens=targets.numel(), learning_rate=0.1)
+            loop.step(telemetry, index)
         telemetry.flush()
         counting.clear()
         assert telemetry.latest["train/loss"] == 2.0 and telemetry.latest["train/spike/count"] == {
@@ -78,8 +60,9 @@ def _library_calls_per_window() -> collections.Counter[str]:
 
 
 def test_a_window_of_the_readme_loop_enters_few_library_functions_on_the_worker() -> None:
-    """648 per window before the results' placement, their names, the console line's losses and the
-    totals were planned once per structure and the spike scores summed in floats."""
+    """648 a window before the results' placement and names, the console line's losses and the
+    totals' sums were planned once per structure, the spike scores summed in floats and the signals'
+    ranks ordered in C; 257 after."""
     calls = _library_calls_per_window()
     assert calls["_publisher.py:publish"] == 1  # one report per window, all of it counted
     assert sum(calls.values()) <= 280, sorted(calls.items(), key=lambda item: -item[1])
