@@ -161,11 +161,11 @@ class AccuracyMetric(_LabelledMetric):
         if finite is not None:
             valid = finite if valid is None else valid & finite
         if valid is None:
-            self.correct.update(hit.sum(dtype=self.correct.dtype))
-            self.total.update(hit.numel())
+            self.correct.add_with_count(hit.sum(dtype=self.correct.dtype), self.total, hit.numel())
         else:
-            self.correct.update((hit & valid).sum(dtype=self.correct.dtype))
-            self.total.update(valid.sum(dtype=self.total.dtype))
+            self.correct.add_with_count(
+                (hit & valid).sum(dtype=self.correct.dtype), self.total, valid.sum(dtype=self.total.dtype)
+            )
 
 
 class ConfusionMatrixMetric(_LabelledMetric):

@@ -1,19 +1,34 @@
-"""`StagedRows`: the staged entries of one buffer, their operands kept in order until a flush
-gathers them into a float64 block on the buffer's device."""
+"""`StagedRows`: the entries staged for one buffer and one way of folding them, checked as they are
+staged (what cannot be staged now is refused whole, and the caller applies it at once), their
+operands kept in order until a flush gathers them into a float64 block on the buffer's device."""
 
 from __future__ import annotations
 
 import array
+import operator
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-__all__ = ["StagedRows"]
+from torchtelemetry.metric._inputs import READY_DTYPES
 
+if TYPE_CHECKING:
+    from torchtelemetry.metric._staging import StagePart
+
+__all__ = ["STAGED_DTYPES", "StagedRows", "version_of"]
+
+STAGED_DTYPES = READY_DTYPES
+"""Dtypes of the 0-d tensors staged: each converts exactly to float64 (int64 up to 2**53, as a
+float64 state holds it)."""
 CACHED = 64
 """Blocks (one per number of entries) and plans (one per pattern of entries) kept per rows."""
 _STAGED = torch.float64
+_TENSOR = torch.Tensor
+_is_compiling = torch.compiler.is_compiling
+_capturing = torch.cuda.is_current_stream_capturing
+version_of = operator.attrgetter("_version")
+"""A tensor's version counter (bumped by every in-place write), read in C: `map(version_of, tensors)`."""
 
 
 class StagedRows:
@@ -26,11 +41,33 @@ class StagedRows:
     slots each dtype's tensors go to, and what the caller's `prepare` makes of the marks: index
     tensors) is a plan made once per pattern of marks and operand kinds and kept."""
 
-    __slots__ = ("_blocks", "_by_dtype", "_plans", "count", "device", "marks", "slots", "tensors", "versions")
+    __slots__ = (
+        "_blocks",
+        "_by_dtype",
+        "_cpu",
+        "_cuda",
+        "_plans",
+        "count",
+        "device",
+        "limit",
+        "marks",
+        "open",
+        "part",
+        "slots",
+        "tensors",
+        "versions",
+    )
 
-    def __init__(self, count: int, device: torch.device) -> None:
+    def __init__(self, count: int, device: torch.device, part: StagePart, limit: int) -> None:
         self.count = count
         self.device = device
+        self._cpu = device.type == "cpu"
+        self._cuda = device.type == "cuda"
+        self.part = part
+        """The stage part that applies these rows (flushed past `limit` entries)."""
+        self.limit = limit
+        self.open = True
+        """False once the stage closed: nothing more is staged."""
         self.marks: list[int] = []
         """Each entry's mark."""
         self.slots: list[Any] = []
@@ -42,10 +79,31 @@ class StagedRows:
         self._blocks: dict[int, tuple[torch.Tensor, Any, list[torch.Tensor]]] = {}
         self._plans: dict[tuple[tuple[int, ...], tuple[torch.dtype | None, ...]], tuple[Any, ...]] = {}
 
-    def add(self, mark: int, *operands: Any) -> int:
-        """Stage an entry of `count` operands; returns the entries staged."""
-        marks, slots = self.marks, self.slots
-        marks.append(mark)
+    def add(self, marks: tuple[int, ...], operands: tuple[Any, ...]) -> bool:
+        """Stage the entries `marks`, whose operands are `operands` (`count` each, in order), all or
+        none. False, and nothing staged, when one cannot be staged now: an operand is neither a Python
+        number (not a bool) nor a 0-d tensor of a `STAGED_DTYPES` dtype on the buffer's device outside
+        autograd; or while compiling or capturing a CUDA graph (the update belongs in the graph); or
+        once the stage closed. Past `limit` entries the part is applied at once."""
+        if not self.open or _is_compiling() or (self._cuda and _capturing()):
+            return False
+        cpu, device = self._cpu, self.device
+        for operand in operands:
+            kind = type(operand)
+            if (
+                kind is not float
+                and kind is not int
+                and not (
+                    isinstance(operand, _TENSOR)
+                    and operand.dtype in STAGED_DTYPES
+                    and not (operand.requires_grad or operand.dim())
+                    and (operand.is_cpu if cpu else operand.device == device)
+                )
+            ):
+                return False
+        staged = self.marks
+        staged.extend(marks)
+        slots, by_dtype = self.slots, self._by_dtype
         for operand in operands:
             kind = type(operand)
             if kind is float or kind is int:
@@ -53,17 +111,19 @@ class StagedRows:
                 continue
             dtype = operand.dtype
             slots.extend((dtype, 0.0))
-            group = self._by_dtype.get(dtype)
+            group = by_dtype.get(dtype)
             if group is None:
-                group = self._by_dtype[dtype] = []
+                group = by_dtype[dtype] = []
             group.append(operand)
             self.tensors.append(operand)
             self.versions.append(operand._version)
-        return len(marks)
+        if len(staged) >= self.limit:
+            self.part.flush()
+        return True
 
     def changed(self) -> list[int]:
         """Marks of the entries whose staged tensor was modified in place since it was staged."""
-        if [tensor._version for tensor in self.tensors] == self.versions:
+        if list(map(version_of, self.tensors)) == self.versions:
             return []
         changed, tensor = [], 0
         for position, kind in enumerate(self.slots[0::2]):
@@ -88,7 +148,7 @@ class StagedRows:
                 host[:] = numbers
             else:  # one copy, from pinned memory on CUDA (the caching host allocator keeps it until done)
                 staged = torch.frombuffer(numbers, dtype=_STAGED)
-                flat.copy_(staged.pin_memory() if self.device.type == "cuda" else staged, non_blocking=True)
+                flat.copy_(staged.pin_memory() if self._cuda else staged, non_blocking=True)
         for dtype, tensors in self._by_dtype.items():
             torch._foreach_copy_(views[dtype], tensors)
         return columns, prepared
@@ -114,7 +174,7 @@ class StagedRows:
         view of every slot; made once per size."""
         found = self._blocks.get(n)
         if found is None:
-            if self.device.type == "cpu":
+            if self._cpu:
                 host: Any = array.array("d", bytes(8 * self.count * n))
                 flat = torch.frombuffer(host, dtype=_STAGED)
             else:
