@@ -33,8 +33,8 @@ version_of = operator.attrgetter("_version")
 
 class StagedRows:
     """Entries staged for one buffer: each a mark (an int the caller gives: where it goes) and
-    `count` operands, each a Python number (kept on the host) or a 0-d tensor (copied at the flush:
-    one `_foreach_copy_` per dtype into its float64 slot). The operands of n entries fill an
+    `count` operands, each a Python number (kept on the host) or a 0-d tensor (copied at the flush
+    into its float64 slot: one op per dtype). The operands of n entries fill an
     (n, count) float64 block in the order they came.
 
     A step stages the same entries every time, so what a flush needs beyond the operands (which
@@ -43,7 +43,6 @@ class StagedRows:
 
     __slots__ = (
         "_blocks",
-        "_by_dtype",
         "_cpu",
         "_cuda",
         "_plans",
@@ -75,7 +74,6 @@ class StagedRows:
         self.tensors: list[torch.Tensor] = []
         self.versions: list[int] = []
         """Each staged tensor's version when staged: one changed in place since is caught."""
-        self._by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         self._blocks: dict[int, tuple[torch.Tensor, Any, list[torch.Tensor]]] = {}
         self._plans: dict[tuple[tuple[int, ...], tuple[torch.dtype | None, ...]], tuple[Any, ...]] = {}
 
@@ -87,36 +85,27 @@ class StagedRows:
         once the stage closed. Past `limit` entries the part is applied at once."""
         if not self.open or _is_compiling() or (self._cuda and _capturing()):
             return False
+        slots, tensors, versions = self.slots, self.tensors, self.versions
+        staged_slots, staged_tensors = len(slots), len(tensors)
         cpu, device = self._cpu, self.device
-        for operand in operands:
-            kind = type(operand)
-            if (
-                kind is not float
-                and kind is not int
-                and not (
-                    isinstance(operand, _TENSOR)
-                    and operand.dtype in STAGED_DTYPES
-                    and not (operand.requires_grad or operand.dim())
-                    and (operand.is_cpu if cpu else operand.device == device)
-                )
-            ):
-                return False
-        staged = self.marks
-        staged.extend(marks)
-        slots, by_dtype = self.slots, self._by_dtype
         for operand in operands:
             kind = type(operand)
             if kind is float or kind is int:
                 slots.extend((None, operand))
-                continue
-            dtype = operand.dtype
-            slots.extend((dtype, 0.0))
-            group = by_dtype.get(dtype)
-            if group is None:
-                group = by_dtype[dtype] = []
-            group.append(operand)
-            self.tensors.append(operand)
-            self.versions.append(operand._version)
+            elif (
+                isinstance(operand, _TENSOR)
+                and (dtype := operand.dtype) in STAGED_DTYPES
+                and not (operand.requires_grad or operand.dim())
+                and (operand.is_cpu if cpu else operand.device == device)
+            ):
+                slots.extend((dtype, 0.0))
+                tensors.append(operand)
+                versions.append(operand._version)
+            else:  # refused: this call stages nothing
+                del slots[staged_slots:], tensors[staged_tensors:], versions[staged_tensors:]
+                return False
+        staged = self.marks
+        staged.extend(marks)
         if len(staged) >= self.limit:
             self.part.flush()
         return True
@@ -136,21 +125,24 @@ class StagedRows:
     def gather(self, prepare: Callable[[list[int]], Any]) -> tuple[tuple[torch.Tensor, ...], Any]:
         """The staged operands as float64 columns of n entries on the device (one per operand of an
         entry), and what `prepare(marks)` made of this pattern's marks (kept with its plan)."""
-        slots = self.slots
+        slots, tensors = self.slots, self.tensors
         key = (tuple(self.marks), tuple(slots[0::2]))
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plan(key, prepare)
-        columns, flat, host, views, prepared = plan
-        if 2 * len(self.tensors) != len(slots):  # numbers among them
+        columns, flat, host, copies, prepared = plan
+        if 2 * len(tensors) != len(slots):  # numbers among them
             numbers = array.array("d", slots[1::2])
             if host is not None:  # the CPU: the tensor is this host memory
                 host[:] = numbers
             else:  # one copy, from pinned memory on CUDA (the caching host allocator keeps it until done)
                 staged = torch.frombuffer(numbers, dtype=_STAGED)
                 flat.copy_(staged.pin_memory() if self._cuda else staged, non_blocking=True)
-        for dtype, tensors in self._by_dtype.items():
-            torch._foreach_copy_(views[dtype], tensors)
+        groups, singles = copies
+        for views, pick in groups:  # the tensors of one dtype, into their slots: one op
+            torch._foreach_copy_(views, pick(tensors))
+        for view, position in singles:  # the one tensor of its dtype
+            view.copy_(tensors[position])
         return columns, prepared
 
     def _plan(
@@ -158,12 +150,22 @@ class StagedRows:
     ) -> tuple[Any, ...]:
         marks, kinds = key
         flat, host, slots = self._block(len(marks))
-        views: dict[torch.dtype, list[torch.Tensor]] = {}
-        for slot, kind in enumerate(kinds):
+        by_dtype: dict[torch.dtype, tuple[list[torch.Tensor], list[int]]] = {}
+        tensor = 0
+        for slot, kind in enumerate(kinds):  # the staged tensors come in the order of their slots
             if kind is not None:
-                views.setdefault(kind, []).append(slots[slot])
+                views, positions = by_dtype.setdefault(kind, ([], []))
+                views.append(slots[slot])
+                positions.append(tensor)
+                tensor += 1
+        groups = [
+            (views, operator.itemgetter(*positions))
+            for views, positions in by_dtype.values()
+            if len(views) > 1
+        ]
+        singles = [(views[0], positions[0]) for views, positions in by_dtype.values() if len(views) == 1]
         columns = tuple(flat.view(len(marks), self.count).unbind(1))
-        plan = (columns, flat, host, views, prepare(list(marks)))
+        plan = (columns, flat, host, (groups, singles), prepare(list(marks)))
         if len(self._plans) >= CACHED:
             del self._plans[next(iter(self._plans))]
         self._plans[key] = plan
@@ -190,4 +192,3 @@ class StagedRows:
         self.slots.clear()
         self.tensors.clear()
         self.versions.clear()
-        self._by_dtype.clear()
