@@ -29,6 +29,7 @@ from torchtelemetry.report.signals._timeline import NO_SECTIONS, HostAnchor, Lat
 __all__ = [
     "EventClock",
     "HostClock",
+    "HostPhaseTimer",
     "HostTimer",
     "PhaseClock",
     "PhaseTimer",
@@ -38,12 +39,19 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+_get_ident = threading.get_ident
+_perf_counter = time.perf_counter
+
 Batch = tuple[list[float], int]
 """Seconds per phase and the steps they cover."""
 
 
 class PhaseClock(Protocol):
     """Times sections of one rank; `take` hands back what was timed, once per window."""
+
+    def timer(self, index: int, name: str) -> PhaseTimer:
+        """The context manager that times phase `name` (the clock's phase `index`)."""
+        ...
 
     def start(self) -> Any: ...
 
@@ -75,7 +83,8 @@ class PhaseTimer:
         self.name = name
 
     def __enter__(self) -> PhaseTimer:
-        self._thread.check()
+        if _get_ident() != self._thread.ident:
+            self._thread.check()
         if not self._depth:
             self._started = self._clock.start()
         self._depth += 1
@@ -90,6 +99,22 @@ class PhaseTimer:
         """(How deep the thread is inside this phase, when it last entered it), read from any thread."""
         started = self._started
         return self._depth, (self._clock.entered_at(started) if started is not None else 0.0)
+
+
+class HostPhaseTimer(PhaseTimer):
+    """A `PhaseTimer` of a `HostClock`: adds each block's seconds to the clock's `seconds` itself
+    (what the clock's `stop` does, without the call: a phase costs its two `with` calls)."""
+
+    __slots__ = ("_seconds",)
+
+    def __init__(self, clock: HostClock, index: int, name: str) -> None:
+        super().__init__(clock, index, name)
+        self._seconds = clock.seconds
+
+    def __exit__(self, *exc: object) -> None:
+        self._depth -= 1
+        if not self._depth:
+            self._seconds[self._index] += _perf_counter() - self._started
 
 
 class HostTimer:
@@ -109,16 +134,17 @@ class HostTimer:
         self.name = name
 
     def __enter__(self) -> HostTimer:
-        self._thread.check()
+        if _get_ident() != self._thread.ident:
+            self._thread.check()
         if not self._depth:
-            self._started = time.perf_counter()
+            self._started = _perf_counter()
         self._depth += 1
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._depth -= 1
         if not self._depth:
-            self._record(time.perf_counter() - self._started)
+            self._record(_perf_counter() - self._started)
 
     def state(self) -> tuple[int, float]:
         """(How deep the thread is inside this block, when it last entered it), read from any thread."""
@@ -156,16 +182,17 @@ class TrainingThread:
     """The thread that built a timer: a section timed on another thread (a prefetch thread) would
     add its time to the training thread's step (a data wait of 116 % of the step), so it is refused."""
 
-    __slots__ = ("_ident", "_name", "_op")
+    __slots__ = ("_name", "_op", "ident")
 
     def __init__(self, op: str) -> None:
-        self._ident = threading.get_ident()
+        self.ident = threading.get_ident()
+        """The training thread's id (a timer compares it before calling `check`)."""
         self._name = threading.current_thread().name
         self._op = op
 
     def check(self) -> None:
         """Raise a `RuntimeError` naming the calling thread unless it is the training thread."""
-        if threading.get_ident() != self._ident:
+        if threading.get_ident() != self.ident:
             raise RuntimeError(
                 f"{self._op}: entered from thread {threading.current_thread().name!r}, but it times "
                 f"the steps of thread {self._name!r} that built the Telemetry (the training thread); "
@@ -177,20 +204,25 @@ class TrainingThread:
 class HostClock:
     """`time.perf_counter()`: what the host spent in each section (CPU training)."""
 
-    def __init__(self, phases: int) -> None:
-        self._seconds = [0.0] * phases
+    start = _perf_counter
+    """`start()`: the time now (the clock itself: a section's start costs no Python call)."""
 
-    def start(self) -> float:
-        return time.perf_counter()
+    def __init__(self, phases: int) -> None:
+        self.seconds = [0.0] * phases
+        """Each phase's seconds since the last `take` (zeroed in place there: timers hold it)."""
+
+    def timer(self, index: int, name: str) -> PhaseTimer:
+        return HostPhaseTimer(self, index, name)
 
     def stop(self, index: int, started: float) -> None:
-        self._seconds[index] += time.perf_counter() - started
+        self.seconds[index] += time.perf_counter() - started
 
     def entered_at(self, started: float) -> float:
         return started
 
     def take(self, steps: int, *, wait: bool = False, timeout_s: float = 60.0) -> list[Batch]:
-        seconds, self._seconds = self._seconds, [0.0] * len(self._seconds)
+        seconds = self.seconds[:]
+        self.seconds[:] = [0.0] * len(seconds)
         return [(seconds, steps)]
 
     def close(self) -> None:
@@ -205,9 +237,12 @@ class TracedHostClock(HostClock):
         super().__init__(phases)
         self._log = log
 
+    def timer(self, index: int, name: str) -> PhaseTimer:
+        return PhaseTimer(self, index, name)  # its stop logs the section too
+
     def stop(self, index: int, started: float) -> None:
         ended = time.perf_counter()
-        self._seconds[index] += ended - started
+        self.seconds[index] += ended - started
         self._log.record(index, started, ended)
 
 
@@ -242,6 +277,9 @@ class EventClock:
         self._changed = threading.Condition()
         self._reader: threading.Thread | None = None
         self._failed = False
+
+    def timer(self, index: int, name: str) -> PhaseTimer:
+        return PhaseTimer(self, index, name)
 
     def _event(self) -> Any:
         try:
