@@ -141,7 +141,7 @@ class AccuracyMetric(_LabelledMetric):
 
     def update(self, preds: Any, target: Any) -> None:
         """Count correct predictions; `preds` are logits/probabilities or integer labels."""
-        device = self.device
+        device = self.correct.device
         preds, finite = self._begin_labelled(preds, device)
         target = self._labels(target, device)
         logits = preds.is_floating_point()

@@ -86,7 +86,7 @@ class HistogramMetric(Metric):
 
     def update(self, value: Any) -> None:
         """Add every entry of `value` to its bucket."""
-        value, mask = self._begin_update(value)
+        value, mask = self._begin_update(value, "value", self.count.device)
         if mask is not None:
             value = torch.where(mask, value, 0)
         elif not value.is_floating_point():
