@@ -25,6 +25,8 @@ CACHED = 64
 """Blocks (one per number of entries) and plans (one per pattern of entries) kept per rows."""
 _STAGED = torch.float64
 _TENSOR = torch.Tensor
+_NUMBERS = frozenset({float, int})
+"""The Python numbers staged as they are (not bool: `type(True)` is bool)."""
 _is_compiling = torch.compiler.is_compiling
 _capturing = torch.cuda.is_current_stream_capturing
 version_of = operator.attrgetter("_version")
@@ -87,18 +89,16 @@ class StagedRows:
             return False
         slots, tensors, versions = self.slots, self.tensors, self.versions
         staged_slots, staged_tensors = len(slots), len(tensors)
-        cpu, device = self._cpu, self.device
         for operand in operands:
-            kind = type(operand)
-            if kind is float or kind is int:
-                slots.extend((None, operand))
+            if type(operand) in _NUMBERS:
+                slots += (None, operand)
             elif (
                 isinstance(operand, _TENSOR)
                 and (dtype := operand.dtype) in STAGED_DTYPES
                 and not (operand.requires_grad or operand.dim())
-                and (operand.is_cpu if cpu else operand.device == device)
+                and (operand.is_cpu if self._cpu else operand.device == self.device)
             ):
-                slots.extend((dtype, 0.0))
+                slots += (dtype, 0.0)
                 tensors.append(operand)
                 versions.append(operand._version)
             else:  # refused: this call stages nothing

@@ -48,6 +48,7 @@ from torchtelemetry.report.signals._captures import (
 from torchtelemetry.report.signals._clock import (
     EventClock,
     HostClock,
+    HostPhaseTimer,
     HostTimer,
     PhaseClock,
     PhaseTimer,
@@ -210,6 +211,7 @@ __all__ = [
     "GoodputReading",
     "GoodputSource",
     "HostClock",
+    "HostPhaseTimer",
     "HostTimer",
     "MemoryHealth",
     "NonFiniteSentinel",

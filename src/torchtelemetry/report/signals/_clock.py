@@ -49,10 +49,6 @@ Batch = tuple[list[float], int]
 class PhaseClock(Protocol):
     """Times sections of one rank; `take` hands back what was timed, once per window."""
 
-    def timer(self, index: int, name: str) -> PhaseTimer:
-        """The context manager that times phase `name` (the clock's phase `index`)."""
-        ...
-
     def start(self) -> Any: ...
 
     def stop(self, index: int, started: Any) -> None: ...
@@ -212,6 +208,8 @@ class HostClock:
         """Each phase's seconds since the last `take` (zeroed in place there: timers hold it)."""
 
     def timer(self, index: int, name: str) -> PhaseTimer:
+        """The timer of phase `name` (this clock's phase `index`): a `HostPhaseTimer`, which adds to
+        `seconds` itself (a `PhaseTimer` of any clock calls its `stop`)."""
         return HostPhaseTimer(self, index, name)
 
     def stop(self, index: int, started: float) -> None:
@@ -277,9 +275,6 @@ class EventClock:
         self._changed = threading.Condition()
         self._reader: threading.Thread | None = None
         self._failed = False
-
-    def timer(self, index: int, name: str) -> PhaseTimer:
-        return PhaseTimer(self, index, name)
 
     def _event(self) -> Any:
         try:

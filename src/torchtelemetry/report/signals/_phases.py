@@ -128,7 +128,10 @@ class Phases(Signal):
                 else HostClock(len(self.phases))
             )
         self._clock = clock
-        self._timers = {name: clock.timer(index, name) for index, name in enumerate(self.phases)}
+        self._timers = {
+            name: clock.timer(index, name) if isinstance(clock, HostClock) else PhaseTimer(clock, index, name)
+            for index, name in enumerate(self.phases)
+        }
         self._steps = 0
         self.stragglers = StragglerScores(top_k, warn=context.rank == 0)
 
