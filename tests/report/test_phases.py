@@ -257,8 +257,18 @@ def test_cuda_phases_time_the_device_with_no_host_sync_on_the_training_thread() 
 
 def test_a_host_clocks_timers_add_to_the_window_being_timed_after_each_take() -> None:
     """A host clock's phase timers add to the clock's seconds themselves (no call per block): what a
-    window took stays as it was, and the next blocks go to the next window."""
-    from torchtelemetry.report.signals import HostClock, HostPhaseTimer
+    window took stays as it was, and the next blocks go to the next window. A traced clock's timers
+    call its `stop`, which logs each section too."""
+    from torchtelemetry.report.signals import (
+        HostClock,
+        HostPhaseTimer,
+        PhaseTimer,
+        SectionLog,
+        TracedHostClock,
+    )
+
+    traced = TracedHostClock(1, SectionLog(("forward",)))
+    assert type(traced.timer(0, "forward")) is PhaseTimer
 
     clock = HostClock(2)
     backward = clock.timer(1, "backward")

@@ -50,7 +50,7 @@ class StagePart:
         self.buffer = buffer
         self._names = sorted(names)
 
-    def _rows(self, count: int) -> StagedRows:
+    def _new_rows(self, count: int) -> StagedRows:
         """New rows of `count` operands an entry, staged into this part."""
         return StagedRows(count, self.buffer.device, self, MAX_STAGED)
 
@@ -117,7 +117,7 @@ class _Sums(StagePart):
 
     def __init__(self, stage: UpdateStage, buffer: torch.Tensor, names: list[tuple[int, str]]) -> None:
         super().__init__(stage, buffer, names)
-        self._sums = self._rows(2)
+        self._sums = self._new_rows(2)
         self.rows = (self._sums,)
 
     def rows_for(self, op: ReduceOp) -> StagedRows:
@@ -145,8 +145,8 @@ class _Extrema(StagePart):
 
     def __init__(self, stage: UpdateStage, buffer: torch.Tensor, names: list[tuple[int, str]]) -> None:
         super().__init__(stage, buffer, names)
-        self._maxima = self._rows(1)
-        self._minima = self._rows(1)
+        self._maxima = self._new_rows(1)
+        self._minima = self._new_rows(1)
         self.rows = (self._maxima, self._minima)
 
     def rows_for(self, op: ReduceOp) -> StagedRows:

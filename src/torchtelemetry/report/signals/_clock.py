@@ -209,8 +209,11 @@ class HostClock:
 
     def timer(self, index: int, name: str) -> PhaseTimer:
         """The timer of phase `name` (this clock's phase `index`): a `HostPhaseTimer`, which adds to
-        `seconds` itself (a `PhaseTimer` of any clock calls its `stop`)."""
-        return HostPhaseTimer(self, index, name)
+        `seconds` itself, unless a subclass's `stop` does more (`TracedHostClock` logs the section):
+        then a `PhaseTimer`, which calls it."""
+        if type(self).stop is HostClock.stop:
+            return HostPhaseTimer(self, index, name)
+        return PhaseTimer(self, index, name)
 
     def stop(self, index: int, started: float) -> None:
         self.seconds[index] += time.perf_counter() - started
@@ -234,9 +237,6 @@ class TracedHostClock(HostClock):
     def __init__(self, phases: int, log: SectionLog) -> None:
         super().__init__(phases)
         self._log = log
-
-    def timer(self, index: int, name: str) -> PhaseTimer:
-        return PhaseTimer(self, index, name)  # its stop logs the section too
 
     def stop(self, index: int, started: float) -> None:
         ended = time.perf_counter()
