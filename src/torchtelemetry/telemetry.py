@@ -16,7 +16,6 @@ from torchtelemetry._startup import TelemetryStartupError, require_process_group
 from torchtelemetry.config import TelemetryConfig
 from torchtelemetry.export import Exporter, RunInfo, print_startup_line
 from torchtelemetry.report import (
-    DATA_PHASE,
     DEFAULT_LAYER_STATS,
     HostTimer,
     LayerWatch,
@@ -90,7 +89,6 @@ class Telemetry:
         self._hang_watch, self._collector = started.hang_watch, started.collector
         self._windows = started.windows
         self._signals, self._publisher, self._progress = parts.signals, parts.publisher, parts.progress
-        self._timers = self._signals.timers if self._signals is not None else {}
         self._closed = self._raised = False
         if self.is_exporting:
             print_startup_line(self.run, self.every, self.hub.exporters)
@@ -150,10 +148,9 @@ class Telemetry:
         Adds to the current step's `train/data_wait` (host wall time, no device sync), the phase
         "data"; `step(data_time=)` does the same with a duration measured elsewhere.
         """
-        timer = self._timers.get(DATA_PHASE)
-        if timer is not None:
-            return timer
-        return contextlib.nullcontext() if self._signals is None else self._signals.data_wait_timer()
+        if self._signals is None:
+            return contextlib.nullcontext()
+        return self._signals.data_wait_timer()
 
     def phase(self, name: str) -> PhaseTimer | HostTimer | contextlib.AbstractContextManager[None]:
         """Time the block as phase `name` of the current step: `with telemetry.phase("forward"): ...`.
@@ -164,10 +161,9 @@ class Telemetry:
         ranks min/median/max with the ranks holding them, each phase's share of the step and
         straggler scores (docs/signals.md). With `signals=False` the block is not timed.
         """
-        timer = self._timers.get(name)
-        if timer is not None:
-            return timer
-        return contextlib.nullcontext() if self._signals is None else self._signals.phase(name)
+        if self._signals is None:
+            return contextlib.nullcontext()
+        return self._signals.timers.get(name) or self._signals.phase(name)  # phase(): raises, naming it
 
     def watch_gradient_sync(self, model: torch.nn.Module, *, phase: str = "backward") -> None:
         """Measure how long each rank's backward through `model` waits for the gradient collective.

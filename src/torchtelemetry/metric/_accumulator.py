@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from torchtelemetry.metric._inputs import nonfinite_count
 from torchtelemetry.metric._shards import rank_local, rank_sharded
-from torchtelemetry.metric._staged_rows import StagedRows
+from torchtelemetry.metric._staged_rows import StagedRows, entry_offset
 from torchtelemetry.metric._staging import COUNTED_DTYPES, StagePart, UpdateStage
 from torchtelemetry.sync import GroupLike, ReduceOp
 
@@ -175,7 +175,7 @@ class MetricAccumulator:
         rows = self._rows
         if (
             rows is not None
-            and (offset := self._offset(index)) is not None
+            and (offset := entry_offset(self._local.shape, self._at, index)) is not None
             and rows.add((offset,), (value, 1.0) if self.reduce_op is ReduceOp.SUM else (value,))
         ):
             return
@@ -260,27 +260,11 @@ class MetricAccumulator:
             rows is not None
             and self.reduce_op is ReduceOp.SUM
             and value.dtype in COUNTED_DTYPES
-            and (offset := self._offset(index)) is not None
+            and (offset := entry_offset(self._local.shape, self._at, index)) is not None
             and rows.add((~offset,), (value, 0.0))  # x * 0: NaN exactly where x is not finite
         ):
             return
         self.add_at(index, nonfinite_count(value))
-
-    def _offset(self, index: int | tuple[int, ...]) -> int | None:
-        """Entry `index`'s offset in the staged buffer (None for a slice or an index out of range:
-        indexing the state says what is wrong)."""
-        shape, offset, stride = self._local.shape, self._at, 1
-        if type(index) is int and len(shape) == 1:  # an entry of a vector (a signal's per-path state)
-            return offset + index % shape[0] if -shape[0] <= index < shape[0] else None
-        indices = index if isinstance(index, tuple) else (index,)
-        if len(indices) != len(shape):
-            return None
-        for position, size in zip(reversed(indices), reversed(shape), strict=True):
-            if type(position) is not int or not -size <= position < size:
-                return None
-            offset += (position % size) * stride
-            stride *= size
-        return offset
 
     def _writable(self) -> torch.Tensor:
         """The local state to update in place. Under torch.compile, a view of it: AOT autograd
@@ -324,10 +308,8 @@ class MetricAccumulator:
             )
         storage.copy_(self.local)
         self._local = storage
-        if staged is None:
-            self._rows, self._at = None, 0
-        else:
-            self._rows, self._at = staged[0].rows_for(self.reduce_op), staged[1]
+        self._rows = None if staged is None else staged[0].rows_for(self.reduce_op)
+        self._at = 0 if staged is None else staged[1]
 
     def adopt_synced(self, storage: torch.Tensor) -> None:
         """Keep the synchronized state in `storage` from now on (a view of the same shape and dtype,

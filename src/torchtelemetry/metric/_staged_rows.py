@@ -16,7 +16,7 @@ from torchtelemetry.metric._inputs import READY_DTYPES
 if TYPE_CHECKING:
     from torchtelemetry.metric._staging import StagePart
 
-__all__ = ["STAGED_DTYPES", "StagedRows", "version_of"]
+__all__ = ["STAGED_DTYPES", "StagedRows", "entry_offset", "version_of"]
 
 STAGED_DTYPES = READY_DTYPES
 """Dtypes of the 0-d tensors staged: each converts exactly to float64 (int64 up to 2**53, as a
@@ -192,3 +192,20 @@ class StagedRows:
         self.slots.clear()
         self.tensors.clear()
         self.versions.clear()
+
+
+def entry_offset(shape: torch.Size, first: int, index: int | tuple[int, ...]) -> int | None:
+    """The offset in a staged buffer of entry `index` of a state of `shape` whose first entry is at
+    `first` (None for a slice or an index out of range: indexing the state says what is wrong)."""
+    offset, stride = first, 1
+    if type(index) is int and len(shape) == 1:  # an entry of a vector (a signal's per-path state)
+        return offset + index % shape[0] if -shape[0] <= index < shape[0] else None
+    indices = index if isinstance(index, tuple) else (index,)
+    if len(indices) != len(shape):
+        return None
+    for position, size in zip(reversed(indices), reversed(shape), strict=True):
+        if type(position) is not int or not -size <= position < size:
+            return None
+        offset += (position % size) * stride
+        stride *= size
+    return offset
