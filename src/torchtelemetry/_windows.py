@@ -129,7 +129,9 @@ class StepWindows:
         # Values logged at the windows' steps came before this call (a framework logs right after
         # the step()): their reports may be submitted now.
         self._publisher.release()
-        if not (block and self._collector.pending):
+        if not self._collector.pending:
+            return
+        if not block:
             self._collect(block=block, limit=limit)
             return
         beat = self._beat

@@ -163,7 +163,7 @@ class Telemetry:
         """
         if self._signals is None:
             return contextlib.nullcontext()
-        return self._signals.phase(name)
+        return self._signals.timers.get(name) or self._signals.phase(name)  # phase(): raises, naming it
 
     def watch_gradient_sync(self, model: torch.nn.Module, *, phase: str = "backward") -> None:
         """Measure how long each rank's backward through `model` waits for the gradient collective.

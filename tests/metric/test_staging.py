@@ -236,3 +236,48 @@ def test_every_leaf_of_a_tree_is_staged_into_one_stage() -> None:
         assert len(stages) == 1
     finally:
         collector.unbind()
+
+
+def test_a_sum_and_its_count_are_staged_as_one_update_or_each_as_it_allows() -> None:
+    """`add_with_count`: both staged in one call when every operand can be; when one cannot (a
+    count given as a bool), the call stages nothing of its own and each state takes its update as
+    `update()` would (the sum staged, the count at once): the same states either way."""
+    metric = staged(tt.WeightedMeanMetric())
+    reference = tt.WeightedMeanMetric()
+    weighted_sum, total_weight = metric.weighted_sum, metric.total_weight
+    weighted_sum.add_with_count(torch.tensor(2.0), total_weight, 3, weight=3)
+    assert _pending(metric) == 2
+    refused = True  # a bool is never staged: added at once, as 1
+    weighted_sum.add_with_count(torch.tensor(1.5), total_weight, refused)
+    assert _pending(metric) == 3  # the sum staged alone; the count applied at once
+    reference.weighted_sum.add_product(torch.tensor(2.0), 3)
+    reference.total_weight.update(3)
+    reference.weighted_sum.update(torch.tensor(1.5))
+    reference.total_weight.update(refused)
+    for attr, accumulator in reference.accumulators.items():
+        assert metric.accumulators[attr].local.item() == accumulator.local.item(), attr
+    with pytest.raises(TypeError, match="add_with_count needs SUM accumulators, got MAX and SUM"):
+        tt.MaxMetric().extremum.add_with_count(torch.tensor(1.0), total_weight, 1)
+
+
+def test_an_update_of_a_bound_metric_checks_for_compilation_once() -> None:
+    """The compile check (`torch.compiler.is_compiling`, a Python call into torch) runs once per staged
+    update of a weighted mean, for its two states and its three operands together."""
+    import sys
+
+    metric = staged(tt.WeightedMeanMetric())
+    loss = torch.tensor(2.5)
+    metric.update(loss, 512)
+    calls: list[str] = []
+
+    def profile(frame, event: str, arg) -> None:
+        if event == "call" and frame.f_code is torch.compiler.is_compiling.__code__:
+            calls.append(frame.f_code.co_name)
+
+    sys.setprofile(profile)
+    try:
+        metric.update(loss, 512)
+    finally:
+        sys.setprofile(None)
+    assert len(calls) == 1 and _pending(metric) == 4
+    assert metric.compute().item() == 2.5

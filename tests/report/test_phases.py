@@ -253,3 +253,34 @@ def test_cuda_phases_time_the_device_with_no_host_sync_on_the_training_thread() 
     latest = telemetry.latest
     assert latest["train/phases/median"]["forward"] > latest["train/phases/median"]["backward"] > 0
     assert latest["train/nonfinite/count"] == {"train/loss": 0.0}
+
+
+def test_a_host_clocks_timers_add_to_the_window_being_timed_after_each_take() -> None:
+    """A host clock's phase timers add to the clock's seconds themselves (no call per block): what a
+    window took stays as it was, and the next blocks go to the next window. A traced clock's timers
+    call its `stop`, which logs each section too."""
+    from torchtelemetry.report.signals import (
+        HostClock,
+        HostPhaseTimer,
+        PhaseTimer,
+        SectionLog,
+        TracedHostClock,
+    )
+
+    traced = TracedHostClock(1, SectionLog(("forward",)))
+    assert type(traced.timer(0, "forward")) is PhaseTimer
+
+    clock = HostClock(2)
+    backward = clock.timer(1, "backward")
+    assert isinstance(backward, HostPhaseTimer)
+    with backward:
+        time.sleep(0.001)
+    ((first, steps),) = clock.take(1)
+    assert steps == 1 and first[0] == 0.0 and first[1] >= 0.001
+    taken = list(first)
+    with backward:
+        time.sleep(0.001)
+    ((second, _),) = clock.take(1)
+    assert first == taken  # a window's seconds are its own
+    assert second[0] == 0.0 and second[1] >= 0.001
+    assert clock.take(1) == [([0.0, 0.0], 1)]

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from torchtelemetry.metric._inputs import nonfinite_count
 from torchtelemetry.metric._shards import rank_local, rank_sharded
+from torchtelemetry.metric._staged_rows import StagedRows, entry_offset
 from torchtelemetry.metric._staging import COUNTED_DTYPES, StagePart, UpdateStage
 from torchtelemetry.sync import GroupLike, ReduceOp
 
@@ -69,7 +70,7 @@ class MetricAccumulator:
     is read.
     """
 
-    __slots__ = ("_at", "_binding", "_initial", "_local", "_scalar", "_stage", "_synced", "reduce_op")
+    __slots__ = ("_at", "_binding", "_initial", "_local", "_rows", "_scalar", "_synced", "reduce_op")
 
     def __init__(
         self,
@@ -87,7 +88,7 @@ class MetricAccumulator:
         self._synced = initial.clone()
         self._binding: Any = None
         """The `MetricBinding` of the collector keeping this state, told when `to()` moves it."""
-        self._stage: StagePart | None = None
+        self._rows: StagedRows | None = None
         """Where this state's updates are staged (None: they run at once)."""
         self._at = 0
         """This state's first entry in the staged buffer."""
@@ -96,13 +97,13 @@ class MetricAccumulator:
     def __getstate__(self) -> dict[str, Any]:
         """A copied or unpickled accumulator is bound nowhere (and holds every update made)."""
         self.apply_staged()
-        return {slot: getattr(self, slot) for slot in self.__slots__ if slot not in ("_binding", "_stage")}
+        return {slot: getattr(self, slot) for slot in self.__slots__ if slot not in ("_binding", "_rows")}
 
     def __setstate__(self, state: Mapping[str, Any]) -> None:
         for slot, value in state.items():
             setattr(self, slot, value)
         self._binding = None
-        self._stage = None
+        self._rows = None
 
     @property
     def local(self) -> torch.Tensor:
@@ -113,13 +114,13 @@ class MetricAccumulator:
     @property
     def stage(self) -> UpdateStage | None:
         """The stage this state's updates go to (None: they run at once)."""
-        return None if self._stage is None else self._stage.stage
+        return None if self._rows is None else self._rows.part.stage
 
     def apply_staged(self) -> None:
         """Apply the updates staged for this state's bucket (with every other state's there: one
         flush)."""
-        if self._stage is not None:
-            self._stage.flush()
+        if self._rows is not None:
+            self._rows.part.flush()
 
     @property
     def initial(self) -> torch.Tensor:
@@ -150,9 +151,12 @@ class MetricAccumulator:
 
     def update(self, value: torch.Tensor | float) -> None:
         """Fold `value` (already reduced to this accumulator's shape) into the local state."""
-        stage = self._stage
-        if stage is not None and self._scalar and stage.accepts(value):
-            stage.fold(self._at, value, self.reduce_op)
+        rows = self._rows
+        if (
+            rows is not None
+            and self._scalar
+            and rows.add((self._at,), (value, 1.0) if self.reduce_op is ReduceOp.SUM else (value,))
+        ):
             return
         local = self._writable()
         if self.reduce_op is ReduceOp.SUM:
@@ -169,12 +173,13 @@ class MetricAccumulator:
         """Fold `value` (a number or a 0-d tensor) into entry `index` of the local state by this
         accumulator's reduce op (add, max or min), leaving every other entry as it is (NaN and Inf
         included). An `index` of fewer dims than the state folds into that whole slice."""
-        stage = self._stage
-        if stage is not None and stage.accepts(value):
-            offset = self._offset(index)
-            if offset is not None:
-                stage.fold(offset, value, self.reduce_op)
-                return
+        rows = self._rows
+        if (
+            rows is not None
+            and (offset := entry_offset(self._local.shape, self._at, index)) is not None
+            and rows.add((offset,), (value, 1.0) if self.reduce_op is ReduceOp.SUM else (value,))
+        ):
+            return
         entry = self._writable()[index]
         if self.reduce_op is ReduceOp.SUM:
             entry.add_(value)
@@ -194,14 +199,8 @@ class MetricAccumulator:
         SUM only."""
         if self.reduce_op is not ReduceOp.SUM:
             raise TypeError(f"add_product needs a SUM accumulator, got {self.reduce_op.name}")
-        stage = self._stage
-        if (
-            stage is not None
-            and self._scalar
-            and stage.accepts(value)
-            and ((kind := type(weight)) is float or kind is int or stage.accepts(weight))
-        ):  # a number is staged whenever a tensor is
-            stage.add_product(self._at, value, weight)
+        rows = self._rows
+        if rows is not None and self._scalar and rows.add((self._at,), (value, weight)):
             return
         local = self._writable()
         if isinstance(weight, torch.Tensor):
@@ -213,6 +212,37 @@ class MetricAccumulator:
             local.add_(value, alpha=weight)
         else:
             local.add_(float(value) * float(weight))
+
+    def add_with_count(
+        self,
+        value: torch.Tensor | float,
+        counter: MetricAccumulator,
+        count: torch.Tensor | float,
+        weight: torch.Tensor | float | None = None,
+    ) -> None:
+        """Add `value` (times `weight`) to this SUM state and `count` to the SUM state `counter`: a
+        sum and its count, e.g. a mean's two states. Staged as one update when both are 0-d states of
+        one stage and every operand can be staged; otherwise `add_product(value, weight)` (or
+        `update(value)`) and `counter.update(count)`, each staged or applied at once as it allows."""
+        if self.reduce_op is not ReduceOp.SUM or counter.reduce_op is not ReduceOp.SUM:
+            raise TypeError(
+                "add_with_count needs SUM accumulators, got "
+                f"{self.reduce_op.name} and {counter.reduce_op.name}"
+            )
+        rows = self._rows
+        if (
+            rows is not None
+            and counter._rows is rows
+            and self._scalar
+            and counter._scalar
+            and rows.add((self._at, counter._at), (value, 1.0 if weight is None else weight, count, 1.0))
+        ):
+            return
+        if weight is None:
+            self.update(value)
+        else:
+            self.add_product(value, weight)
+        counter.update(count)
 
     def add_at_flat(self, positions: torch.Tensor, values: torch.Tensor) -> None:
         """Add `values` (broadcast to `positions`' shape) at the flat `positions` of the local state
@@ -226,32 +256,16 @@ class MetricAccumulator:
     def count_nonfinite_at(self, index: int, value: torch.Tensor) -> None:
         """Add the number of NaN and +-Inf entries of the floating point (or complex) tensor `value`
         to entry `index` (no host sync); SUM only."""
-        stage = self._stage
+        rows = self._rows
         if (
-            stage is not None
+            rows is not None
+            and self.reduce_op is ReduceOp.SUM
             and value.dtype in COUNTED_DTYPES
-            and stage.accepts(value)
-            and (offset := self._offset(index)) is not None
+            and (offset := entry_offset(self._local.shape, self._at, index)) is not None
+            and rows.add((~offset,), (value, 0.0))  # x * 0: NaN exactly where x is not finite
         ):
-            stage.count_nonfinite(offset, value)
             return
         self.add_at(index, nonfinite_count(value))
-
-    def _offset(self, index: int | tuple[int, ...]) -> int | None:
-        """Entry `index`'s offset in the staged buffer (None for a slice or an index out of range:
-        indexing the state says what is wrong)."""
-        shape, offset, stride = self._local.shape, self._at, 1
-        if type(index) is int and len(shape) == 1:  # an entry of a vector (a signal's per-path state)
-            return offset + index % shape[0] if -shape[0] <= index < shape[0] else None
-        indices = index if isinstance(index, tuple) else (index,)
-        if len(indices) != len(shape):
-            return None
-        for position, size in zip(reversed(indices), reversed(shape), strict=True):
-            if type(position) is not int or not -size <= position < size:
-                return None
-            offset += (position % size) * stride
-            stride *= size
-        return offset
 
     def _writable(self) -> torch.Tensor:
         """The local state to update in place. Under torch.compile, a view of it: AOT autograd
@@ -274,7 +288,7 @@ class MetricAccumulator:
         self._initial = self._initial.to(device)
         self._local = self.local.to(device)
         self._synced = self._synced.to(device)
-        self._stage = None
+        self._rows = None
         if self._binding is not None:
             self._binding.stale = True
         return self
@@ -295,7 +309,8 @@ class MetricAccumulator:
             )
         storage.copy_(self.local)
         self._local = storage
-        self._stage, self._at = staged if staged is not None else (None, 0)
+        self._rows = None if staged is None else staged[0].rows_for(self.reduce_op)
+        self._at = 0 if staged is None else staged[1]
 
     def adopt_synced(self, storage: torch.Tensor) -> None:
         """Keep the synchronized state in `storage` from now on (a view of the same shape and dtype,
@@ -309,7 +324,7 @@ class MetricAccumulator:
         window's reduced state), bound nowhere; this accumulator is left as it is."""
         twin = _StateReading.__new__(_StateReading)
         twin.reduce_op, twin._initial, twin._local, twin._synced = self.reduce_op, self._initial, state, state
-        twin._binding, twin._stage, twin._at, twin._scalar = None, None, 0, state.dim() == 0
+        twin._binding, twin._rows, twin._at, twin._scalar = None, None, 0, state.dim() == 0
         return twin
 
     def state_dict(self) -> dict[str, torch.Tensor]:

@@ -122,8 +122,7 @@ class WeightedMeanMetric(Metric):
             scalars = self._float_state and not (value.dim() or weight.dim())
         if scalars:
             # Two 0-d operands: the product and the weight, in the state dtype (no reduction).
-            weighted_sum.add_product(value, weight)
-            total_weight.update(weight)
+            weighted_sum.add_with_count(value, total_weight, weight, weight)
             return
         weight = weight.expand(value.shape)
         # Both sums before any state changes: either can raise (an integer state overflowing).

@@ -141,7 +141,7 @@ class AccuracyMetric(_LabelledMetric):
 
     def update(self, preds: Any, target: Any) -> None:
         """Count correct predictions; `preds` are logits/probabilities or integer labels."""
-        device = self.device
+        device = self.correct.device
         preds, finite = self._begin_labelled(preds, device)
         target = self._labels(target, device)
         logits = preds.is_floating_point()
@@ -161,11 +161,11 @@ class AccuracyMetric(_LabelledMetric):
         if finite is not None:
             valid = finite if valid is None else valid & finite
         if valid is None:
-            self.correct.update(hit.sum(dtype=self.correct.dtype))
-            self.total.update(hit.numel())
+            self.correct.add_with_count(hit.sum(dtype=self.correct.dtype), self.total, hit.numel())
         else:
-            self.correct.update((hit & valid).sum(dtype=self.correct.dtype))
-            self.total.update(valid.sum(dtype=self.total.dtype))
+            self.correct.add_with_count(
+                (hit & valid).sum(dtype=self.correct.dtype), self.total, valid.sum(dtype=self.total.dtype)
+            )
 
 
 class ConfusionMatrixMetric(_LabelledMetric):

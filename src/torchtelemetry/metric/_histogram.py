@@ -86,7 +86,7 @@ class HistogramMetric(Metric):
 
     def update(self, value: Any) -> None:
         """Add every entry of `value` to its bucket."""
-        value, mask = self._begin_update(value)
+        value, mask = self._begin_update(value, "value", self.count.device)
         if mask is not None:
             value = torch.where(mask, value, 0)
         elif not value.is_floating_point():
@@ -96,9 +96,9 @@ class HistogramMetric(Metric):
         # The sum first: the only update that can fail (a float value into an integer state dtype,
         # an integer state overflowing), and it fails before any state has changed.
         weights = None if mask is None else mask.to(self.counts.dtype)
-        self.sum.update(self._batch_sum(self.sum, value, weights))
+        batch = self._batch_sum(self.sum, value, weights)
+        self.sum.add_with_count(batch, self.count, value.numel() if weights is None else weights.sum())
         self.counts.add_at_flat(buckets, self._one if weights is None else weights)
-        self.count.update(value.numel() if weights is None else weights.sum())
 
     def _bounds_as(self, value: torch.Tensor) -> torch.Tensor:
         """The bounds to compare `value` with, cast once per dtype: in the value's own floating point

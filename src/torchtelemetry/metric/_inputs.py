@@ -164,14 +164,17 @@ class UpdateInputs:
                 "or torn); build the metric on the thread that updates it"
             )
 
-    def _check_into_state(self, tensor: torch.Tensor, dtype: torch.dtype, what: str) -> None:
-        """Raise if floating point `tensor` would be added to a state of integer `dtype` (it cannot
-        hold it)."""
-        if not dtype.is_floating_point and tensor.is_floating_point():
-            raise TypeError(
-                f"{self.display_name()}: {what} has dtype {tensor.dtype}, but the metric's state is "
-                f"{dtype}; pass integers, or build the metric with a floating point dtype="
-            )
+    def _check_into_integer_state(
+        self, dtype: torch.dtype, value: torch.Tensor, weight: torch.Tensor | None
+    ) -> None:
+        """Raise if a floating point `value` (or `weight`) would be added to a state of integer
+        `dtype` (it cannot hold it)."""
+        for what, tensor in (("value", value), ("weight", weight)):
+            if tensor is not None and tensor.is_floating_point():
+                raise TypeError(
+                    f"{self.display_name()}: {what} has dtype {tensor.dtype}, but the metric's state is "
+                    f"{dtype}; pass integers, or build the metric with a floating point dtype="
+                )
 
     def _batch_sum(
         self, state: MetricAccumulator, value: torch.Tensor, weight: torch.Tensor | None = None
@@ -183,15 +186,16 @@ class UpdateInputs:
         where values may be read: on CPU, or under nan_policy="error"); nothing is changed.
         """
         dtype = state.dtype
-        self._check_into_state(value, dtype, "value")
+        integer = not dtype.is_floating_point
+        if integer:
+            self._check_into_integer_state(dtype, value, weight)
         if weight is not None:
-            self._check_into_state(weight, dtype, "weight")
             batch = (value.to(dtype) * weight.to(dtype)).sum()
         elif value.dim() == 0:
             batch = value  # added into the state in its dtype: a 0-d operand takes the state's
         else:
             batch = value.sum(dtype=dtype)
-        if not dtype.is_floating_point and self._inspects_values(value):
+        if integer and self._inspects_values(value):
             self._check_no_wrap(state, value, weight, batch)
         return batch
 

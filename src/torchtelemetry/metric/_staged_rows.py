@@ -1,36 +1,74 @@
-"""`StagedRows`: the staged entries of one buffer, their operands kept in order until a flush
-gathers them into a float64 block on the buffer's device."""
+"""`StagedRows`: the entries staged for one buffer and one way of folding them, checked as they are
+staged (what cannot be staged now is refused whole, and the caller applies it at once), their
+operands kept in order until a flush gathers them into a float64 block on the buffer's device."""
 
 from __future__ import annotations
 
 import array
+import operator
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-__all__ = ["StagedRows"]
+from torchtelemetry.metric._inputs import READY_DTYPES
 
+if TYPE_CHECKING:
+    from torchtelemetry.metric._staging import StagePart
+
+__all__ = ["STAGED_DTYPES", "StagedRows", "entry_offset", "version_of"]
+
+STAGED_DTYPES = READY_DTYPES
+"""Dtypes of the 0-d tensors staged: each converts exactly to float64 (int64 up to 2**53, as a
+float64 state holds it)."""
 CACHED = 64
 """Blocks (one per number of entries) and plans (one per pattern of entries) kept per rows."""
 _STAGED = torch.float64
+_TENSOR = torch.Tensor
+_NUMBERS = frozenset({float, int})
+"""The Python numbers staged as they are (not bool: `type(True)` is bool)."""
+_is_compiling = torch.compiler.is_compiling
+_capturing = torch.cuda.is_current_stream_capturing
+version_of = operator.attrgetter("_version")
+"""A tensor's version counter (bumped by every in-place write), read in C: `map(version_of, tensors)`."""
 
 
 class StagedRows:
     """Entries staged for one buffer: each a mark (an int the caller gives: where it goes) and
-    `count` operands, each a Python number (kept on the host) or a 0-d tensor (copied at the flush:
-    one `_foreach_copy_` per dtype into its float64 slot). The operands of n entries fill an
+    `count` operands, each a Python number (kept on the host) or a 0-d tensor (copied at the flush
+    into its float64 slot: one op per dtype). The operands of n entries fill an
     (n, count) float64 block in the order they came.
 
     A step stages the same entries every time, so what a flush needs beyond the operands (which
     slots each dtype's tensors go to, and what the caller's `prepare` makes of the marks: index
     tensors) is a plan made once per pattern of marks and operand kinds and kept."""
 
-    __slots__ = ("_blocks", "_by_dtype", "_plans", "count", "device", "marks", "slots", "tensors", "versions")
+    __slots__ = (
+        "_blocks",
+        "_cpu",
+        "_cuda",
+        "_plans",
+        "count",
+        "device",
+        "limit",
+        "marks",
+        "open",
+        "part",
+        "slots",
+        "tensors",
+        "versions",
+    )
 
-    def __init__(self, count: int, device: torch.device) -> None:
+    def __init__(self, count: int, device: torch.device, part: StagePart, limit: int) -> None:
         self.count = count
         self.device = device
+        self._cpu = device.type == "cpu"
+        self._cuda = device.type == "cuda"
+        self.part = part
+        """The stage part that applies these rows (flushed past `limit` entries)."""
+        self.limit = limit
+        self.open = True
+        """False once the stage closed: nothing more is staged."""
         self.marks: list[int] = []
         """Each entry's mark."""
         self.slots: list[Any] = []
@@ -38,32 +76,43 @@ class StagedRows:
         self.tensors: list[torch.Tensor] = []
         self.versions: list[int] = []
         """Each staged tensor's version when staged: one changed in place since is caught."""
-        self._by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         self._blocks: dict[int, tuple[torch.Tensor, Any, list[torch.Tensor]]] = {}
         self._plans: dict[tuple[tuple[int, ...], tuple[torch.dtype | None, ...]], tuple[Any, ...]] = {}
 
-    def add(self, mark: int, *operands: Any) -> int:
-        """Stage an entry of `count` operands; returns the entries staged."""
-        marks, slots = self.marks, self.slots
-        marks.append(mark)
+    def add(self, marks: tuple[int, ...], operands: tuple[Any, ...]) -> bool:
+        """Stage the entries `marks`, whose operands are `operands` (`count` each, in order), all or
+        none. False, and nothing staged, when one cannot be staged now: an operand is neither a Python
+        number (not a bool) nor a 0-d tensor of a `STAGED_DTYPES` dtype on the buffer's device outside
+        autograd; or while compiling or capturing a CUDA graph (the update belongs in the graph); or
+        once the stage closed. Past `limit` entries the part is applied at once."""
+        if not self.open or _is_compiling() or (self._cuda and _capturing()):
+            return False
+        slots, tensors, versions = self.slots, self.tensors, self.versions
+        staged_slots, staged_tensors = len(slots), len(tensors)
         for operand in operands:
-            kind = type(operand)
-            if kind is float or kind is int:
-                slots.extend((None, operand))
-                continue
-            dtype = operand.dtype
-            slots.extend((dtype, 0.0))
-            group = self._by_dtype.get(dtype)
-            if group is None:
-                group = self._by_dtype[dtype] = []
-            group.append(operand)
-            self.tensors.append(operand)
-            self.versions.append(operand._version)
-        return len(marks)
+            if type(operand) in _NUMBERS:
+                slots += (None, operand)
+            elif (
+                isinstance(operand, _TENSOR)
+                and (dtype := operand.dtype) in STAGED_DTYPES
+                and not (operand.requires_grad or operand.dim())
+                and (operand.is_cpu if self._cpu else operand.device == self.device)
+            ):
+                slots += (dtype, 0.0)
+                tensors.append(operand)
+                versions.append(operand._version)
+            else:  # refused: this call stages nothing
+                del slots[staged_slots:], tensors[staged_tensors:], versions[staged_tensors:]
+                return False
+        staged = self.marks
+        staged.extend(marks)
+        if len(staged) >= self.limit:
+            self.part.flush()
+        return True
 
     def changed(self) -> list[int]:
         """Marks of the entries whose staged tensor was modified in place since it was staged."""
-        if [tensor._version for tensor in self.tensors] == self.versions:
+        if list(map(version_of, self.tensors)) == self.versions:
             return []
         changed, tensor = [], 0
         for position, kind in enumerate(self.slots[0::2]):
@@ -76,21 +125,24 @@ class StagedRows:
     def gather(self, prepare: Callable[[list[int]], Any]) -> tuple[tuple[torch.Tensor, ...], Any]:
         """The staged operands as float64 columns of n entries on the device (one per operand of an
         entry), and what `prepare(marks)` made of this pattern's marks (kept with its plan)."""
-        slots = self.slots
+        slots, tensors = self.slots, self.tensors
         key = (tuple(self.marks), tuple(slots[0::2]))
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plan(key, prepare)
-        columns, flat, host, views, prepared = plan
-        if 2 * len(self.tensors) != len(slots):  # numbers among them
+        columns, flat, host, copies, prepared = plan
+        if 2 * len(tensors) != len(slots):  # numbers among them
             numbers = array.array("d", slots[1::2])
             if host is not None:  # the CPU: the tensor is this host memory
                 host[:] = numbers
             else:  # one copy, from pinned memory on CUDA (the caching host allocator keeps it until done)
                 staged = torch.frombuffer(numbers, dtype=_STAGED)
-                flat.copy_(staged.pin_memory() if self.device.type == "cuda" else staged, non_blocking=True)
-        for dtype, tensors in self._by_dtype.items():
-            torch._foreach_copy_(views[dtype], tensors)
+                flat.copy_(staged.pin_memory() if self._cuda else staged, non_blocking=True)
+        groups, singles = copies
+        for views, pick in groups:  # the tensors of one dtype, into their slots: one op
+            torch._foreach_copy_(views, pick(tensors))
+        for view, position in singles:  # the one tensor of its dtype
+            view.copy_(tensors[position])
         return columns, prepared
 
     def _plan(
@@ -98,12 +150,22 @@ class StagedRows:
     ) -> tuple[Any, ...]:
         marks, kinds = key
         flat, host, slots = self._block(len(marks))
-        views: dict[torch.dtype, list[torch.Tensor]] = {}
-        for slot, kind in enumerate(kinds):
+        by_dtype: dict[torch.dtype, tuple[list[torch.Tensor], list[int]]] = {}
+        tensor = 0
+        for slot, kind in enumerate(kinds):  # the staged tensors come in the order of their slots
             if kind is not None:
-                views.setdefault(kind, []).append(slots[slot])
+                views, positions = by_dtype.setdefault(kind, ([], []))
+                views.append(slots[slot])
+                positions.append(tensor)
+                tensor += 1
+        groups = [
+            (views, operator.itemgetter(*positions))
+            for views, positions in by_dtype.values()
+            if len(views) > 1
+        ]
+        singles = [(views[0], positions[0]) for views, positions in by_dtype.values() if len(views) == 1]
         columns = tuple(flat.view(len(marks), self.count).unbind(1))
-        plan = (columns, flat, host, views, prepare(list(marks)))
+        plan = (columns, flat, host, (groups, singles), prepare(list(marks)))
         if len(self._plans) >= CACHED:
             del self._plans[next(iter(self._plans))]
         self._plans[key] = plan
@@ -114,7 +176,7 @@ class StagedRows:
         view of every slot; made once per size."""
         found = self._blocks.get(n)
         if found is None:
-            if self.device.type == "cpu":
+            if self._cpu:
                 host: Any = array.array("d", bytes(8 * self.count * n))
                 flat = torch.frombuffer(host, dtype=_STAGED)
             else:
@@ -130,4 +192,20 @@ class StagedRows:
         self.slots.clear()
         self.tensors.clear()
         self.versions.clear()
-        self._by_dtype.clear()
+
+
+def entry_offset(shape: torch.Size, first: int, index: int | tuple[int, ...]) -> int | None:
+    """The offset in a staged buffer of entry `index` of a state of `shape` whose first entry is at
+    `first` (None for a slice or an index out of range: indexing the state says what is wrong)."""
+    offset, stride = first, 1
+    if type(index) is int and len(shape) == 1:  # an entry of a vector (a signal's per-path state)
+        return offset + index % shape[0] if -shape[0] <= index < shape[0] else None
+    indices = index if isinstance(index, tuple) else (index,)
+    if len(indices) != len(shape):
+        return None
+    for position, size in zip(reversed(indices), reversed(shape), strict=True):
+        if type(position) is not int or not -size <= position < size:
+            return None
+        offset += (position % size) * stride
+        stride *= size
+    return offset

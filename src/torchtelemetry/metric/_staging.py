@@ -24,36 +24,39 @@ import bisect
 import math
 import threading
 from collections.abc import Mapping
-from typing import Any
 
 import torch
 
-from torchtelemetry.metric._inputs import READY_DTYPES
-from torchtelemetry.metric._staged_rows import StagedRows
+from torchtelemetry.metric._staged_rows import STAGED_DTYPES, StagedRows, version_of
 from torchtelemetry.sync import BucketKey, ReduceOp
 
 __all__ = ["COUNTED_DTYPES", "STAGED_DTYPES", "StagePart", "UpdateStage"]
 
-STAGED_DTYPES = READY_DTYPES
-"""Dtypes of the 0-d tensors staged: each converts exactly to float64 (int64 up to 2**53, as a
-float64 state holds it)."""
 COUNTED_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 """Dtypes of the 0-d tensors whose non-finite count is staged (the others are counted at once)."""
 MAX_STAGED = 4096
 """Entries staged before a flush runs at once (a loop that never calls `Telemetry.step()`)."""
 _STAGED = torch.float64
-_is_compiling = torch.compiler.is_compiling
 
 
 class StagePart:
-    """What is staged for one float64 bucket buffer of an `UpdateStage`."""
+    """What is staged for one float64 bucket buffer of an `UpdateStage`: its `rows` (a state stages
+    into the rows of its reduce op, `rows_for`), applied to the buffer by `flush`."""
+
+    rows: tuple[StagedRows, ...]
 
     def __init__(self, stage: UpdateStage, buffer: torch.Tensor, names: list[tuple[int, str]]) -> None:
         self.stage = stage
-        self.accepts = stage.accepts
-        """`UpdateStage.accepts` of the stage."""
         self.buffer = buffer
         self._names = sorted(names)
+
+    def _new_rows(self, count: int) -> StagedRows:
+        """New rows of `count` operands an entry, staged into this part."""
+        return StagedRows(count, self.buffer.device, self, MAX_STAGED)
+
+    def rows_for(self, op: ReduceOp) -> StagedRows:
+        """Where a state of reduce op `op` in this bucket stages its entries."""
+        raise NotImplementedError
 
     def constant(self, values: list[int] | list[float], dtype: torch.dtype = torch.int64) -> torch.Tensor:
         """`values` as a tensor on the buffer's device (a non-blocking copy, from pinned memory on
@@ -70,45 +73,40 @@ class StagePart:
 
     def flush(self) -> None:
         """Apply what is staged here (see `UpdateStage.flush`)."""
-        pending = self.pending
-        if not pending:
+        for rows in self.rows:
+            if rows.marks:
+                break
+        else:
             return
-        self.stage.check_thread(pending)
+        stage = self.stage
+        if threading.get_ident() != stage.thread:
+            stage.check_thread(self.pending)
         try:
-            changed = self.changed()
-            if changed:
-                raise RuntimeError(
-                    f"metric states {sorted({self.name(offset) for offset in changed})}: a tensor given to "
-                    "update() was modified in place before the update was applied (at the next "
-                    "Telemetry.step() or read of the state), so the value it had is gone and the updates "
-                    "staged with it are dropped; pass a tensor nothing writes to afterwards (e.g. "
-                    "value.clone(), or the result of an operation)"
-                )
+            for rows in self.rows:
+                if list(map(version_of, rows.tensors)) != rows.versions:
+                    raise RuntimeError(
+                        f"metric states {self._changed()}: a tensor given to update() was modified in place "
+                        "before the update was applied (at the next Telemetry.step() or read of the state), "
+                        "so the value it had is gone and the updates staged with it are dropped; pass a "
+                        "tensor nothing writes to afterwards (e.g. value.clone(), or the result of an "
+                        "operation)"
+                    )
             self.apply()
         finally:
-            self.clear()
+            for rows in self.rows:
+                rows.clear()
 
-    def fold(self, offset: int, value: torch.Tensor | float, op: ReduceOp) -> None:
-        raise NotImplementedError
-
-    def add_product(self, offset: int, value: torch.Tensor | float, weight: torch.Tensor | float) -> None:
-        raise TypeError("add_product needs a SUM state")
-
-    def count_nonfinite(self, offset: int, value: torch.Tensor) -> None:
-        raise TypeError("a non-finite count needs a SUM state")
+    def _changed(self) -> list[str]:
+        """The states whose staged tensor was modified in place since it was staged."""
+        offsets = {mark if mark >= 0 else ~mark for rows in self.rows for mark in rows.changed()}
+        return sorted({self.name(offset) for offset in offsets})
 
     @property
     def pending(self) -> int:
-        raise NotImplementedError
-
-    def changed(self) -> list[int]:
-        """Offsets of the entries whose staged tensor was modified in place since it was staged."""
-        raise NotImplementedError
+        """Entries staged here and not applied yet."""
+        return sum(len(rows.marks) for rows in self.rows)
 
     def apply(self) -> None:
-        raise NotImplementedError
-
-    def clear(self) -> None:
         raise NotImplementedError
 
 
@@ -119,29 +117,14 @@ class _Sums(StagePart):
 
     def __init__(self, stage: UpdateStage, buffer: torch.Tensor, names: list[tuple[int, str]]) -> None:
         super().__init__(stage, buffer, names)
-        self._rows = StagedRows(2, buffer.device)
+        self._sums = self._new_rows(2)
+        self.rows = (self._sums,)
 
-    def fold(self, offset: int, value: torch.Tensor | float, op: ReduceOp) -> None:
-        if self._rows.add(offset, value, 1.0) >= MAX_STAGED:
-            self.flush()
-
-    def add_product(self, offset: int, value: torch.Tensor | float, weight: torch.Tensor | float) -> None:
-        if self._rows.add(offset, value, weight) >= MAX_STAGED:
-            self.flush()
-
-    def count_nonfinite(self, offset: int, value: torch.Tensor) -> None:
-        if self._rows.add(~offset, value, 0.0) >= MAX_STAGED:
-            self.flush()
-
-    @property
-    def pending(self) -> int:
-        return len(self._rows.marks)
-
-    def changed(self) -> list[int]:
-        return [mark if mark >= 0 else ~mark for mark in self._rows.changed()]
+    def rows_for(self, op: ReduceOp) -> StagedRows:
+        return self._sums
 
     def apply(self) -> None:
-        (values, factors), (offsets, counted) = self._rows.gather(self._prepare)
+        (values, factors), (offsets, counted) = self._sums.gather(self._prepare)
         added = values * factors
         if counted is not None:  # a count's 0 or NaN -> 0 or 1; NaN stays NaN elsewhere
             added = torch.where(added.isnan(), counted, added)
@@ -155,9 +138,6 @@ class _Sums(StagePart):
             return offsets, None
         return offsets, self.constant([1.0 if mark < 0 else math.nan for mark in marks], _STAGED)
 
-    def clear(self) -> None:
-        self._rows.clear()
-
 
 class _Extrema(StagePart):
     """Maxima and minima (the MIN states sit, not negated, in the MAX buffer): one row each, folded
@@ -165,29 +145,18 @@ class _Extrema(StagePart):
 
     def __init__(self, stage: UpdateStage, buffer: torch.Tensor, names: list[tuple[int, str]]) -> None:
         super().__init__(stage, buffer, names)
-        self._maxima = StagedRows(1, buffer.device)
-        self._minima = StagedRows(1, buffer.device)
+        self._maxima = self._new_rows(1)
+        self._minima = self._new_rows(1)
+        self.rows = (self._maxima, self._minima)
 
-    def fold(self, offset: int, value: torch.Tensor | float, op: ReduceOp) -> None:
-        if (self._minima if op is ReduceOp.MIN else self._maxima).add(offset, value) >= MAX_STAGED:
-            self.flush()
-
-    @property
-    def pending(self) -> int:
-        return len(self._maxima.marks) + len(self._minima.marks)
-
-    def changed(self) -> list[int]:
-        return self._maxima.changed() + self._minima.changed()
+    def rows_for(self, op: ReduceOp) -> StagedRows:
+        return self._minima if op is ReduceOp.MIN else self._maxima
 
     def apply(self) -> None:
         for reduce, rows in (("amax", self._maxima), ("amin", self._minima)):
             if rows.marks:
                 (values,), offsets = rows.gather(self.constant)
                 self.buffer.scatter_reduce_(0, offsets, values, reduce)
-
-    def clear(self) -> None:
-        self._maxima.clear()
-        self._minima.clear()
 
 
 class UpdateStage:
@@ -197,46 +166,24 @@ class UpdateStage:
 
     def __init__(self, buffers: Mapping[BucketKey, torch.Tensor], names: Mapping[tuple[BucketKey, int], str]):
         self._parts: dict[BucketKey, StagePart] = {}
-        self._open = True
-        self._thread = threading.get_ident()
-        self.device = torch.device("cpu")
+        self.thread = threading.get_ident()
+        """The thread that stages and flushes (the metrics' training thread)."""
         for key, buffer in buffers.items():
             if buffer.dtype != _STAGED:
                 continue
             named = [(offset, name) for (owner, offset), name in names.items() if owner == key]
             part = _Sums if key.reduce_op is ReduceOp.SUM else _Extrema
             self._parts[key] = part(self, buffer, named)
-            self.device = buffer.device
-        self._cpu = self.device.type == "cpu"
-        self._cuda = self.device.type == "cuda"
+        self._in_order = tuple(self._parts.values())
 
     def part(self, key: BucketKey) -> StagePart | None:
         """What stages into bucket `key` (None: its states are updated at once)."""
         return self._parts.get(key)
 
-    def accepts(self, value: Any) -> bool:
-        """Whether `value` can be staged now: a Python number (not a bool), or a 0-d tensor of a
-        `STAGED_DTYPES` dtype on this stage's device outside autograd; never while compiling or
-        capturing a CUDA graph, nor after `close()`."""
-        kind = type(value)
-        if kind is float or kind is int:
-            return self._open and not (
-                _is_compiling() or (self._cuda and torch.cuda.is_current_stream_capturing())
-            )
-        return (
-            isinstance(value, torch.Tensor)
-            and self._open
-            and not _is_compiling()
-            and value.dtype in STAGED_DTYPES
-            and not (value.requires_grad or value.dim())
-            and (value.is_cpu if self._cpu else value.device == self.device)
-            and not (self._cuda and torch.cuda.is_current_stream_capturing())
-        )
-
     @property
     def pending(self) -> int:
         """Entries staged and not applied yet."""
-        return sum(part.pending for part in self._parts.values())
+        return sum(part.pending for part in self._in_order)
 
     def flush(self) -> None:
         """Apply every staged update (a fixed number of tensor ops, no host sync; reading one state
@@ -244,12 +191,12 @@ class UpdateStage:
         stage's (the metrics' training thread) while updates are staged, and one naming the states
         whose staged tensor was modified in place since `update()` (the updates staged with it are
         dropped: the value is gone)."""
-        for part in self._parts.values():
+        for part in self._in_order:
             part.flush()
 
     def check_thread(self, pending: int) -> None:
         """Raise unless on the stage's thread (`pending` updates staged)."""
-        if threading.get_ident() != self._thread:
+        if threading.get_ident() != self.thread:
             raise RuntimeError(
                 f"{pending} metric updates are staged on thread {self._thread_name()}, and their "
                 f"state was read from thread {threading.current_thread().name!r}: read a bound metric's "
@@ -259,10 +206,12 @@ class UpdateStage:
     def close(self) -> None:
         """Flush, then stage nothing more: every later update runs at once (an unbound collector)."""
         self.flush()
-        self._open = False
+        for part in self._in_order:
+            for rows in part.rows:
+                rows.open = False
 
     def _thread_name(self) -> str:
         for thread in threading.enumerate():
-            if thread.ident == self._thread:
+            if thread.ident == self.thread:
                 return repr(thread.name)
-        return str(self._thread)
+        return str(self.thread)

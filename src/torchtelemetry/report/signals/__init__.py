@@ -46,8 +46,8 @@ from torchtelemetry.report.signals._captures import (
     check_capture_reason,
 )
 from torchtelemetry.report.signals._clock import (
-    EventClock,
     HostClock,
+    HostPhaseTimer,
     HostTimer,
     PhaseClock,
     PhaseTimer,
@@ -55,6 +55,7 @@ from torchtelemetry.report.signals._clock import (
     TracedHostTimer,
 )
 from torchtelemetry.report.signals._data_wait import DATA_PHASE, DataWait
+from torchtelemetry.report.signals._event_clock import EventClock
 from torchtelemetry.report.signals._goodput import Goodput, GoodputReading, GoodputSource, goodput_gauges
 from torchtelemetry.report.signals._hang import (
     BETWEEN_PHASES,
@@ -210,6 +211,7 @@ __all__ = [
     "GoodputReading",
     "GoodputSource",
     "HostClock",
+    "HostPhaseTimer",
     "HostTimer",
     "MemoryHealth",
     "NonFiniteSentinel",

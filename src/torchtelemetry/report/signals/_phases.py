@@ -37,14 +37,9 @@ from torchtelemetry.report.signals._base import (
     median,
     median_rank,
 )
-from torchtelemetry.report.signals._clock import (
-    EventClock,
-    HostClock,
-    PhaseClock,
-    PhaseTimer,
-    TracedHostClock,
-)
+from torchtelemetry.report.signals._clock import HostClock, PhaseClock, PhaseTimer, TracedHostClock
 from torchtelemetry.report.signals._data_wait import DATA_PHASE, DATA_WAIT
+from torchtelemetry.report.signals._event_clock import EventClock
 from torchtelemetry.report.signals._hang import HEARTBEAT_LABELS
 from torchtelemetry.report.signals._stragglers import TOP_RANK, TOP_SCORE, StragglerScores
 from torchtelemetry.report.signals._sync_wait import SYNC_WAIT
@@ -128,7 +123,10 @@ class Phases(Signal):
                 else HostClock(len(self.phases))
             )
         self._clock = clock
-        self._timers = {name: PhaseTimer(clock, index, name) for index, name in enumerate(self.phases)}
+        self._timers = {
+            name: clock.timer(index, name) if isinstance(clock, HostClock) else PhaseTimer(clock, index, name)
+            for index, name in enumerate(self.phases)
+        }
         self._steps = 0
         self.stragglers = StragglerScores(top_k, warn=context.rank == 0)
         self._paths = tuple((name, f"{PHASE}/{name}") for name in self.phases)

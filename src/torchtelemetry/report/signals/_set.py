@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import types
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -47,6 +48,8 @@ class SignalSet:
             if isinstance(signal, DataWait | Phases)  # the data wait's phase is refused as a phase name
             for name, timer in signal.timers().items()
         }
+        self.timers: Mapping[str, PhaseTimer | HostTimer] = types.MappingProxyType(self._timers)
+        """The timer of every declared phase and of the data wait ("data"), by name (read-only)."""
         self._flush_order = sorted(self.signals, key=lambda signal: signal.flush_reads_state)
         self._on_step = [
             signal.on_step for signal in self.signals if type(signal).on_step is not Signal.on_step
@@ -80,21 +83,22 @@ class SignalSet:
         """One step ended with `inputs` (keyword -> value, None for not given): every value is
         checked before any is recorded, so a bad one leaves the step unrecorded."""
         by_keyword = self._by_keyword
-        routed = [
-            (keyword, value, by_keyword.get(keyword))
-            for keyword, value in inputs.items()
-            if value is not None
-        ]
-        for _, _, signal in routed:
-            if signal is None:
-                unknown = sorted(keyword for keyword, _, signal in routed if signal is None)
-                raise TypeError(
-                    f"Telemetry.step: no signal takes {unknown} (signals take {sorted(by_keyword)})"
-                )
+        routed: list[tuple[str, Any, Signal]] = []  # a loop: a comprehension is a function call (3.11)
+        for keyword, value in inputs.items():
+            if value is not None:
+                signal = by_keyword.get(keyword)
+                if signal is None:
+                    unknown = sorted(
+                        key for key, given in inputs.items() if given is not None and key not in by_keyword
+                    )
+                    raise TypeError(
+                        f"Telemetry.step: no signal takes {unknown} (signals take {sorted(by_keyword)})"
+                    )
+                routed.append((keyword, value, signal))
         for keyword, value, signal in routed:
-            signal.check(keyword, value)  # type: ignore[union-attr]
+            signal.check(keyword, value)
         for keyword, value, signal in routed:
-            signal.record(keyword, value)  # type: ignore[union-attr]
+            signal.record(keyword, value)
         for on_step in self._on_step:
             on_step(step, step_time)
 
