@@ -84,6 +84,7 @@ def _health_word(values: ReportValues, window: ReportValues) -> str:
     return ", ".join(found) or "ok"
 
 
+# Process-global: a pure function's bounded cache (a report's names -> the losses among them), no run's state.
 @functools.lru_cache(maxsize=8)
 def _losses(names: tuple[str, ...]) -> tuple[str, ...]:
     """The names of `names` that are losses (the last segment ends in `loss`): a run's reports carry
