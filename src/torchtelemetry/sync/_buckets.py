@@ -204,10 +204,9 @@ class BucketLayout:
         Entries are views of `buffers` except MIN entries, which are new tensors;
         `buffers` are left unchanged.
         """
-        restored = {
-            key: buffers[key].clone() if bucket.negate_from < buffers[key].numel() else buffers[key]
-            for key, bucket in self._buckets.items()
-        }
+        restored = {key: buffers[key] for key in self._buckets}
+        for key, _ in self._negated:
+            restored[key] = restored[key].clone()
         return self.views(self.negate_min_(restored))
 
     def __len__(self) -> int:
