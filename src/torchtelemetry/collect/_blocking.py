@@ -55,7 +55,7 @@ def sync_and_compute(metrics: Any, group: GroupLike = None) -> Any:
     _PREPARED.move_to_end(key)
     plan, exchange, slot = prepared.plan, prepared.exchange, prepared.slot
     torch._foreach_copy_(prepared.targets, plan.local_tensors())
-    plan.layout.negate_min_(slot.buffers)
+    exchange.negate_min_(slot)
     exchange.reduce(slot)
     flat, placement = plan.compute(exchange.reduced(slot))
     return pytree.tree_unflatten(plan.results(flat.cpu(), placement), spec)

@@ -93,7 +93,7 @@ class DeviceTransport(Transport):
         plan, exchange = self.plan, self.exchange
         slot = self._snapshot(window, reset)
         plan.write_step(slot.buffers, exchange.rank, step)
-        plan.layout.negate_min_(slot.buffers)
+        exchange.negate_min_(slot)
         try:
             if self._stream is None:  # metrics on the CPU: the worker waits for the Work, then computes
                 return functools.partial(self._finish_on_host, slot, exchange.reduce(slot, async_op=True))

@@ -322,7 +322,7 @@ class HostTransport(Transport):
             copied.synchronize()
         plan, exchange = self.plan, self.exchange
         plan.write_step(slot.buffers, exchange.rank, step)
-        plan.layout.negate_min_(slot.buffers)
+        exchange.negate_min_(slot)
         try:
             exchange.reduce(slot)
         except LayoutMismatchError:

@@ -35,6 +35,9 @@ __all__ = ["STEPS_ENTRY", "WindowMismatchError", "WindowPlan"]
 
 STEPS_ENTRY = "<window>.steps"
 """The layout entry in which each rank writes its step (its own slot of a world-sized vector)."""
+VIEWS_KEPT = 8
+"""Sets of buffers whose views a plan keeps (a window's buffers are those of a ring slot, the same
+each time the slot comes round: a few sets)."""
 
 
 class WindowMismatchError(RuntimeError):
@@ -52,6 +55,20 @@ class _Block:
     end: int
     shape: tuple[int, ...]
     """`(K, *state shape)`."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Views:
+    """What a window computes from, as views of one set of buffers: each group's states by
+    attribute, each custom metric's states, the ranks' steps (a row of one)."""
+
+    buffers: tuple[torch.Tensor, ...]
+    """The buffers, held so that their ids, the cache's key, stay theirs."""
+    groups: list[dict[str, torch.Tensor]]
+    custom: list[torch.Tensor]
+    steps: torch.Tensor
+    step_of: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Each rank's slot of `steps` that was written, by rank (0-d views)."""
 
 
 @dataclass(slots=True)
@@ -165,6 +182,8 @@ class WindowPlan:
         self._custom_on: dict[torch.device, list[tuple[int, Metric]]] = {}
         self._custom_entries = [self._place_of(index) for index in range(self._custom_from, len(entries))]
         """Where each custom metric's state lies in a window's buffers."""
+        self._views: dict[tuple[int, ...], _Views] = {}
+        """The views of each set of buffers computed from (by the buffers' ids), made once."""
         self._placements: dict[str, ResultPlacement] = {}
         """The last placement of each kind of result (`compute`'s with and without the custom
         metrics, `compute_custom`'s), reused while the results look alike."""
@@ -179,10 +198,32 @@ class WindowPlan:
             return self._bucket_keys.index(key), start, start + math.prod(shape), shape
         return self._bucket_keys.index(key), start, start + count * math.prod(shape), (count, *shape)
 
-    def _in_order(self, buffers: dict[BucketKey, torch.Tensor]) -> list[torch.Tensor]:
-        """`buffers` in `_bucket_keys` order: a window looks each bucket up once (a key's hash is a
-        Python call)."""
-        return [buffers[key] for key in self._bucket_keys]
+    def _views_of(self, buffers: dict[BucketKey, torch.Tensor]) -> _Views:
+        """The views a window of `buffers` computes from, made the first time these buffers come (a
+        view is an op, and a window's buffers are a ring slot's: the same every time it comes round)."""
+        tensors = tuple(buffers[key] for key in self._bucket_keys)  # each key's hash is a Python call
+        found = self._views.get(key := tuple(map(id, tensors)))
+        if found is None:
+            steps_key, steps_start = self._steps_at
+            found = _Views(
+                tensors,
+                [
+                    {
+                        block.attr: tensors[block.bucket][block.start : block.end].view(block.shape)
+                        for block in group.blocks
+                    }
+                    for group in self._groups
+                ],
+                [
+                    tensors[bucket][start:end].view(shape)
+                    for bucket, start, end, shape in self._custom_entries
+                ],
+                buffers[steps_key][steps_start : steps_start + self.world_size].unsqueeze(0),
+            )
+            if len(self._views) >= VIEWS_KEPT:
+                del self._views[next(iter(self._views))]
+            self._views[key] = found
+        return found
 
     def _registered(self) -> list[MetricAccumulator]:
         return [acc for _, metric in self.named for acc in metric.accumulators.values()]
@@ -217,8 +258,10 @@ class WindowPlan:
 
     def write_step(self, buffers: dict[BucketKey, torch.Tensor], rank: int, step: int) -> None:
         """Put this rank's `step` in its slot of the packed steps vector."""
-        key, start = self._steps_at
-        buffers[key][start + rank].fill_(step)
+        views = self._views_of(buffers)
+        if rank not in views.step_of:
+            views.step_of[rank] = views.steps[0, rank]
+        views.step_of[rank].fill_(step)
 
     def compute(
         self, buffers: dict[BucketKey, torch.Tensor], *, custom: bool = True
@@ -228,29 +271,20 @@ class WindowPlan:
         With `custom=False` the custom metrics are left out (see `custom_states`): what is computed
         then has the same ops and result shapes every window, and reads no value on the host."""
         results = Results()
-        device = next(iter(buffers.values())).device
-        tensors = self._in_order(buffers)
-        for group in self._groups:
-            states = {
-                block.attr: tensors[block.bucket][block.start : block.end].view(block.shape)
-                for block in group.blocks
-            }
+        views = self._views_of(buffers)
+        device = views.steps.device
+        for group, states in zip(self._groups, views.groups, strict=True):
             constants = group.constants[device] if device in group.constants else group.constants_on(device)
             results.add(group.positions, group.rule.compute(states, constants), len(group.metrics))
         if custom and self._custom:
-            self._compute_custom(results, self._custom_views(tensors), device)
-        key, start = self._steps_at
-        results.add([STEPS_POSITION], buffers[key][start : start + self.world_size].unsqueeze(0), 1)
+            self._compute_custom(results, views.custom, device)
+        results.add([STEPS_POSITION], views.steps, 1)
         return self._packed(results, "all" if custom else "built-in")
 
     def _packed(self, results: Results, kind: str) -> tuple[torch.Tensor, ResultPlacement]:
         flat, placement = results.packed(self._placements.get(kind))
         self._placements[kind] = placement
         return flat, placement
-
-    def _custom_views(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Each custom metric's state in a window's buffers (`_in_order`), as `layout.views` gives it."""
-        return [tensors[bucket][start:end].view(shape) for bucket, start, end, shape in self._custom_entries]
 
     def custom_states(self, buffers: dict[BucketKey, torch.Tensor]) -> dict[BucketKey, torch.Tensor]:
         """The custom metrics' states in the reduced `buffers`, packed into one new buffer per
@@ -260,7 +294,7 @@ class WindowPlan:
         metrics."""
         if self._custom_layout is None:
             return {}
-        return self._custom_layout.storage(self._custom_views(self._in_order(buffers)))
+        return self._custom_layout.storage(self._views_of(buffers).custom)
 
     def custom_states_like(self, *, pin_memory: bool) -> dict[BucketKey, torch.Tensor]:
         """Host buffers shaped as `custom_states` returns them (allocated once, at bind)."""

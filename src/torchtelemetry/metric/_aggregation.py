@@ -235,9 +235,7 @@ class PerRankMetric(Metric):
 
     label_name = "rank"
     batched = BatchedRule(
-        lambda states, counter: torch.where(
-            counter.unsqueeze(-1), states["sums"], states["sums"] / states["counts"]
-        ),
+        lambda states, counter: torch.where(counter, states["sums"], states["sums"] / states["counts"]),
         constant=lambda metric: metric._counter,
     )
 
@@ -280,7 +278,8 @@ class PerRankMetric(Metric):
             )
         self.world_size = world_size
         self.rank = rank
-        self._counter = torch.tensor(self.kind is MetricKind.COUNTER)
+        self._counter = torch.tensor([self.kind is MetricKind.COUNTER])
+        """Whether the slots are sums (else means), shaped to broadcast against them."""
         self.sums = MetricAccumulator(torch.zeros(world_size), ReduceOp.SUM, dtype=dtype)
         self.counts = MetricAccumulator(torch.zeros(world_size), ReduceOp.SUM, dtype=dtype)
 

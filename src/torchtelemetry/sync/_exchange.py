@@ -117,6 +117,10 @@ class WindowExchange:
             [nbytes for _, nbytes, _ in self._regions.values()], self.slot_bytes, self.world_size
         )
         self._shared_rows: dict[torch.device, torch.Tensor] = {}
+        self._reductions: dict[
+            int, tuple[torch.Tensor, dict[BucketKey, tuple[torch.Tensor, torch.Tensor]]]
+        ] = {}
+        """By the id of a gather's rows (held): each bucket's per-rank view and its reduced buffer."""
 
     def new_slot(self, device: torch.device, *, pin_memory: bool = False, private_rows: bool = False) -> Slot:
         """A zeroed slot on `device` (pinned host memory with `pin_memory`). Slots reduced
@@ -146,8 +150,14 @@ class WindowExchange:
         if self.group is not None:
             verify_layout(self.layout, self.group, device)
 
+    def negate_min_(self, slot: Slot) -> None:
+        """Negate the MIN parts of `slot` for `reduce` (which takes their maximum); without a group
+        there is no reduce, and `reduced` does not negate them back."""
+        if self.group is not None:
+            self.layout.negate_min_(slot.buffers)
+
     def reduce(self, slot: Slot, *, async_op: bool = False) -> list[Any]:
-        """Issue the window's collective(s) on `slot` (MIN parts already negated); the Work handles
+        """Issue the window's collective(s) on `slot` (`negate_min_` already called); the Work handles
         if `async_op`. The first time a layout is seen on the group, all ranks check that they
         agree on it first (one small blocking collective)."""
         if self.group is None:
@@ -162,14 +172,28 @@ class WindowExchange:
         return [] if work is None else [work]
 
     def reduced(self, slot: Slot) -> dict[BucketKey, torch.Tensor]:
-        """The reduced buckets once `reduce`'s work is complete, MIN parts negated back."""
+        """The reduced buckets once `reduce`'s work is complete, MIN parts negated back (`negate_min_`
+        negated them): the slot's own buffers, or (gathered) buffers that belong to its rows, the same
+        every window."""
         buffers = slot.buffers
         if self.gathered:
-            rows = self._rows(slot).view(torch.uint8)
             buffers = {}
+            for key, (per_rank, out) in self._sums(self._rows(slot)).items():
+                if key.reduce_op is ReduceOp.SUM:
+                    torch.sum(per_rank, 0, dtype=out.dtype, out=out)
+                else:
+                    torch.amax(per_rank, 0, out=out)
+                buffers[key] = out
+        return buffers if self.group is None else self.layout.negate_min_(buffers)
+
+    def _sums(self, rows: torch.Tensor) -> dict[BucketKey, tuple[torch.Tensor, torch.Tensor]]:
+        """Each bucket's per-rank view of `rows` and the buffer it is reduced into, made once per rows."""
+        found = self._reductions.get(id(rows))
+        if found is None or found[0] is not rows:
+            per_rank = rows.view(torch.uint8)
+            reductions = {}
             for key, (start, nbytes, dtype) in self._regions.items():
-                per_rank = rows[:, start : start + nbytes].view(dtype)
-                buffers[key] = (
-                    per_rank.sum(0, dtype=dtype) if key.reduce_op is ReduceOp.SUM else per_rank.amax(0)
-                )
-        return self.layout.negate_min_(buffers)
+                view = per_rank[:, start : start + nbytes].view(dtype)
+                reductions[key] = (view, torch.empty(view.shape[1:], dtype=dtype, device=view.device))
+            found = self._reductions[id(rows)] = (rows, reductions)
+        return found[1]

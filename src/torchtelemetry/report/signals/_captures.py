@@ -238,7 +238,8 @@ class CaptureSlots(Metric):
                 self.slots.add_at(index, float(value))
 
     def compute(self) -> dict[str, torch.Tensor]:
-        return {"slots": self.slots.value.clone()}
+        """The state itself, no copy: a window reads it into its report at once."""
+        return {"slots": self.slots.value}
 
     @classmethod
     def read(cls, slots: Mapping[str, float]) -> CaptureWindow:

@@ -74,11 +74,12 @@ class LayerState(Metric):
         return {**super().configuration(), "layers": list(self.layers)}
 
     def compute(self) -> dict[str, torch.Tensor]:
+        """Views of the state, no copy: a window reads them into its report at once."""
         first = self.first.value
         return {
-            "grad_sumsq": self.grad_sumsq.value.clone(),
-            "param_sumsq": self.param_sumsq.value.clone(),
-            **{f"first_{name}": first[:, index].clone() for index, name in enumerate(PASSES)},
+            "grad_sumsq": self.grad_sumsq.value,
+            "param_sumsq": self.param_sumsq.value,
+            **{f"first_{name}": first[:, index] for index, name in enumerate(PASSES)},
         }
 
 
