@@ -12,13 +12,14 @@ that reduce different windows raise instead of mixing them.
 
 from __future__ import annotations
 
-import copy
 import math
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from torchtelemetry.collect._custom import reading_twin, twin_on
 from torchtelemetry.collect._results import STEPS_POSITION, ResultPlacement, Results, place
 from torchtelemetry.metric import (
     BatchedRule,
@@ -83,36 +84,6 @@ class _Group:
         if device not in self.constants:
             self.constants[device] = self.rule.constants(self.metrics, device)
         return self.constants[device]
-
-
-def _with_tensors_on(metric: Metric, device: torch.device) -> Metric:
-    """`metric`, or a shallow copy whose tensor attributes (those `Metric.to()` moves) are copied to
-    `device`: a custom `compute()` on another device than the metric's reads these copies. The copy
-    shares the metric's accumulators, so it reads the window's state through `value`."""
-    moved = {
-        attr: value.to(device)
-        for attr, value in vars(metric).items()
-        if isinstance(value, torch.Tensor) and value.device != device
-    }
-    if not moved:
-        return metric
-    twin = copy.copy(metric)
-    for attr, value in moved.items():
-        object.__setattr__(twin, attr, value)
-    return twin
-
-
-def _reading(metric: Metric, state: dict[int, torch.Tensor]) -> Metric:
-    """A twin of `metric` whose accumulators read the window's `state` (by the id of each of
-    `metric`'s accumulators): its `compute()` gives the window's results, and the metric itself,
-    which the training thread goes on updating, is not touched."""
-    twin = object.__new__(type(metric))
-    twin.__dict__.update(metric.__dict__)
-    twin.__dict__.pop("_binding", None)
-    accumulators = {attr: acc.reading(state[id(acc)]) for attr, acc in metric._accumulators.items()}
-    twin.__dict__.update(accumulators)
-    twin.__dict__["_accumulators"] = accumulators
-    return twin
 
 
 class WindowPlan:
@@ -184,6 +155,7 @@ class WindowPlan:
         """Where each custom metric's state lies in a window's buffers."""
         self._views: dict[tuple[int, ...], _Views] = {}
         """The views of each set of buffers computed from (by the buffers' ids), made once."""
+        self._views_lock = threading.Lock()
         self._placements: dict[str, ResultPlacement] = {}
         """The last placement of each kind of result (`compute`'s with and without the custom
         metrics, `compute_custom`'s), reused while the results look alike."""
@@ -204,26 +176,29 @@ class WindowPlan:
         tensors = tuple(buffers[key] for key in self._bucket_keys)  # each key's hash is a Python call
         found = self._views.get(key := tuple(map(id, tensors)))
         if found is None:
-            steps_key, steps_start = self._steps_at
-            found = _Views(
-                tensors,
-                [
-                    {
-                        block.attr: tensors[block.bucket][block.start : block.end].view(block.shape)
-                        for block in group.blocks
-                    }
-                    for group in self._groups
-                ],
-                [
-                    tensors[bucket][start:end].view(shape)
-                    for bucket, start, end, shape in self._custom_entries
-                ],
-                buffers[steps_key][steps_start : steps_start + self.world_size].unsqueeze(0),
-            )
-            if len(self._views) >= VIEWS_KEPT:
-                del self._views[next(iter(self._views))]
-            self._views[key] = found
+            with self._views_lock:  # the device transport's two threads may both come here first
+                found = self._views.get(key) or self._new_views(key, tensors)
         return found
+
+    def _new_views(self, key: tuple[int, ...], tensors: tuple[torch.Tensor, ...]) -> _Views:
+        steps = self._bucket_keys.index(self._steps_at[0])
+        start = self._steps_at[1]
+        made = _Views(
+            tensors,
+            [
+                {
+                    block.attr: tensors[block.bucket][block.start : block.end].view(block.shape)
+                    for block in group.blocks
+                }
+                for group in self._groups
+            ],
+            [tensors[bucket][begin:end].view(shape) for bucket, begin, end, shape in self._custom_entries],
+            tensors[steps][start : start + self.world_size].unsqueeze(0),
+        )
+        if len(self._views) >= VIEWS_KEPT:
+            del self._views[next(iter(self._views))]
+        self._views[key] = made
+        return made
 
     def _registered(self) -> list[MetricAccumulator]:
         return [acc for _, metric in self.named for acc in metric.accumulators.values()]
@@ -240,7 +215,7 @@ class WindowPlan:
         prepared = []
         for position, metric in self._custom:
             try:
-                prepared.append((position, _with_tensors_on(metric, device)))
+                prepared.append((position, twin_on(metric, device)))
             except RuntimeError as error:
                 raise RuntimeError(
                     f"{self.named[position][0]}: {type(metric).__name__}'s tensor attributes cannot be "
@@ -322,7 +297,7 @@ class WindowPlan:
         }
         for position, metric in self._custom_on[device]:
             try:
-                computed = _reading(metric, state).compute()
+                computed = reading_twin(metric, state).compute()
             except RuntimeError as error:
                 raise RuntimeError(
                     f"{self.named[position][0]}: {type(metric).__name__}.compute() failed on the window's "
