@@ -81,6 +81,27 @@ class RangeMetric(tt.Metric):
         }
 
 
+@pytest.mark.parametrize("transport", ["host", "device"])
+def test_a_custom_metric_replacing_its_accumulator_in_flight_loses_neither_window(transport: str) -> None:
+    """The window in flight computes from the state it snapshotted, through the accumulators it was
+    laid out with; the next window lays the new one out. (Before: the worker looked the metric's new
+    accumulator up in the window's state and failed the collection with a KeyError.)"""
+    metric = RangeMetric()
+    with AsyncMetricCollector({"range": metric}, transport=transport) as collector:  # type: ignore[arg-type]
+        metric.update(torch.tensor([1.0, 4.5]))
+        worker = collector._executor
+        assert worker is not None
+        held = threading.Event()
+        worker.submit(held.wait, 60)  # the window below waits for it on the worker
+        collector.schedule_collection()
+        metric.high = tt.MetricAccumulator(-math.inf, "max", dtype=torch.float64)
+        held.set()
+        assert_same(collector.collect_results(), {"range": {"range": 3.5, "version": 2, "seen": True}})
+        metric.update(torch.tensor([2.0, 3.0]))
+        collector.schedule_collection()
+        assert_same(collector.collect_results(), {"range": {"range": 1.0, "version": 2, "seen": True}})
+
+
 class DoubledSum(tt.SumMetric):
     """A subclass of a built-in that overrides compute(): its own compute() must be used."""
 

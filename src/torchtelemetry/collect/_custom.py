@@ -7,7 +7,7 @@ import copy
 
 import torch
 
-from torchtelemetry.metric import Metric
+from torchtelemetry.metric import Metric, MetricAccumulator
 
 __all__ = ["reading_twin", "twin_on"]
 
@@ -29,14 +29,13 @@ def twin_on(metric: Metric, device: torch.device) -> Metric:
     return twin
 
 
-def reading_twin(metric: Metric, state: dict[int, torch.Tensor]) -> Metric:
-    """A twin of `metric` whose accumulators read the window's `state` (by the id of each of
-    `metric`'s accumulators): its `compute()` gives the window's results, and the metric itself,
-    which the training thread goes on updating, is not touched."""
+def reading_twin(metric: Metric, accumulators: dict[str, MetricAccumulator]) -> Metric:
+    """A twin of `metric` whose accumulators are `accumulators` (by attribute: readers of a window's
+    state): its `compute()` gives the window's results, and the metric itself, which the training
+    thread goes on updating, is not touched."""
     twin = object.__new__(type(metric))
     twin.__dict__.update(metric.__dict__)
     twin.__dict__.pop("_binding", None)
-    accumulators = {attr: acc.reading(state[id(acc)]) for attr, acc in metric._accumulators.items()}
     twin.__dict__.update(accumulators)
     twin.__dict__["_accumulators"] = accumulators
     return twin

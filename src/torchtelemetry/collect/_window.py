@@ -124,8 +124,11 @@ class WindowPlan:
                 )
         self._custom_from = len(entries)
         """The first layout entry of a custom metric (theirs come last, before the steps)."""
-        for position, metric in self._custom:
-            entries.extend((f"{named[position][0]}.{a}", acc) for a, acc in metric.accumulators.items())
+        self._custom_states = [tuple(metric.accumulators.items()) for _, metric in self._custom]
+        """Each custom metric's accumulators by attribute, as laid out: what its twin reads a window
+        through, even if the metric holds other accumulators by the time the window computes."""
+        for (position, _), states in zip(self._custom, self._custom_states, strict=True):
+            entries.extend((f"{named[position][0]}.{attr}", acc) for attr, acc in states)
         self._custom_layout = (
             BucketLayout([(name, acc.local, acc.reduce_op) for name, acc in entries[self._custom_from :]])
             if self._custom
@@ -292,12 +295,12 @@ class WindowPlan:
     def _compute_custom(self, results: Results, views: list[torch.Tensor], device: torch.device) -> None:
         if device not in self._custom_on:
             self.prepare(device)
-        state = {
-            id(acc): view for acc, view in zip(self.accumulators[self._custom_from :], views, strict=True)
-        }
-        for position, metric in self._custom_on[device]:
+        read = iter(views)
+        for (position, metric), states in zip(self._custom_on[device], self._custom_states, strict=True):
             try:
-                computed = reading_twin(metric, state).compute()
+                computed = reading_twin(
+                    metric, {attr: acc.reading(next(read)) for attr, acc in states}
+                ).compute()
             except RuntimeError as error:
                 raise RuntimeError(
                     f"{self.named[position][0]}: {type(metric).__name__}.compute() failed on the window's "
