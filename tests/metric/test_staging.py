@@ -5,9 +5,11 @@ staged runs at once. Counted and compared, never timed (bench/bench_launches.py 
 from __future__ import annotations
 
 import copy
+import math
 import pickle
 import statistics
 import threading
+from typing import Any
 
 import pytest
 import torch
@@ -281,3 +283,34 @@ def test_an_update_of_a_bound_metric_checks_for_compilation_once() -> None:
         sys.setprofile(None)
     assert len(calls) == 1 and _pending(metric) == 4
     assert metric.compute().item() == 2.5
+
+
+def _sentinel_step_ops(nonfinite: list[str] | None, losses: list[float]) -> tuple[list[int], Any]:
+    """ATen ops of each step that ends no window (two weighted-mean losses fed `losses` in turn, the
+    sentinel watching `nonfinite`: None for its default, every loss), and the window's counts."""
+    metrics = {"a/loss": tt.WeightedMeanMetric(), "b/loss": tt.WeightedMeanMetric()}
+    telemetry = tt.Telemetry(metrics, every=len(losses), nonfinite=nonfinite)
+    plain = []
+    try:
+        for step, loss in enumerate(losses):
+            with OpCounter() as counter:
+                metrics["a/loss"].update(torch.tensor(loss), 512)
+                metrics["b/loss"].update(torch.tensor(1.0, dtype=torch.bfloat16), 512)
+                telemetry.step(step)
+            if step < len(losses) - 1:
+                plain.append(sum(counter.ops.values()))
+        telemetry.flush()
+        return plain, telemetry.latest.get("train/nonfinite/count")
+    finally:
+        telemetry.close()
+
+
+def test_on_the_cpu_a_staged_non_finite_count_is_read_in_host_memory_and_adds_no_op() -> None:
+    """The sentinel counts NaN and +-Inf exactly (1 each, 0 for a finite value of any staged dtype);
+    on the CPU a count's staged value is read where it lies, in host memory, so a step with the
+    sentinel on issues the ops of one without it (no `isnan` / `where` over the staged rows)."""
+    losses = [1.0, math.nan, math.inf, -math.inf, 2.0, 3.0]
+    counted, counts = _sentinel_step_ops(None, losses)
+    uncounted, _ = _sentinel_step_ops([], losses)
+    assert counts == {"a/loss": 3.0, "b/loss": 0.0}
+    assert counted == uncounted, (counted, uncounted)

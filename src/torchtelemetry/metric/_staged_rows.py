@@ -122,9 +122,11 @@ class StagedRows:
                 tensor += 1
         return changed
 
-    def gather(self, prepare: Callable[[list[int]], Any]) -> tuple[tuple[torch.Tensor, ...], Any]:
+    def gather(self, prepare: Callable[[list[int]], Any]) -> tuple[tuple[torch.Tensor, ...], Any, Any]:
         """The staged operands as float64 columns of n entries on the device (one per operand of an
-        entry), and what `prepare(marks)` made of this pattern's marks (kept with its plan)."""
+        entry), what `prepare(marks)` made of this pattern's marks (kept with its plan), and on the
+        CPU the host array the columns are views of (entry i's operands from `i * count`; None on a
+        device)."""
         slots, tensors = self.slots, self.tensors
         key = (tuple(self.marks), tuple(slots[0::2]))
         plan = self._plans.get(key)
@@ -143,7 +145,7 @@ class StagedRows:
             torch._foreach_copy_(views, pick(tensors))
         for view, position in singles:  # the one tensor of its dtype
             view.copy_(tensors[position])
-        return columns, prepared
+        return columns, prepared, host
 
     def _plan(
         self, key: tuple[tuple[int, ...], tuple[torch.dtype | None, ...]], prepare: Callable[[list[int]], Any]

@@ -7,7 +7,8 @@ state launches nothing: the metric checks it as always, and the accumulator stag
 metrics were updated: the staged tensors are copied into float64 rows (one `_foreach_copy_` per
 dtype), the Python numbers come as one host row (written in place on the CPU, one copy to a device),
 the two rows of the sums are multiplied (value x weight; x 1 for a plain add, x 0 for a non-finite
-count, whose NaN marks the count), and one `index_add_` adds them into the SUM buffer;
+count, whose NaN marks the count: on the CPU the count is read in host memory instead, no op), and
+one `index_add_` adds them into the SUM buffer;
 `scatter_reduce_` folds the maxima and minima into the MAX buffer. Float64 arithmetic in the order
 the updates came, so the states are the ones the updates would have made one by one.
 
@@ -24,6 +25,7 @@ import bisect
 import math
 import threading
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -113,7 +115,8 @@ class StagePart:
 class _Sums(StagePart):
     """Sums: rows (value, factor) added as value x factor at their offsets by one `index_add_`.
     A non-finite count stages its value with factor 0 (x * 0 is NaN exactly when x is not finite),
-    marked by its offset's complement (`~offset`, negative)."""
+    marked by its offset's complement (`~offset`, negative); on the CPU the staged values are host
+    memory, and a count's row becomes (1 or 0, 1) there, read in place (no op)."""
 
     def __init__(self, stage: UpdateStage, buffer: torch.Tensor, names: list[tuple[int, str]]) -> None:
         super().__init__(stage, buffer, names)
@@ -124,16 +127,23 @@ class _Sums(StagePart):
         return self._sums
 
     def apply(self) -> None:
-        (values, factors), (offsets, counted) = self._sums.gather(self._prepare)
+        (values, factors), (offsets, counted), host = self._sums.gather(self._prepare)
+        if host is not None:  # the CPU: each count's row, (x, 0) -> (1 or 0, 1), in host memory
+            for slot in counted:
+                host[slot], host[slot + 1] = 0.0 if math.isfinite(host[slot]) else 1.0, 1.0
+            counted = None
         added = values * factors
         if counted is not None:  # a count's 0 or NaN -> 0 or 1; NaN stays NaN elsewhere
             added = torch.where(added.isnan(), counted, added)
         self.buffer.index_add_(0, offsets, added)
 
-    def _prepare(self, marks: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The offsets of a pattern of entries, and (None: no non-finite count among them) what a
-        NaN product becomes in each: 1 in a count, NaN elsewhere."""
+    def _prepare(self, marks: list[int]) -> tuple[torch.Tensor, Any]:
+        """The offsets of a pattern of entries, and where its non-finite counts are: on the CPU the
+        host slot of each count's value; on a device (None: no count) what a NaN product becomes in
+        each entry: 1 in a count, NaN elsewhere."""
         offsets = self.constant([mark if mark >= 0 else ~mark for mark in marks])
+        if self.buffer.device.type == "cpu":
+            return offsets, [2 * entry for entry, mark in enumerate(marks) if mark < 0]
         if all(mark >= 0 for mark in marks):
             return offsets, None
         return offsets, self.constant([1.0 if mark < 0 else math.nan for mark in marks], _STAGED)
@@ -155,7 +165,7 @@ class _Extrema(StagePart):
     def apply(self) -> None:
         for reduce, rows in (("amax", self._maxima), ("amin", self._minima)):
             if rows.marks:
-                (values,), offsets = rows.gather(self.constant)
+                (values,), offsets, _ = rows.gather(self.constant)
                 self.buffer.scatter_reduce_(0, offsets, values, reduce)
 
 
