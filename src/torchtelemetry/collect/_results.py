@@ -15,7 +15,7 @@ from typing import Any, TypeAlias
 import torch
 from torch.utils import _pytree as pytree
 
-__all__ = ["STEPS_POSITION", "ResultPlacement", "Results", "place"]
+__all__ = ["STEPS_POSITION", "Packed", "ResultPlacement", "Results", "place"]
 
 STEPS_POSITION = -1
 """The position `Results.add` is given for the ranks' steps (not a metric's)."""
@@ -41,6 +41,24 @@ class ResultPlacement:
     shape); None when a leaf is not a tensor (its value is part of the placement)."""
 
 
+@dataclass(frozen=True, slots=True)
+class Packed:
+    """A window's results packed: the flat tensor and its placement."""
+
+    flat: torch.Tensor
+    placement: ResultPlacement
+    targets: list[torch.Tensor] | None = None
+    """On the CPU, a view of `flat` shaped as each result leaf, floats first (None on a device, where a
+    copy per leaf would be a launch each, and for results whose values are part of the placement):
+    a later window whose results look alike is copied into them, and `flat` is reused."""
+    parts: tuple[torch.Tensor, torch.Tensor] | None = None
+    """With `targets`: `flat`'s floats (as float64) and ints, as `place` reads them."""
+
+
+def _flat(leaf: torch.Tensor) -> torch.Tensor:
+    return leaf if leaf.dim() == 1 else leaf.reshape(-1)  # a view is an op too
+
+
 class Results:
     """Result leaves of a window gathered into one flat int64 tensor (floats first, as float64 bits)."""
 
@@ -58,8 +76,7 @@ class Results:
         signature = self._signature
         for leaf in leaves:
             if isinstance(leaf, torch.Tensor):
-                flat = leaf if leaf.dim() == 1 else leaf.reshape(-1)  # a view is an op too
-                (self._floats if leaf.is_floating_point() else self._ints).append(flat)
+                (self._floats if leaf.is_floating_point() else self._ints).append(leaf)
                 if signature is not None:
                     signature.append((leaf.dtype, leaf.shape))
             else:
@@ -67,18 +84,33 @@ class Results:
         if signature is not None:
             signature.append((positions, structure, k, unbatched))
 
-    def packed(self, previous: ResultPlacement | None = None) -> tuple[torch.Tensor, ResultPlacement]:
-        """The flat tensor and its placement (`previous`, when the results look as they did there)."""
+    def packed(self, previous: Packed | None = None) -> Packed:
+        """The flat tensor and its placement: `previous`'s placement when the results look as they did
+        there, and on the CPU `previous`'s flat tensor itself, the leaves copied into it in one op."""
+        signature = None if self._signature is None else tuple(self._signature)
+        alike = previous is not None and signature is not None and previous.placement.signature == signature
+        if alike and previous.targets is not None:
+            if previous.targets:
+                torch._foreach_copy_(previous.targets, self._floats + self._ints)
+            return previous
         parts = []
         if self._floats:
-            parts.append(torch.cat(self._floats).to(torch.float64).view(torch.int64))
+            parts.append(
+                torch.cat([_flat(leaf) for leaf in self._floats]).to(torch.float64).view(torch.int64)
+            )
         if self._ints:
-            parts.append(torch.cat(self._ints).to(torch.int64))
+            parts.append(torch.cat([_flat(leaf) for leaf in self._ints]).to(torch.int64))
         flat = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
-        signature = None if self._signature is None else tuple(self._signature)
-        if previous is not None and signature is not None and previous.signature == signature:
-            return flat, previous
-        return flat, self._placement(signature)
+        placement = previous.placement if alike else self._placement(signature)
+        if flat.device.type != "cpu" or signature is None:
+            return Packed(flat, placement)
+        floats, ints = _parts(flat, placement)
+        targets, starts = [], [0, 0]
+        for part, (leaves, values) in enumerate(((self._floats, floats), (self._ints, ints))):
+            for leaf in leaves:
+                start, starts[part] = starts[part], starts[part] + leaf.numel()
+                targets.append(values[start : starts[part]].view(leaf.shape))
+        return Packed(flat, placement, targets, (floats, ints))
 
     def _placement(self, signature: tuple | None) -> ResultPlacement:
         counts = [0, 0]
@@ -143,11 +175,23 @@ def _nested(values: list, shape: tuple[int, ...]) -> Any:
     return [_nested(values[i * step : (i + 1) * step], shape[1:]) for i in range(shape[0])]
 
 
-def place(out: list[Any], flat: torch.Tensor, placement: ResultPlacement) -> list[Any] | None:
-    """Put each metric's results of host `flat` at its position of `out`, as Python values; returns
-    the ranks' steps, if `placement` holds them (at `STEPS_POSITION`)."""
+def _parts(flat: torch.Tensor, placement: ResultPlacement) -> tuple[torch.Tensor, torch.Tensor]:
+    """`flat`'s floats (as float64) and ints."""
+    return flat[: placement.floats].view(torch.float64), flat[placement.floats :]
+
+
+def place(
+    out: list[Any],
+    flat: torch.Tensor,
+    placement: ResultPlacement,
+    parts: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> list[Any] | None:
+    """Put each metric's results of host `flat` (`parts`: its floats and ints, if at hand) at its
+    position of `out`, as Python values; returns the ranks' steps, if `placement` holds them (at
+    `STEPS_POSITION`)."""
     steps = None
-    values = (flat[: placement.floats].view(torch.float64).tolist(), flat[placement.floats :].tolist())
+    floats, ints = _parts(flat, placement) if parts is None else parts
+    values = (floats.tolist(), ints.tolist())
     for positions, structure, described, scalar in placement.pieces:
         if scalar is not None:  # the common case: one scalar per metric
             part, start = scalar

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from torchtelemetry.collect._custom import reading_twin, twin_on
-from torchtelemetry.collect._results import STEPS_POSITION, ResultPlacement, Results, place
+from torchtelemetry.collect._results import STEPS_POSITION, Packed, ResultPlacement, Results, place
 from torchtelemetry.metric import (
     BatchedRule,
     Metric,
@@ -159,9 +159,10 @@ class WindowPlan:
         self._views: dict[tuple[int, ...], _Views] = {}
         """The views of each set of buffers computed from (by the buffers' ids), made once."""
         self._views_lock = threading.Lock()
-        self._placements: dict[str, ResultPlacement] = {}
-        """The last placement of each kind of result (`compute`'s with and without the custom
-        metrics, `compute_custom`'s), reused while the results look alike."""
+        self._packed_last: dict[str, Packed] = {}
+        """The last packed results of each kind (`compute`'s with and without the custom metrics,
+        `compute_custom`'s): their placement, and on the CPU their flat tensor, reused while the
+        results look alike."""
 
     def _place_of(self, index: int, count: int | None = None) -> tuple[int, int, int, tuple[int, ...]]:
         """Where layout entry `index` lies (with `count`: it and the `count - 1` entries of its shape
@@ -260,9 +261,8 @@ class WindowPlan:
         return self._packed(results, "all" if custom else "built-in")
 
     def _packed(self, results: Results, kind: str) -> tuple[torch.Tensor, ResultPlacement]:
-        flat, placement = results.packed(self._placements.get(kind))
-        self._placements[kind] = placement
-        return flat, placement
+        packed = self._packed_last[kind] = results.packed(self._packed_last.get(kind))
+        return packed.flat, packed.placement
 
     def custom_states(self, buffers: dict[BucketKey, torch.Tensor]) -> dict[BucketKey, torch.Tensor]:
         """The custom metrics' states in the reduced `buffers`, packed into one new buffer per
@@ -321,7 +321,8 @@ class WindowPlan:
         Raises `WindowMismatchError` if the ranks' steps differ."""
         out: list[Any] = [None] * len(self.named)
         for part_flat, part in (flat, placement), *(() if custom is None else (custom,)):
-            steps = place(out, part_flat, part)
+            parts = next((p.parts for p in self._packed_last.values() if p.flat is part_flat), None)
+            steps = place(out, part_flat, part, parts)
             if steps is not None:
                 self._check_steps(steps)
         return out
