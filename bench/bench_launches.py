@@ -11,7 +11,13 @@ library ends a step; every `--every` steps is a window (a logging step). Per con
 - **CPU**: the thread's CPU time per step (`time.thread_time_ns`), the mean over the non-window
   steps of a round, the fastest of `--rounds` rounds interleaved between contestants; and the median
   non-window step of a round (fastest round again): the steps right after a window, which share the
-  CPU with the collector's worker building that window's report, weigh in the mean, not the median.
+  CPU with the collector's worker building that window's report, weigh in the mean, not the median;
+- **hand-offs**: the training thread's voluntary context switches per step (Linux,
+  `/proc/thread-self/status`; the median over rounds): how often it waited for the GIL while the
+  collector's worker held it (each such wait is a few syscalls, a wake-up on another core, and
+  the caches of both threads refilled; the peers run no thread of their own);
+- **background CPU**: the CPU time of the process's other threads (the collector's worker) per
+  window, the median over rounds.
 
 Workloads:
 
@@ -330,30 +336,58 @@ def count_ops(step: Step, steps: int, every: int) -> tuple[int, int]:
     return int(statistics.median(plain)), int(statistics.median(windows))
 
 
-def cpu_per_step(step: Step, steps: int, every: int, start: int) -> tuple[float, float, float]:
+def voluntary_switches() -> int:
+    """This thread's voluntary context switches so far (0 where /proc does not say)."""
+    try:
+        with open("/proc/thread-self/status") as status:
+            for line in status:
+                if line.startswith("voluntary_ctxt_switches:"):
+                    return int(line.split(":")[1])
+    except OSError:
+        pass
+    return 0
+
+
+def cpu_per_step(step: Step, steps: int, every: int, start: int) -> tuple[float, ...]:
     """Thread CPU µs over `steps` steps: the mean non-window step, the mean window step and the
-    median non-window step."""
+    median non-window step; the thread's voluntary context switches per step, and the other threads'
+    CPU µs per window."""
     plain, windows = [], []
+    switches, process, thread = voluntary_switches(), time.process_time_ns(), time.thread_time_ns()
     for index in range(start, start + steps):
         window = index % every == every - 1
         begin = time.thread_time_ns()
         step(index, window)
         (windows if window else plain).append(time.thread_time_ns() - begin)
-    return statistics.fmean(plain) / 1e3, statistics.fmean(windows) / 1e3, statistics.median(plain) / 1e3
+    background = (time.process_time_ns() - process) - (time.thread_time_ns() - thread)
+    per_step = (voluntary_switches() - switches) / steps
+    means = statistics.fmean(plain) / 1e3, statistics.fmean(windows) / 1e3, statistics.median(plain) / 1e3
+    return *means, per_step, background / len(windows) / 1e3
 
 
-def measure(k: int | None, args: argparse.Namespace) -> dict[str, tuple[int, int, float, float, float]]:
+def measure(k: int | None, args: argparse.Namespace) -> dict[str, tuple[float, ...]]:
     built = {name: make() for name, make in contestants(k, args.every).items()}
     ops = {name: count_ops(step, args.steps, args.every) for name, (step, _) in built.items()}
     cpu = {name: [float("inf")] * 3 for name in built}
+    background: dict[str, list[tuple[float, float]]] = {name: [] for name in built}
     start = 2 * args.every + args.steps
     for round_ in range(args.rounds):
         for name, (step, _) in built.items():
-            measured = cpu_per_step(step, args.steps, args.every, start + round_ * args.steps)
+            *measured, switched, other = cpu_per_step(
+                step, args.steps, args.every, start + round_ * args.steps
+            )
             cpu[name] = [min(best, value) for best, value in zip(cpu[name], measured, strict=True)]
+            background[name].append((switched, other))
     for _, close in built.values():
         close()
-    return {name: (*ops[name], *cpu[name]) for name in built}
+    return {
+        name: (
+            *ops[name],
+            *cpu[name],
+            *(statistics.median(column) for column in zip(*background[name], strict=True)),
+        )
+        for name in built
+    }
 
 
 def main() -> None:
@@ -372,11 +406,15 @@ def main() -> None:
         floor_cpu, floor_median = results["hand-written floor"][2], results["hand-written floor"][4]
         print(f"\n{title}\n")
         print("| contestant | ops per step | ops per window step | CPU µs per step | vs floor ", end="")
-        print("| median step CPU µs | vs floor | window step CPU µs |")
-        print("|---|---|---|---|---|---|---|---|")
-        for name, (plain, window, cpu, window_cpu, median) in results.items():
-            print(f"| {name} | {plain} | {window} | {cpu:.1f} | {cpu / floor_cpu:.2f}x ", end="")
-            print(f"| {median:.1f} | {median / floor_median:.2f}x | {window_cpu:.1f} |")
+        print("| median step CPU µs | vs floor | window step CPU µs | hand-offs per step ", end="")
+        print("| background CPU µs per window |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for name, (plain, window, cpu, window_cpu, median, switched, other) in results.items():
+            print(f"| {name} | {plain:.0f} | {window:.0f} | {cpu:.1f} | {cpu / floor_cpu:.2f}x ", end="")
+            print(
+                f"| {median:.1f} | {median / floor_median:.2f}x | {window_cpu:.1f} | {switched:.2f} ", end=""
+            )
+            print(f"| {max(other, 0.0):.0f} |")
 
 
 if __name__ == "__main__":
