@@ -343,7 +343,7 @@ def test_keep_on_close_false_deletes_the_group(pushgateway: PushgatewayServer) -
     telemetry = Telemetry({"tokens": tokens}, [exporter], every=EVERY, run_id=run_id, signals=False)
     _train(telemetry, tokens, range(3))
     telemetry.close()
-    assert [group for group in pushgateway.groups() if group.get("run") == run_id] == []
+    assert pushgateway.groups_once_deleted(run_id) == []
 
 
 @pytest.mark.parametrize("scraped", ["never", "already", "stopped"])

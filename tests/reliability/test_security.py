@@ -457,7 +457,7 @@ def test_awkward_label_values_and_run_id_through_the_pushgateway(pushgateway: Pu
     samples = [s for s in family.samples if s.labels["run"] == run_id]
     assert _by_label(samples, "torchtelemetry_train_step_time_seconds") == AWKWARD
     exporter.close(30)
-    assert [g for g in pushgateway.groups() if g.get("run") == run_id] == []
+    assert pushgateway.groups_once_deleted(run_id) == []
 
 
 @pytest.mark.parametrize("protocol", ["http/protobuf", "grpc"])
