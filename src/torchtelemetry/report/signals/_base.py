@@ -208,7 +208,7 @@ class RankValues(Metric):
         return {**super().configuration(), "quantities": list(self.quantities)}
 
     def compute(self) -> dict[str, torch.Tensor]:
-        return {quantity: self.values.value[index] for index, quantity in enumerate(self.quantities)}
+        return dict(zip(self.quantities, self.values.value.unbind(0), strict=True))  # one op, not one each
 
 
 def by_index(values: ReportValue | None) -> dict[int, float]:

@@ -79,7 +79,7 @@ class LayerState(Metric):
         return {
             "grad_sumsq": self.grad_sumsq.value,
             "param_sumsq": self.param_sumsq.value,
-            **{f"first_{name}": first[:, index] for index, name in enumerate(PASSES)},
+            **{f"first_{name}": column for name, column in zip(PASSES, first.unbind(1), strict=True)},
         }
 
 
