@@ -127,7 +127,9 @@ def assemble_run(metrics: Any, exporters: Sequence[Exporter] | str, config: Tele
     traces = run_traces(config, exporters, rank, world_size, policy.exporting, run.run_id, device)
     try:
         captures = _captures(config, resolved, policy.exporting, device, run.run_id)
-        signals = _builtin_signals(config, world_size, goodput, user_leaves, rank, device, captures, traces)
+        signals = _builtin_signals(
+            config, world_size, goodput, user_leaves, rank, policy.exporting, device, captures, traces
+        )
         signal_metrics = signals.metrics() if signals is not None else {}
         leaves = user_leaves + list(signal_metrics.items())
         ranks = RankSeriesLimit(world_size, config.max_rank_series)
@@ -247,6 +249,7 @@ def _builtin_signals(
     goodput: GoodputLedger,
     user_leaves: list[tuple[str, Metric]],
     rank: int,
+    exporting: bool,
     device: torch.device,
     captures: CaptureRun | None,
     traces: RunTraces,
@@ -259,7 +262,7 @@ def _builtin_signals(
             context,
             leaves=user_leaves,
             flops=ModelFlops.resolve(
-                config.flops_per_token, config.flops_per_sample, config.peak_flops, device
+                config.flops_per_token, config.flops_per_sample, config.peak_flops, device, warn=exporting
             ),
             phases=config.phases,
             straggler_top_k=config.straggler_top_k,

@@ -170,6 +170,25 @@ def test_flops_configuration_is_checked_and_mfu_needs_a_known_peak(caplog: pytes
     assert "no peak FLOP/s known for device 'cpu'" in caplog.text and "peak_flops" in caplog.text
 
 
+def _warned_of_no_peak(rank: int, world_size: int) -> bool:
+    """Whether this rank's Telemetry warned that no peak FLOP/s is known (CPU: none is)."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("torchtelemetry.report._flops")
+    logger.addHandler(handler)
+    try:
+        tt.Telemetry({}, [], flops_per_token=1e9).close()
+    finally:
+        logger.removeHandler(handler)
+    return any("no peak FLOP/s known" in record.getMessage() for record in records)
+
+
+@pytest.mark.timeout(180)
+def test_the_missing_peak_is_said_once_by_the_exporting_rank_not_by_every_rank() -> None:
+    assert run_ranks(_warned_of_no_peak, 2) == [True, False]
+
+
 def test_flops_per_sample_divides_samples_by_the_window() -> None:
     telemetry = tt.Telemetry({}, [], every=2, flops_per_sample=2e12, peak_flops=4e12)
     for step in range(2):

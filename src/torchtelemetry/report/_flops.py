@@ -51,17 +51,24 @@ class ModelFlops:
 
     @classmethod
     def resolve(
-        cls, per_token: float | None, per_sample: float | None, peak: float | None, device: torch.device
+        cls,
+        per_token: float | None,
+        per_sample: float | None,
+        peak: float | None,
+        device: torch.device,
+        *,
+        warn: bool = True,
     ) -> ModelFlops | None:
         """From `TelemetryConfig`: None without FLOPs per token or sample; the peak, if not given, from
-        `PEAK_FLOPS` by the CUDA device's name (a warning, and no MFU, when it is not listed)."""
+        `PEAK_FLOPS` by the CUDA device's name (no MFU when it is not listed, and a warning if `warn`:
+        the rank that exports, not every rank)."""
         per_unit = per_token or per_sample
         if per_unit is None:
             return None
         if peak is None:
             name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
             peak = peak_flops_of(name)
-            if peak is None:
+            if peak is None and warn:
                 logger.warning(
                     "Telemetry: no peak FLOP/s known for device %r, so train/mfu is not exported; "
                     "pass TelemetryConfig.peak_flops (FLOP/s of one device)",
