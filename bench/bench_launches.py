@@ -3,7 +3,8 @@
     PYTHONPATH=src:. .venv/bin/python -m bench.bench_launches [--steps 200] [--rounds 5] [--every 10]
 
 One process, one torch thread, CPU. Each step updates the metrics of a workload and ends as each
-library ends a step; every `--every` steps is a window (a logging step). Per contestant:
+library ends a step; every `--every` steps is a window (a logging step; with `--every` past every
+step run, e.g. 1000000, none: the window columns read `-`). Per contestant:
 
 - **ops**: ATen ops dispatched on the training thread per step (counted by a `TorchDispatchMode`,
   tests/ops.py; hardware-independent: on a GPU each counted op is about one kernel launch), the
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import platform
 import statistics
 import time
@@ -333,7 +335,7 @@ def count_ops(step: Step, steps: int, every: int) -> tuple[int, int]:
         with OpCounter() as counter:
             step(index, window)
         (windows if window else plain).append(sum(counter.ops.values()))
-    return int(statistics.median(plain)), int(statistics.median(windows))
+    return int(statistics.median(plain)), int(statistics.median(windows)) if windows else -1  # -1: none
 
 
 def voluntary_switches() -> int:
@@ -361,8 +363,9 @@ def cpu_per_step(step: Step, steps: int, every: int, start: int) -> tuple[float,
         (windows if window else plain).append(time.thread_time_ns() - begin)
     background = (time.process_time_ns() - process) - (time.thread_time_ns() - thread)
     per_step = (voluntary_switches() - switches) / steps
-    means = statistics.fmean(plain) / 1e3, statistics.fmean(windows) / 1e3, statistics.median(plain) / 1e3
-    return *means, per_step, background / len(windows) / 1e3
+    window = statistics.fmean(windows) / 1e3 if windows else math.nan  # `--every` past the steps: none
+    means = statistics.fmean(plain) / 1e3, window, statistics.median(plain) / 1e3
+    return *means, per_step, background / len(windows) / 1e3 if windows else math.nan
 
 
 def measure(k: int | None, args: argparse.Namespace) -> dict[str, tuple[float, ...]]:
@@ -410,11 +413,14 @@ def main() -> None:
         print("| background CPU µs per window |")
         print("|---|---|---|---|---|---|---|---|---|---|")
         for name, (plain, window, cpu, window_cpu, median, switched, other) in results.items():
-            print(f"| {name} | {plain:.0f} | {window:.0f} | {cpu:.1f} | {cpu / floor_cpu:.2f}x ", end="")
-            print(
-                f"| {median:.1f} | {median / floor_median:.2f}x | {window_cpu:.1f} | {switched:.2f} ", end=""
+            ops, cpu_of_window, background = (
+                [f"{window:.0f}", f"{window_cpu:.1f}", f"{max(other, 0.0):.0f}"] if window >= 0 else ["-"] * 3
             )
-            print(f"| {max(other, 0.0):.0f} |")
+            print(f"| {name} | {plain:.0f} | {ops} | {cpu:.1f} | {cpu / floor_cpu:.2f}x ", end="")
+            print(
+                f"| {median:.1f} | {median / floor_median:.2f}x | {cpu_of_window} | {switched:.2f} ", end=""
+            )
+            print(f"| {background} |")
 
 
 if __name__ == "__main__":
