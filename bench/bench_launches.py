@@ -325,12 +325,18 @@ def contestants(k: int | None, every: int) -> dict[str, Callable[[], tuple[Step,
     }
 
 
+def warm_up_steps(steps: int, every: int) -> int:
+    """Steps run before counting: two windows (`steps` when no window comes within them)."""
+    return 2 * every if every <= steps else steps
+
+
 def count_ops(step: Step, steps: int, every: int) -> tuple[int, int]:
     """Median ops per non-window step and per window step (after two warm-up windows)."""
-    for index in range(2 * every):
+    warm = warm_up_steps(steps, every)
+    for index in range(warm):
         step(index, index % every == every - 1)
     plain, windows = [], []
-    for index in range(2 * every, 2 * every + steps):
+    for index in range(warm, warm + steps):
         window = index % every == every - 1
         with OpCounter() as counter:
             step(index, window)
@@ -373,7 +379,7 @@ def measure(k: int | None, args: argparse.Namespace) -> dict[str, tuple[float, .
     ops = {name: count_ops(step, args.steps, args.every) for name, (step, _) in built.items()}
     cpu = {name: [float("inf")] * 3 for name in built}
     background: dict[str, list[tuple[float, float]]] = {name: [] for name in built}
-    start = 2 * args.every + args.steps
+    start = warm_up_steps(args.steps, args.every) + args.steps
     for round_ in range(args.rounds):
         for name, (step, _) in built.items():
             *measured, switched, other = cpu_per_step(
