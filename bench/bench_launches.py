@@ -28,7 +28,9 @@ Workloads:
   512 x 64 logits, a grad-norm histogram (0-d, 6 bounds), three phases and the data wait, and
   `step(tokens=, learning_rate=)`.
 
-Contestants: torchtelemetry (`Telemetry`, signals and the sentinel on as by default), torchmetrics
+Contestants: torchtelemetry (`Telemetry`, signals and the sentinel on as by default; for README's set
+also with the non-finite sentinel off, `nonfinite=[]`, and with every signal off, `signals=False`:
+what each costs), torchmetrics
 (`MeanMetric`, `MulticlassAccuracy`; no histogram), torcheval (`Mean`, `MulticlassAccuracy`; no
 histogram), a hand-written floor (plain float64 tensors, the kernels each update needs, no check;
 host timers for the phases; a window: one packed copy and one zero of the states) and a packed floor
@@ -91,7 +93,10 @@ def telemetry_means(k: int, every: int) -> tuple[Step, Callable[[], None]]:
     return step, telemetry.close
 
 
-def telemetry_readme(every: int) -> tuple[Step, Callable[[], None]]:
+def telemetry_readme(every: int, **config: Any) -> tuple[Step, Callable[[], None]]:
+    """README.md's loop; `config`: more `TelemetryConfig` keys (the same loop with the sentinel or the
+    signals off: with `signals=False` the phases and the data wait are not timed, and `step()`'s
+    keywords are not recorded)."""
     metrics = {
         "train": {
             "loss": tt.WeightedMeanMetric(),
@@ -99,7 +104,7 @@ def telemetry_readme(every: int) -> tuple[Step, Callable[[], None]]:
             "grad_norm": tt.HistogramMetric(bins=BINS),
         }
     }
-    telemetry = tt.Telemetry(metrics, every=every, phases=PHASES)
+    telemetry = tt.Telemetry(metrics, every=every, phases=PHASES, **config)
     inputs = Inputs(1)
     train = metrics["train"]
 
@@ -311,6 +316,8 @@ def contestants(k: int | None, every: int) -> dict[str, Callable[[], tuple[Step,
     if k is None:
         return {
             "torchtelemetry": lambda: telemetry_readme(every),
+            "torchtelemetry, sentinel off": lambda: telemetry_readme(every, nonfinite=[]),
+            "torchtelemetry, signals off": lambda: telemetry_readme(every, signals=False),
             "torchmetrics": lambda: peer_readme("torchmetrics"),
             "torcheval": lambda: peer_readme("torcheval"),
             "hand-written floor": floor_readme,
