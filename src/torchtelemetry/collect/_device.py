@@ -81,12 +81,16 @@ class DeviceTransport(Transport):
         first = self._slots[0]
         if first.rows is not None:
             first.rows.zero_()
-        # A dry run: the results' size (built-in rules give the same shapes every window).
-        flat, _ = self.plan.compute(self.exchange.reduced(first), custom=False)
+        # A dry run: the results' size (built-in rules give the same shapes every window). On the side
+        # stream, as every window: what it allocates to keep (a gathered reduction's buffers) is the
+        # side stream's, like the slots it reads.
+        self._stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(self._stream):
+            flat, _ = self.plan.compute(self.exchange.reduced(first), custom=False)
         self._results = [torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True) for _ in range(ring)]
         self._custom_states = [self.plan.custom_states_like(pin_memory=True) for _ in range(ring)]
         self.plan.prepare(torch.device("cpu"))  # custom metrics compute on the host, in the worker
-        torch.cuda.current_stream(device).synchronize()
+        self._stream.synchronize()
 
     def schedule(self, window: int, step: int, reset: Any) -> Finish:
         """Training thread: snapshot, then issue the collective here, in program order on every rank."""
