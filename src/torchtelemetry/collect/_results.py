@@ -5,7 +5,8 @@ metric's result structure.
 Where each leaf sits (the placement) depends only on what the results look like: their structure
 and each tensor leaf's dtype and shape, the same window after window. `Results.packed` reuses the
 placement of the window before when its results look alike, so a window's host work is the tensor
-ops and one pass over the values."""
+ops and one pass over the values; on the CPU it reuses that window's flat tensor too, the leaves
+copied into it by one `_foreach_copy_` (each op hands the GIL to the training thread and back)."""
 
 from __future__ import annotations
 
