@@ -1,12 +1,6 @@
 """Metrics: GPU-resident, linearly reducible state updated in place."""
 
-from torchtelemetry.metric._accumulator import (
-    DEFAULT_STATE_DTYPE,
-    MetricAccumulator,
-    ReduceOp,
-    same_identity,
-    state_identity,
-)
+from torchtelemetry.metric._accumulator import DEFAULT_STATE_DTYPE, MetricAccumulator, ReduceOp
 from torchtelemetry.metric._aggregation import (
     MaxMetric,
     MinMetric,
@@ -20,6 +14,7 @@ from torchtelemetry.metric._batched import BatchedRule, batched_rule
 from torchtelemetry.metric._binding import MetricBinding
 from torchtelemetry.metric._classification import AccuracyMetric, ConfusionMatrixMetric
 from torchtelemetry.metric._histogram import HistogramMetric
+from torchtelemetry.metric._identity import same_identity, state_identity
 from torchtelemetry.metric._inputs import nonfinite_count
 from torchtelemetry.metric._reshard import gather_local_states, restore_local_states
 from torchtelemetry.metric._staging import STAGED_DTYPES, UpdateStage

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -15,35 +15,11 @@ from torchtelemetry.metric._staged_rows import StagedRows, entry_offset
 from torchtelemetry.metric._staging import COUNTED_DTYPES, StagePart, UpdateStage
 from torchtelemetry.sync import GroupLike, ReduceOp
 
-__all__ = [
-    "DEFAULT_STATE_DTYPE",
-    "MetricAccumulator",
-    "ReduceOp",
-    "same_identity",
-    "state_identity",
-    "synced_identity",
-]
+__all__ = ["DEFAULT_STATE_DTYPE", "MetricAccumulator", "ReduceOp"]
 
 DEFAULT_STATE_DTYPE = torch.float64
 """State dtype of the built-in metrics: integers stay exact up to 2**53."""
 _is_compiling = torch.compiler.is_compiling
-
-
-def state_identity(accumulators: Iterable[MetricAccumulator]) -> tuple[object, ...]:
-    """Each accumulator and its local tensor, in order: the same objects (`same_identity`) until an
-    accumulator is replaced or moved (`to()`, `adopt()`). For what a blocking call caches."""
-    return tuple(item for accumulator in accumulators for item in (accumulator, accumulator._local))
-
-
-def synced_identity(accumulators: Iterable[MetricAccumulator]) -> tuple[object, ...]:
-    """Each accumulator's synchronized tensor, in order: the same objects until one is moved (`to()`)
-    or adopted (`adopt_synced()`) elsewhere."""
-    return tuple(accumulator._synced for accumulator in accumulators)
-
-
-def same_identity(first: tuple[object, ...], second: tuple[object, ...]) -> bool:
-    """Whether two `state_identity`s hold the same objects (compared by `is`)."""
-    return len(first) == len(second) and all(a is b for a, b in zip(first, second, strict=True))
 
 
 def _check_state_dtype(dtype: torch.dtype, what: str) -> None:

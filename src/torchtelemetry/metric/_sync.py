@@ -11,12 +11,8 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from torchtelemetry.metric._accumulator import (
-    MetricAccumulator,
-    same_identity,
-    state_identity,
-    synced_identity,
-)
+from torchtelemetry.metric._accumulator import MetricAccumulator
+from torchtelemetry.metric._identity import same_identity, state_identity, synced_identity
 from torchtelemetry.metric._staging import UpdateStage
 from torchtelemetry.metric._tree import metric_leaves, named_accumulators
 from torchtelemetry.sync import BucketKey, BucketLayout, GroupLike, reduce_buffers, resolve_group
