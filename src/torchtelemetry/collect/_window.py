@@ -150,7 +150,8 @@ class WindowPlan:
         for group, attr, first in starts:
             bucket, start, end, shape = self._place_of(first, len(group.metrics))
             group.blocks.append(_Block(attr, bucket, start, end, shape))
-        self._steps_at = self.layout.offset(len(entries))
+        self._steps_entry = self._place_of(len(entries))
+        """Where the ranks' steps lie in a window's buffers."""
         self.world_size = world_size
         self._state_identity = state_identity(self._registered())
         self._custom_on: dict[torch.device, list[tuple[int, Metric]]] = {}
@@ -185,8 +186,7 @@ class WindowPlan:
         return found
 
     def _new_views(self, key: tuple[int, ...], tensors: tuple[torch.Tensor, ...]) -> _Views:
-        steps = self._bucket_keys.index(self._steps_at[0])
-        start = self._steps_at[1]
+        steps, start, end, _ = self._steps_entry
         made = _Views(
             tensors,
             [
@@ -197,7 +197,7 @@ class WindowPlan:
                 for group in self._groups
             ],
             [tensors[bucket][begin:end].view(shape) for bucket, begin, end, shape in self._custom_entries],
-            tensors[steps][start : start + self.world_size].unsqueeze(0),
+            tensors[steps][start:end].unsqueeze(0),
         )
         if len(self._views) >= VIEWS_KEPT:
             del self._views[next(iter(self._views))]

@@ -187,9 +187,10 @@ class WindowExchange:
         return buffers if self.group is None else self.layout.negate_min_(buffers)
 
     def _sums(self, rows: torch.Tensor) -> dict[BucketKey, tuple[torch.Tensor, torch.Tensor]]:
-        """Each bucket's per-rank view of `rows` and the buffer it is reduced into, made once per rows."""
+        """Each bucket's per-rank view of `rows` and the buffer it is reduced into, made once per rows
+        (held with them, so that the id stays theirs)."""
         found = self._reductions.get(id(rows))
-        if found is None or found[0] is not rows:
+        if found is None:
             per_rank = rows.view(torch.uint8)
             reductions = {}
             for key, (start, nbytes, dtype) in self._regions.items():
