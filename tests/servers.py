@@ -356,14 +356,16 @@ class PushgatewayServer(_Server):
         data = json.loads(http_get(f"{self.url}/api/v1/metrics"))["data"]
         return [group["labels"] for group in data]
 
+    def groups_of(self, run_id: str) -> list[dict[str, str]]:
+        """The grouping-key labels of the groups of run `run_id`."""
+        return [group for group in self.groups() if group.get("run") == run_id]
+
     def groups_once_deleted(self, run_id: str, timeout_s: float = 15.0) -> list[dict[str, str]]:
         """The groups of run `run_id` the gateway holds once it holds none, or after `timeout_s`: it
         answers a DELETE with 202 and applies it from its write queue later (on a loaded machine,
         after the next read)."""
         deadline = time.monotonic() + timeout_s
-        while (held := [group for group in self.groups() if group.get("run") == run_id]) and (
-            time.monotonic() < deadline
-        ):
+        while (held := self.groups_of(run_id)) and time.monotonic() < deadline:
             time.sleep(0.05)
         return held
 

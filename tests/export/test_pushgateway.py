@@ -22,10 +22,6 @@ from torchtelemetry.export import ExportHub, ExportResult, RunInfo
 from torchtelemetry.report import NameCollisionError
 
 
-def groups_of(gateway: PushgatewayServer, run_id: str) -> list[dict[str, str]]:
-    return [labels for labels in gateway.groups() if labels.get("run") == run_id]
-
-
 @pytest.mark.slow
 def test_gloo_run_pushed_and_scraped_through_the_gateway(
     pushgateway: PushgatewayServer, prometheus: PrometheusServer
@@ -41,7 +37,7 @@ def test_gloo_run_pushed_and_scraped_through_the_gateway(
     check_observations(rank0)
     assert rank1["threads"] == []
     # close() pushed the final report once more, marked finished, and the gateway keeps it.
-    assert groups_of(pushgateway, run_id) == [{"job": "torchtelemetry", "run": run_id}]
+    assert pushgateway.groups_of(run_id) == [{"job": "torchtelemetry", "run": run_id}]
     assert (
         f'torchtelemetry_run_finished_timestamp_seconds{{instance="",job="torchtelemetry",route="pushgateway",run="{run_id}"}}'
         in (http_get(f"{pushgateway.url}/metrics").decode())
@@ -57,7 +53,7 @@ def test_group_key_and_keep_on_close(pushgateway: PushgatewayServer) -> None:
     assert exporter.export(4, sample_report(4), 1700000000.0) is ExportResult.SUCCESS
     assert exporter.force_flush(5)
     exporter.close()
-    (group,) = groups_of(pushgateway, RUN.run_id)
+    (group,) = pushgateway.groups_of(RUN.run_id)
     assert group == {"job": "trainer", "node": "n1", "run": RUN.run_id}
     body = http_get(f"{pushgateway.url}/metrics").decode()
     assert (
@@ -87,7 +83,7 @@ def test_unreachable_gateway_fails_without_raising_and_recovers(
     with PushgatewayServer(tmp_path / "late") as gateway:
         exporter.url = gateway.url
         assert hub.force_flush(10)  # the latest report is pushed again
-        assert groups_of(gateway, RUN.run_id) != []
+        assert gateway.groups_of(RUN.run_id) != []
         hub.close(10)
         assert "torchtelemetry_run_finished_timestamp_seconds" in http_get(f"{gateway.url}/metrics").decode()
 
@@ -116,9 +112,9 @@ def test_a_launch_adopting_its_checkpoint_s_run_moves_its_group(pushgateway: Pus
     exporter = PushgatewayExporter(pushgateway.url, job="trainer")
     exporter.describe(DESCRIPTORS, RunInfo(run_id=launched))
     assert exporter.export(1, sample_report(1), 1700000000.0) is ExportResult.SUCCESS
-    assert groups_of(pushgateway, launched) == [{"job": "trainer", "run": launched}]
+    assert pushgateway.groups_of(launched) == [{"job": "trainer", "run": launched}]
     exporter.describe(DESCRIPTORS, RunInfo(run_id=resumed))
     assert pushgateway.groups_once_deleted(launched) == []
     assert exporter.export(2, sample_report(2), 1700000001.0) is ExportResult.SUCCESS
     exporter.close()
-    assert groups_of(pushgateway, resumed) == [{"job": "trainer", "run": resumed}]
+    assert pushgateway.groups_of(resumed) == [{"job": "trainer", "run": resumed}]
