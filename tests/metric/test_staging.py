@@ -155,6 +155,25 @@ def test_what_cannot_be_staged_is_applied_at_once(make, update) -> None:
     torch.testing.assert_close(computed(metric), computed(reference), rtol=0, atol=0, equal_nan=True)
 
 
+def test_an_entry_staged_by_index_lands_where_indexing_puts_it_and_other_indices_run_as_unbound() -> None:
+    """A state's entry offsets are kept per index once staged: every int (or tuple of ints) index,
+    negative ones too, stages into the entry that indexing selects, again and again; an index of any
+    other type (a float, a bool, a slice) is not staged and does what it does unbound (a float is
+    refused, naming nothing staged)."""
+    metric, reference = staged(tt.PerRankMetric(3, 1)), tt.PerRankMetric(3, 1)
+    for _ in range(3):
+        for index, value in ((1, 2.0), (-1, 4.0), (0, 0.5), (2, 1.0), (True, 8.0), (slice(0, 2), 16.0)):
+            for state in (metric.sums, reference.sums):
+                state.add_at(index, value)
+    assert _pending(metric) == 12  # the ints staged, 4 a round
+    torch.testing.assert_close(metric.sums.local, reference.sums.local, rtol=0, atol=0)
+    for state in (metric.sums, reference.sums):
+        with pytest.raises(IndexError):
+            state.add_at(1.0, 1.0)
+    assert _pending(metric) == 0
+    torch.testing.assert_close(metric.sums.local, reference.sums.local, rtol=0, atol=0)
+
+
 def test_a_stage_past_its_bound_is_applied_without_a_step(monkeypatch: pytest.MonkeyPatch) -> None:
     import torchtelemetry.metric._staging as staging
 

@@ -20,6 +20,9 @@ __all__ = ["DEFAULT_STATE_DTYPE", "MetricAccumulator", "ReduceOp"]
 DEFAULT_STATE_DTYPE = torch.float64
 """State dtype of the built-in metrics: integers stay exact up to 2**53."""
 _is_compiling = torch.compiler.is_compiling
+_INT = frozenset({int})
+_BINDING_SLOTS = frozenset({"_binding", "_offsets", "_rows"})
+"""What ties an accumulator to its collector's buffers: a copy or an unpickled one has none of it."""
 
 
 def _check_state_dtype(dtype: torch.dtype, what: str) -> None:
@@ -46,7 +49,17 @@ class MetricAccumulator:
     is read.
     """
 
-    __slots__ = ("_at", "_binding", "_initial", "_local", "_rows", "_scalar", "_synced", "reduce_op")
+    __slots__ = (
+        "_at",
+        "_binding",
+        "_initial",
+        "_local",
+        "_offsets",
+        "_rows",
+        "_scalar",
+        "_synced",
+        "reduce_op",
+    )
 
     def __init__(
         self,
@@ -68,18 +81,21 @@ class MetricAccumulator:
         """Where this state's updates are staged (None: they run at once)."""
         self._at = 0
         """This state's first entry in the staged buffer."""
+        self._offsets: dict[int | tuple[int, ...], int] = {}
+        """The staged buffer offset of each entry index staged so far (`_offset`)."""
         self._scalar = initial.dim() == 0
 
     def __getstate__(self) -> dict[str, Any]:
         """A copied or unpickled accumulator is bound nowhere (and holds every update made)."""
         self.apply_staged()
-        return {slot: getattr(self, slot) for slot in self.__slots__ if slot not in ("_binding", "_rows")}
+        return {slot: getattr(self, slot) for slot in self.__slots__ if slot not in _BINDING_SLOTS}
 
     def __setstate__(self, state: Mapping[str, Any]) -> None:
         for slot, value in state.items():
             setattr(self, slot, value)
         self._binding = None
         self._rows = None
+        self._offsets = {}
 
     @property
     def local(self) -> torch.Tensor:
@@ -152,7 +168,7 @@ class MetricAccumulator:
         rows = self._rows
         if (
             rows is not None
-            and (offset := entry_offset(self._local.shape, self._at, index)) is not None
+            and (offset := self._offset(index)) is not None
             and rows.add((offset,), (value, 1.0) if self.reduce_op is ReduceOp.SUM else (value,))
         ):
             return
@@ -163,6 +179,17 @@ class MetricAccumulator:
             entry.clamp_(min=value)
         else:
             entry.clamp_(max=value)
+
+    def _offset(self, index: int | tuple[int, ...]) -> int | None:
+        """The staged buffer offset of entry `index` (None unless an int or a tuple of ints in range:
+        indexing the state says what anything else selects), kept per index: a signal stages the same
+        few entries every window."""
+        if type(index) is int or (type(index) is tuple and _INT.issuperset(map(type, index))):
+            offset = self._offsets.get(index)
+            if offset is None and (offset := entry_offset(self._local.shape, self._at, index)) is not None:
+                self._offsets[index] = offset
+            return offset
+        return None
 
     def add_at(self, index: int | tuple[int, ...], value: torch.Tensor | float) -> None:
         """`update_at` of a SUM accumulator: add `value` to entry `index` only."""
@@ -237,7 +264,7 @@ class MetricAccumulator:
             rows is not None
             and self.reduce_op is ReduceOp.SUM
             and value.dtype in COUNTED_DTYPES
-            and (offset := entry_offset(self._local.shape, self._at, index)) is not None
+            and (offset := self._offset(index)) is not None
             and rows.add((~offset,), (value, 0.0))  # x * 0: NaN exactly where x is not finite
         ):
             return
@@ -287,6 +314,7 @@ class MetricAccumulator:
         self._local = storage
         self._rows = None if staged is None else staged[0].rows_for(self.reduce_op)
         self._at = 0 if staged is None else staged[1]
+        self._offsets = {}
 
     def adopt_synced(self, storage: torch.Tensor) -> None:
         """Keep the synchronized state in `storage` from now on (a view of the same shape and dtype,
@@ -301,6 +329,7 @@ class MetricAccumulator:
         twin = _StateReading.__new__(_StateReading)
         twin.reduce_op, twin._initial, twin._local, twin._synced = self.reduce_op, self._initial, state, state
         twin._binding, twin._rows, twin._at, twin._scalar = None, None, 0, state.dim() == 0
+        twin._offsets = {}
         return twin
 
     def state_dict(self) -> dict[str, torch.Tensor]:
