@@ -13,7 +13,7 @@ import torch
 import torchtelemetry as tt
 from tests.distributed import run_ranks
 from tests.metric.examples import PATHS, on_path
-from tests.ops import TorchDispatchMode
+from tests.ops import OpCounter, TorchDispatchMode
 from tests.report.windows import collect_window, context
 from torchtelemetry.metric import metric_leaves
 from torchtelemetry.report.signals import MIN_HISTORY, NonFiniteSentinel, SignalSet, Spikes, watched_metrics
@@ -54,6 +54,39 @@ def test_a_clean_window_exports_zero_counts_and_no_first_rank() -> None:
     window = collect_window(signals)
     assert window["train/nonfinite/count"] == {"train/loss": 0.0}
     assert "train/nonfinite/first_rank" not in window
+
+
+def _window_step_ops(losses: list[float], **config) -> tuple[list[int], dict]:
+    """ATen ops of each window step (a window every 2 steps) of a loop updating `train/loss` with
+    `losses`, and the last report."""
+    loss = tt.WeightedMeanMetric()
+    telemetry = tt.Telemetry({"train": {"loss": loss}}, every=2, window_lines=False, **config)
+    try:
+        ops = []
+        for step, value in enumerate(losses):
+            loss.update(torch.tensor(value), 1)
+            with OpCounter() as counter:
+                telemetry.step(step)
+            if step % 2 == 1:
+                ops.append(sum(counter.ops.values()))
+        telemetry.flush()
+        return ops, dict(telemetry.latest)
+    finally:
+        telemetry.close()
+
+
+def test_on_the_cpu_the_sentinel_marks_its_rank_with_no_op_of_its_own() -> None:
+    """On the CPU the window's flush reads the counts in host memory and stages this rank's mark with
+    the window's other host values: a window step costs the same ops whether the loss is watched or
+    not, and a window that saw a NaN still names this rank, first in it."""
+    clean = [1.0] * 8
+    watched, _ = _window_step_ops(clean)
+    unwatched, _ = _window_step_ops(clean, nonfinite=[])
+    assert watched == unwatched, (watched, unwatched)
+    _, report = _window_step_ops([1.0, 1.0, 1.0, float("nan"), 1.0, 1.0])
+    assert report["train/nonfinite/count"] == {"train/loss": 1.0}
+    assert report["train/nonfinite/first_rank"] == {"train/loss": 0.0}
+    assert report["train/nonfinite/first_step"] == {"train/loss": 3.0}
 
 
 def test_losses_are_watched_by_default_and_unknown_paths_are_refused() -> None:
