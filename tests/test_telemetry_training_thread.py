@@ -162,3 +162,23 @@ def test_a_step_of_the_readme_loop_enters_few_library_functions() -> None:
     a phase cost its two `with` calls and the flush lost its per-entry calls (75 then)."""
     calls = _library_calls_of_a_step()
     assert sum(calls.values()) <= 82, sorted(calls.items(), key=lambda item: -item[1])
+
+
+def test_a_step_and_a_window_step_of_the_readme_loop_cost_the_training_thread_few_ops() -> None:
+    """On the CPU: the updates' own kernels and the staged flush a step; a window step adds the
+    snapshot and the reset (the signals' host values ride the flush: their maxima folded in host
+    memory, the sentinel's rank marked from its counts read there). 12 / 17 before the staged path,
+    10 / 15 before the window's maxima and the sentinel's mark lost their ops."""
+    loop, every = ReadmeLoop(), 2
+    telemetry = tt.Telemetry(loop.metrics, every=every, phases=PHASES, window_lines=False)
+    plain, windows = [], []
+    try:
+        for index in range(12 * every):
+            with OpCounter() as counter:
+                loop.step(telemetry, index)
+            if index >= 2 * every:
+                ops = sum(counter.ops.values()) - counter.ops["aten.lift_fresh.default"]  # the loop's own
+                (windows if index % every == every - 1 else plain).append(ops)  # torch.tensor(grad norm)
+    finally:
+        telemetry.close()
+    assert max(plain) <= 10 and max(windows) <= 12, (plain, windows)

@@ -174,6 +174,41 @@ def test_an_entry_staged_by_index_lands_where_indexing_puts_it_and_other_indices
     torch.testing.assert_close(metric.sums.local, reference.sums.local, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("count", [3, 40], ids=["folded in host memory", "past HOST_FOLDS: one op"])
+def test_maxima_and_minima_of_python_numbers_end_as_one_by_one_nan_winning(count: int) -> None:
+    """On the CPU a few Python numbers (a signal's host values, folded by the accumulator: a metric's
+    `update` makes a tensor of them) are folded into the MAX buffer in host memory, no op; more by
+    `scatter_reduce_`: either way the states are the unbound ones, bit for bit, NaN winning wherever
+    it comes, +-inf and integers as float64 takes them."""
+    numbers = [2.5, -math.inf, 7, float("nan"), 1e308, -3, math.inf, 2**53 + 1, 0.1]
+    metrics = {"max": tt.MaxMetric(), "min": tt.MinMetric(), "clean": tt.MaxMetric()}
+    reference = {name: type(metric)() for name, metric in metrics.items()}
+    collector = AsyncMetricCollector(metrics).bind()
+    try:
+        for at, value in enumerate(numbers):
+            with OpCounter() as counter:
+                for name in ("max", "min"):
+                    for _ in range(count // 2):
+                        metrics[name].extremum.update(value)
+                        reference[name].extremum.update(value)
+                metrics["clean"].extremum.update(float(at))
+                reference["clean"].extremum.update(float(at))
+                collector.apply_staged()
+            assert ("aten.scatter_reduce_.two" in counter.ops) == (count > 16), counter.ops
+            for name, metric in metrics.items():
+                torch.testing.assert_close(
+                    metric.accumulators["extremum"].local,
+                    reference[name].accumulators["extremum"].local,
+                    rtol=0,
+                    atol=0,
+                    equal_nan=True,
+                    msg=f"{name} after {numbers[: at + 1]}",
+                )
+    finally:
+        collector.unbind()
+    assert math.isnan(metrics["max"].compute().item()) and metrics["clean"].compute().item() == 8.0
+
+
 def test_a_stage_past_its_bound_is_applied_without_a_step(monkeypatch: pytest.MonkeyPatch) -> None:
     import torchtelemetry.metric._staging as staging
 

@@ -142,7 +142,8 @@ class BoundStorage:
         layout = window.layout
         local = slot_holding(layout, window.local_tensors())
         places = [layout.offset(index) for index in range(len(window.accumulators))]
-        stage = UpdateStage(local.buffers, {place: layout.names[index] for index, place in enumerate(places)})
+        names = {place: layout.names[index] for index, place in enumerate(places)}
+        stage = UpdateStage(local.buffers, names, local.host)
         accumulator: MetricAccumulator
         views = layout.views(local.buffers)
         for accumulator, view, (key, offset) in zip(window.accumulators, views, places, strict=False):

@@ -103,6 +103,16 @@ class MetricAccumulator:
         self.apply_staged()
         return self._local
 
+    def host_entries(self) -> memoryview | None:
+        """On the CPU, the local state's entries (flattened, staged updates applied) as Python reads
+        them: the host memory of the collector's buffer, no tensor op; None for a state on a device
+        or not kept in a bound collector's float64 buffer."""
+        rows = self._rows
+        if rows is None or rows.part.host is None:
+            return None
+        rows.part.flush()
+        return rows.part.host[self._at : self._at + self._local.numel()]
+
     @property
     def stage(self) -> UpdateStage | None:
         """The stage this state's updates go to (None: they run at once)."""

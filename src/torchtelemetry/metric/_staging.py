@@ -9,8 +9,10 @@ dtype), the Python numbers come as one host row (written in place on the CPU, on
 the two rows of the sums are multiplied (value x weight; x 1 for a plain add, x 0 for a non-finite
 count, whose NaN marks the count: on the CPU the count is read in host memory instead, no op), and
 one `index_add_` adds them into the SUM buffer;
-`scatter_reduce_` folds the maxima and minima into the MAX buffer. Float64 arithmetic in the order
-the updates came, so the states are the ones the updates would have made one by one.
+`scatter_reduce_` folds the maxima and minima into the MAX buffer (on the CPU, up to `HOST_FOLDS`
+Python numbers are folded in its host memory instead, no op: a window's host values). Float64
+arithmetic in the order the updates came, so the states are the ones the updates would have made one
+by one.
 
 Not staged (the update runs at once, as without a collector): inside `torch.compile` or a CUDA
 graph capture (the update belongs in the graph), states that are not float64, operands that are not
@@ -38,6 +40,8 @@ COUNTED_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.
 """Dtypes of the 0-d tensors whose non-finite count is staged (the others are counted at once)."""
 MAX_STAGED = 4096
 """Entries staged before a flush runs at once (a loop that never calls `Telemetry.step()`)."""
+HOST_FOLDS = 16
+"""Python numbers folded into a CPU buffer's maxima or minima in host memory (more: one op)."""
 _STAGED = torch.float64
 
 
@@ -47,9 +51,13 @@ class StagePart:
 
     rows: tuple[StagedRows, ...]
 
-    def __init__(self, stage: UpdateStage, buffer: torch.Tensor, names: list[tuple[int, str]]) -> None:
+    def __init__(
+        self, stage: UpdateStage, buffer: torch.Tensor, names: list[tuple[int, str]], host: memoryview | None
+    ) -> None:
         self.stage = stage
         self.buffer = buffer
+        self.host = host
+        """On the CPU, the buffer's memory as Python writes it (None: a device, or not at hand)."""
         self._names = sorted(names)
 
     def _new_rows(self, count: int) -> StagedRows:
@@ -118,8 +126,10 @@ class _Sums(StagePart):
     marked by its offset's complement (`~offset`, negative); on the CPU the staged values are host
     memory, and a count's row becomes (1 or 0, 1) there, read in place (no op)."""
 
-    def __init__(self, stage: UpdateStage, buffer: torch.Tensor, names: list[tuple[int, str]]) -> None:
-        super().__init__(stage, buffer, names)
+    def __init__(
+        self, stage: UpdateStage, buffer: torch.Tensor, names: list[tuple[int, str]], host: memoryview | None
+    ) -> None:
+        super().__init__(stage, buffer, names, host)
         self._sums = self._new_rows(2)
         self.rows = (self._sums,)
 
@@ -151,10 +161,13 @@ class _Sums(StagePart):
 
 class _Extrema(StagePart):
     """Maxima and minima (the MIN states sit, not negated, in the MAX buffer): one row each, folded
-    by `scatter_reduce_` (NaN wins, as `torch.maximum` lets it)."""
+    by `scatter_reduce_` (NaN wins, as `torch.maximum` lets it). On the CPU a few Python numbers (a
+    window's host values: peak memory, a rank's mark) are folded in host memory instead, no op."""
 
-    def __init__(self, stage: UpdateStage, buffer: torch.Tensor, names: list[tuple[int, str]]) -> None:
-        super().__init__(stage, buffer, names)
+    def __init__(
+        self, stage: UpdateStage, buffer: torch.Tensor, names: list[tuple[int, str]], host: memoryview | None
+    ) -> None:
+        super().__init__(stage, buffer, names, host)
         self._maxima = self._new_rows(1)
         self._minima = self._new_rows(1)
         self.rows = (self._maxima, self._minima)
@@ -164,17 +177,36 @@ class _Extrema(StagePart):
 
     def apply(self) -> None:
         for reduce, rows in (("amax", self._maxima), ("amin", self._minima)):
-            if rows.marks:
-                (values,), offsets, _ = rows.gather(self.constant)
-                self.buffer.scatter_reduce_(0, offsets, values, reduce)
+            if not rows.marks:
+                continue
+            if self.host is not None and not rows.tensors and len(rows.marks) <= HOST_FOLDS:
+                _fold_in_place(self.host, rows.marks, rows.slots[1::2], larger=reduce == "amax")
+                continue
+            (values,), offsets, _ = rows.gather(self.constant)
+            self.buffer.scatter_reduce_(0, offsets, values, reduce)
+
+
+def _fold_in_place(host: memoryview, offsets: list[int], values: list[float], *, larger: bool) -> None:
+    """Fold each of `values` into `host` at its offset, in order: the larger (else the smaller) of the
+    two, NaN wherever either is NaN (`scatter_reduce_`'s amax / amin, in float64)."""
+    for offset, value in zip(offsets, values, strict=True):
+        current = host[offset]
+        if value != value or (value > current if larger else value < current):  # value != value: NaN
+            host[offset] = value
 
 
 class UpdateStage:
     """The staged updates of the metrics whose states live in `buffers` (a collector's flat buffers,
     by bucket): float64 buckets are staged, others updated at once. `names` gives the state at each
-    (bucket, offset) for error messages. Updated and flushed on the thread that built it."""
+    (bucket, offset) for error messages; `host`, on the CPU, each float64 buffer's memory as Python
+    writes it (`Slot.host`). Updated and flushed on the thread that built it."""
 
-    def __init__(self, buffers: Mapping[BucketKey, torch.Tensor], names: Mapping[tuple[BucketKey, int], str]):
+    def __init__(
+        self,
+        buffers: Mapping[BucketKey, torch.Tensor],
+        names: Mapping[tuple[BucketKey, int], str],
+        host: Mapping[BucketKey, memoryview] | None = None,
+    ):
         self._parts: dict[BucketKey, StagePart] = {}
         self.thread = threading.get_ident()
         """The thread that stages and flushes (the metrics' training thread)."""
@@ -183,7 +215,7 @@ class UpdateStage:
                 continue
             named = [(offset, name) for (owner, offset), name in names.items() if owner == key]
             part = _Sums if key.reduce_op is ReduceOp.SUM else _Extrema
-            self._parts[key] = part(self, buffer, named)
+            self._parts[key] = part(self, buffer, named, None if host is None else host.get(key))
         self._in_order = tuple(self._parts.values())
 
     def part(self, key: BucketKey) -> StagePart | None:

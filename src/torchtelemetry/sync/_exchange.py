@@ -48,6 +48,9 @@ class Slot:
     buffers: dict[BucketKey, torch.Tensor]
     rows: torch.Tensor | None
     """This slot's own gather buffer (`world_size` rows of the slot), else the exchange's shared one."""
+    host: dict[BucketKey, memoryview] | None = None
+    """On the CPU, for `slot_holding`'s slots: each float64 bucket's memory as Python writes it (the
+    same bytes as its buffer)."""
 
 
 def _aligned(nbytes: int) -> int:
@@ -71,13 +74,23 @@ def slot_holding(layout: BucketLayout, tensors: list[torch.Tensor]) -> Slot:
     storage laid out as every slot of `layout` is, so that one copy of its bytes fills a slot."""
     regions, slot_bytes = slot_regions(layout)
     device = tensors[0].device if tensors else torch.device("cpu")
-    data = torch.zeros(slot_bytes, dtype=torch.uint8, device=device)
+    host = None
+    if device.type == "cpu":  # host memory Python writes as well (`Slot.host`)
+        memory = memoryview(bytearray(slot_bytes))
+        data = torch.frombuffer(memory, dtype=torch.uint8)
+        host = {
+            key: memory[start : start + nbytes].cast("d")
+            for key, (start, nbytes, dtype) in regions.items()
+            if dtype == torch.float64
+        }
+    else:
+        data = torch.zeros(slot_bytes, dtype=torch.uint8, device=device)
     buffers = {
         key: data[start : start + nbytes].view(dtype) for key, (start, nbytes, dtype) in regions.items()
     }
     for key, packed in layout.storage(tensors).items():
         buffers[key].copy_(packed)
-    return Slot(data, buffers, None)
+    return Slot(data, buffers, None, host)
 
 
 def _per_bucket(bucket_bytes: list[int], world_size: int) -> WindowCost:

@@ -84,19 +84,19 @@ class NonFiniteCounts(Metric):
     def flush(self) -> None:
         """Add the host counts; mark this rank in `first_rank` where it saw any (the window's local
         state starts at +inf, and only this rank writes to it): on the CPU the counts are read in host
-        memory and the marks staged with the window's other host values (no op of its own); on a
-        device by one `where` over the counts (no host read)."""
+        memory (a bound collector's buffer) and the marks staged with the window's other host values
+        (no op of its own); on a device by one `where` over the counts (no host read)."""
         for index, count in enumerate(self._host):
             if count:
                 self.counts.add_at(index, count)
         self._host = [0] * len(self._host)
-        counts = self.counts.local
-        if counts.is_cpu:
-            for index, count in enumerate(counts.tolist()):
-                if count > 0:
-                    self.first_rank.update_at(index, float(self.rank))
-        else:
-            torch.where(counts > 0, self._seen_by, self._unseen, out=self.first_rank.local)
+        counts = self.counts.host_entries()
+        if counts is None:
+            torch.where(self.counts.local > 0, self._seen_by, self._unseen, out=self.first_rank.local)
+            return
+        for index, count in enumerate(counts):
+            if count > 0:
+                self.first_rank.update_at(index, float(self.rank))
 
     def configuration(self) -> dict[str, Any]:
         """The paths: ranks must watch the same ones (any order: the sentinel sorts them)."""
