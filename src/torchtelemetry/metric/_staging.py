@@ -40,7 +40,7 @@ COUNTED_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.
 """Dtypes of the 0-d tensors whose non-finite count is staged (the others are counted at once)."""
 MAX_STAGED = 4096
 """Entries staged before a flush runs at once (a loop that never calls `Telemetry.step()`)."""
-HOST_FOLDS = 16
+HOST_FOLDS = 32
 """Python numbers folded into a CPU buffer's maxima or minima in host memory (more: one op)."""
 _STAGED = torch.float64
 
