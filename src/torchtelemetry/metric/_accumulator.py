@@ -108,10 +108,10 @@ class MetricAccumulator:
         them: the host memory of the collector's buffer, no tensor op; None for a state on a device
         or not kept in a bound collector's float64 buffer."""
         rows = self._rows
-        if rows is None or rows.part.host is None:
+        if rows is None or rows.part.buffer_memory is None:
             return None
         rows.part.flush()
-        return rows.part.host[self._at : self._at + self._local.numel()]
+        return rows.part.buffer_memory[self._at : self._at + self._local.numel()]
 
     @property
     def stage(self) -> UpdateStage | None:

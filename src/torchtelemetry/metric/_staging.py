@@ -56,8 +56,9 @@ class StagePart:
     ) -> None:
         self.stage = stage
         self.buffer = buffer
-        self.host = host
-        """On the CPU, the buffer's memory as Python writes it (None: a device, or not at hand)."""
+        self.buffer_memory = host
+        """On the CPU, the buffer's memory as Python writes it (None: a device, or not at hand); not the
+        staged rows' host block (`StagedRows.gather`)."""
         self._names = sorted(names)
 
     def _new_rows(self, count: int) -> StagedRows:
@@ -179,8 +180,8 @@ class _Extrema(StagePart):
         for reduce, rows in (("amax", self._maxima), ("amin", self._minima)):
             if not rows.marks:
                 continue
-            if self.host is not None and not rows.tensors and len(rows.marks) <= HOST_FOLDS:
-                _fold_in_place(self.host, rows.marks, rows.slots[1::2], larger=reduce == "amax")
+            if self.buffer_memory is not None and not rows.tensors and len(rows.marks) <= HOST_FOLDS:
+                _fold_in_place(self.buffer_memory, rows.marks, rows.slots[1::2], larger=reduce == "amax")
                 continue
             (values,), offsets, _ = rows.gather(self.constant)
             self.buffer.scatter_reduce_(0, offsets, values, reduce)

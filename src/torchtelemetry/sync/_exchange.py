@@ -191,7 +191,7 @@ class WindowExchange:
         buffers = slot.buffers
         if self.gathered:
             buffers = {}
-            for key, (per_rank, out) in self._sums(self._rows(slot)).items():
+            for key, (per_rank, out) in self._reductions_of(self._rows(slot)).items():
                 if key.reduce_op is ReduceOp.SUM:
                     torch.sum(per_rank, 0, dtype=out.dtype, out=out)
                 else:
@@ -199,7 +199,7 @@ class WindowExchange:
                 buffers[key] = out
         return buffers if self.group is None else self.layout.negate_min_(buffers)
 
-    def _sums(self, rows: torch.Tensor) -> dict[BucketKey, tuple[torch.Tensor, torch.Tensor]]:
+    def _reductions_of(self, rows: torch.Tensor) -> dict[BucketKey, tuple[torch.Tensor, torch.Tensor]]:
         """Each bucket's per-rank view of `rows` and the buffer it is reduced into, made once per rows
         (held with them, so that the id stays theirs)."""
         found = self._reductions.get(id(rows))
