@@ -320,8 +320,8 @@ class WindowPlan:
 
         Raises `WindowMismatchError` if the ranks' steps differ."""
         out: list[Any] = [None] * len(self.named)
+        packed = tuple(self._packed_last.values())  # at once: another thread may pack meanwhile
         for part_flat, part in (flat, placement), *(() if custom is None else (custom,)):
-            packed = tuple(self._packed_last.values())  # at once: another thread may pack meanwhile
             parts = next((p.parts for p in packed if p.flat is part_flat), None)
             steps = place(out, part_flat, part, parts)
             if steps is not None:
