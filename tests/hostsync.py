@@ -39,8 +39,16 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from tests.ops import TorchDispatchMode
+from torchtelemetry.metric._aggregation import _any_negative
+from torchtelemetry.metric._inputs import UpdateInputs
+from torchtelemetry.metric._staged_rows import StagedRows
 
-__all__ = ["HostSyncError", "NoHostSync"]
+__all__ = ["CPU_ONLY_READS", "HostSyncError", "NoHostSync"]
+
+CPU_ONLY_READS = (_any_negative, UpdateInputs._ready_scalars, StagedRows.numbers)
+"""The library's reads of values that run on the CPU only, by design (a device skips them): the
+counters' check for negative values, the check of Python-ready scalars, and a staged flush applied
+in host memory. `NoHostSync(exempt=CPU_ONLY_READS)` on CPU tensors checks everything else."""
 
 _READS = {
     "item",

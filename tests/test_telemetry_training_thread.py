@@ -14,12 +14,10 @@ from typing import Any
 import torch
 
 import torchtelemetry as tt
-from tests.hostsync import NoHostSync
+from tests.hostsync import CPU_ONLY_READS, NoHostSync
 from tests.ops import OpCounter
 from tests.readme_loop import PHASES, ReadmeLoop
 from tests.step_inputs import step_inputs
-from torchtelemetry.metric._aggregation import _any_negative  # the CPU-only checks, exempt by design
-from torchtelemetry.metric._inputs import UpdateInputs
 from torchtelemetry.report.signals import check_count  # step(tokens=)'s, CPU-only as well
 
 EVERY = 2
@@ -102,9 +100,10 @@ def test_the_collectors_ring_has_the_telemetrys_max_pending_slots() -> None:
 
 def test_step_in_steady_state_never_syncs_the_device() -> None:
     """Every read of a value on the training thread inside `step()` counts (the tensors are on the CPU
-    here, so the detector cannot tell host data from device data), except the counters' check for
-    negative values and `step(tokens=)`'s check of its counts, which only run on the CPU
-    (tests/metric/test_no_host_sync.py runs `update()` on a device without it)."""
+    here, so the detector cannot tell host data from device data), except the reads that only run on
+    the CPU (`CPU_ONLY_READS`: the counters' check for negative values, a flush applied in host
+    memory) and `step(tokens=)`'s check of its counts (tests/metric/test_no_host_sync.py runs
+    `update()` on a device without them)."""
     metrics = {
         "loss": tt.WeightedMeanMetric(),
         "accuracy": tt.AccuracyMetric(),
@@ -119,7 +118,7 @@ def test_step_in_steady_state_never_syncs_the_device() -> None:
             metrics["loss"].update(torch.tensor(2.0), 512)
             metrics["accuracy"].update(torch.randn(4, 3), torch.tensor([0, 1, 2, 0]))
             metrics["grad_norm"].update(torch.tensor(1.5))
-            with NoHostSync(exempt=[_any_negative, UpdateInputs._ready_scalars, check_count]):
+            with NoHostSync(exempt=[*CPU_ONLY_READS, check_count]):
                 with telemetry.data_wait():
                     pass
                 telemetry.step(step, **step_inputs(tokens=torch.tensor(512), samples=4, learning_rate=0.1))

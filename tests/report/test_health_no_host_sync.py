@@ -9,11 +9,9 @@ import pytest
 import torch
 
 import torchtelemetry as tt
-from tests.hostsync import NoHostSync
+from tests.hostsync import CPU_ONLY_READS, NoHostSync
 from tests.metric.examples import PATHS, on_path
 from tests.report.windows import context
-from torchtelemetry.metric._aggregation import _any_negative  # the CPU-only checks, exempt by design
-from torchtelemetry.metric._inputs import UpdateInputs
 from torchtelemetry.report.signals import (
     MemoryHealth,
     NonFiniteSentinel,
@@ -76,7 +74,7 @@ def test_a_training_step_with_phases_and_the_sentinel_never_reads_a_value_on_cpu
             telemetry.step(step)
         value, tokens = torch.tensor(float("nan")), torch.tensor(512)
         for step in range(4, 24):
-            with NoHostSync(exempt=[_any_negative, UpdateInputs._ready_scalars]):
+            with NoHostSync(exempt=CPU_ONLY_READS):
                 with telemetry.data_wait():
                     pass
                 with telemetry.phase("forward"):

@@ -82,9 +82,10 @@ class StagedRows:
     def add(self, marks: tuple[int, ...], operands: tuple[Any, ...]) -> bool:
         """Stage the entries `marks`, whose operands are `operands` (`count` each, in order), all or
         none. False, and nothing staged, when one cannot be staged now: an operand is neither a Python
-        number (not a bool) nor a 0-d tensor of a `STAGED_DTYPES` dtype on the buffer's device outside
-        autograd; or while compiling or capturing a CUDA graph (the update belongs in the graph); or
-        once the stage closed. Past `limit` entries the part is applied at once."""
+        number (not a bool) nor a 0-d `torch.Tensor` (not a subclass) of a `STAGED_DTYPES` dtype on
+        the buffer's device outside autograd; or while compiling or capturing a CUDA graph (the
+        update belongs in the graph); or once the stage closed. Past `limit` entries the part is
+        applied at once."""
         if not self.open or _is_compiling() or (self._cuda and _capturing()):
             return False
         slots, tensors, versions = self.slots, self.tensors, self.versions
@@ -93,7 +94,7 @@ class StagedRows:
             if type(operand) in _NUMBERS:
                 slots += (None, operand)
             elif (
-                isinstance(operand, _TENSOR)
+                type(operand) is _TENSOR  # not a subclass: its own dispatch decides what its ops do
                 and (dtype := operand.dtype) in STAGED_DTYPES
                 and not (operand.requires_grad or operand.dim())
                 and (operand.is_cpu if self._cpu else operand.device == self.device)
@@ -109,6 +110,18 @@ class StagedRows:
         if len(staged) >= self.limit:
             self.part.flush()
         return True
+
+    def numbers(self) -> list[Any]:
+        """Every staged operand as a Python number, in order (entry i's from `i * count`): a staged
+        tensor is read in its memory (`tolist`: no op), so only for CPU rows."""
+        values = self.slots[1::2]
+        if not self.tensors:
+            return values
+        tensors = iter(self.tensors)
+        return [
+            value if kind is None else next(tensors).tolist()
+            for kind, value in zip(self.slots[0::2], values, strict=True)
+        ]
 
     def changed(self) -> list[int]:
         """Marks of the entries whose staged tensor was modified in place since it was staged."""

@@ -8,11 +8,12 @@ metrics were updated: the staged tensors are copied into float64 rows (one `_for
 dtype), the Python numbers come as one host row (written in place on the CPU, one copy to a device),
 the two rows of the sums are multiplied (value x weight; x 1 for a plain add, x 0 for a non-finite
 count, whose NaN marks the count: on the CPU the count is read in host memory instead, no op), and
-one `index_add_` adds them into the SUM buffer;
-`scatter_reduce_` folds the maxima and minima into the MAX buffer (on the CPU, up to `HOST_FOLDS`
-Python numbers are folded in its host memory instead, no op: a window's host values). Float64
-arithmetic in the order the updates came, so the states are the ones the updates would have made one
-by one.
+one `index_add_` adds them into the SUM buffer; `scatter_reduce_` folds the maxima and minima into
+the MAX buffer. On the CPU a part of up to `HOST_FOLDS` entries is applied in the buffer's memory
+instead, no op: each staged tensor read there (`tolist`), the same float64 products, sums and
+comparisons in Python (a launch-bound step's few updates; more entries cost fewer CPU cycles as ops).
+Float64 arithmetic in the order the updates came, so the states are the ones the updates would have
+made one by one.
 
 Not staged (the update runs at once, as without a collector): inside `torch.compile` or a CUDA
 graph capture (the update belongs in the graph), states that are not float64, operands that are not
@@ -41,7 +42,8 @@ COUNTED_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.
 MAX_STAGED = 4096
 """Entries staged before a flush runs at once (a loop that never calls `Telemetry.step()`)."""
 HOST_FOLDS = 32
-"""Python numbers folded into a CPU buffer's maxima or minima in host memory (more: one op)."""
+"""Entries of a CPU buffer's part applied in its host memory by Python float64 arithmetic (more: by
+ops, as on a device)."""
 _STAGED = torch.float64
 
 
@@ -125,7 +127,8 @@ class _Sums(StagePart):
     """Sums: rows (value, factor) added as value x factor at their offsets by one `index_add_`.
     A non-finite count stages its value with factor 0 (x * 0 is NaN exactly when x is not finite),
     marked by its offset's complement (`~offset`, negative); on the CPU the staged values are host
-    memory, and a count's row becomes (1 or 0, 1) there, read in place (no op)."""
+    memory, and a count's row becomes (1 or 0, 1) there, read in place (no op). On the CPU up to
+    `HOST_FOLDS` entries are added in the buffer's memory instead (`_add_in_place`: no op)."""
 
     def __init__(
         self, stage: UpdateStage, buffer: torch.Tensor, names: list[tuple[int, str]], host: memoryview | None
@@ -138,7 +141,11 @@ class _Sums(StagePart):
         return self._sums
 
     def apply(self) -> None:
-        (values, factors), (offsets, counted), host = self._sums.gather(self._prepare)
+        rows = self._sums
+        if self.buffer_memory is not None and len(rows.marks) <= HOST_FOLDS:
+            _add_in_place(self.buffer_memory, rows.marks, rows.numbers())
+            return
+        (values, factors), (offsets, counted), host = rows.gather(self._prepare)
         if host is not None:  # the CPU: each count's row, (x, 0) -> (1 or 0, 1), in host memory
             for slot in counted:
                 host[slot], host[slot + 1] = 0.0 if math.isfinite(host[slot]) else 1.0, 1.0
@@ -162,8 +169,8 @@ class _Sums(StagePart):
 
 class _Extrema(StagePart):
     """Maxima and minima (the MIN states sit, not negated, in the MAX buffer): one row each, folded
-    by `scatter_reduce_` (NaN wins, as `torch.maximum` lets it). On the CPU a few Python numbers (a
-    window's host values: peak memory, a rank's mark) are folded in host memory instead, no op."""
+    by `scatter_reduce_` (NaN wins, as `torch.maximum` lets it). On the CPU up to `HOST_FOLDS`
+    entries are folded in the buffer's memory instead (`_fold_in_place`: no op)."""
 
     def __init__(
         self, stage: UpdateStage, buffer: torch.Tensor, names: list[tuple[int, str]], host: memoryview | None
@@ -180,11 +187,22 @@ class _Extrema(StagePart):
         for reduce, rows in (("amax", self._maxima), ("amin", self._minima)):
             if not rows.marks:
                 continue
-            if self.buffer_memory is not None and not rows.tensors and len(rows.marks) <= HOST_FOLDS:
-                _fold_in_place(self.buffer_memory, rows.marks, rows.slots[1::2], larger=reduce == "amax")
+            if self.buffer_memory is not None and len(rows.marks) <= HOST_FOLDS:
+                _fold_in_place(self.buffer_memory, rows.marks, rows.numbers(), larger=reduce == "amax")
                 continue
             (values,), offsets, _ = rows.gather(self.constant)
             self.buffer.scatter_reduce_(0, offsets, values, reduce)
+
+
+def _add_in_place(host: memoryview, marks: list[int], operands: list[Any]) -> None:
+    """Add each entry's value x factor (`operands`: two an entry) into `host` at its mark, in order,
+    in float64 (what `index_add_` of the products makes); an entry marked `~offset` (a non-finite
+    count) adds 1 at `offset` when its value is not finite."""
+    for mark, value, factor in zip(marks, operands[0::2], operands[1::2], strict=True):
+        if mark >= 0:
+            host[mark] += float(value) * float(factor)
+        elif not math.isfinite(value):
+            host[~mark] += 1.0
 
 
 def _fold_in_place(host: memoryview, offsets: list[int], values: list[float], *, larger: bool) -> None:
