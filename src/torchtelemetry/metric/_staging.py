@@ -11,15 +11,15 @@ count, whose NaN marks the count: on the CPU the count is read in host memory in
 one `index_add_` adds them into the SUM buffer; `scatter_reduce_` folds the maxima and minima into
 the MAX buffer. On the CPU a part of up to `HOST_FOLDS` entries is applied in the buffer's memory
 instead, no op: each staged tensor read there (`tolist`), the same float64 products, sums and
-comparisons in Python (a launch-bound step's few updates; more entries cost fewer CPU cycles as ops).
+comparisons in Python (a launch-bound step's few updates; more take the ops, the device's path).
 Float64 arithmetic in the order the updates came, so the states are the ones the updates would have
 made one by one.
 
 Not staged (the update runs at once, as without a collector): inside `torch.compile` or a CUDA
 graph capture (the update belongs in the graph), states that are not float64, operands that are not
-a Python number or a 0-d tensor of a real dtype on the state's device outside autograd. A staged
-tensor is read at the flush: modified in place in between, the flush raises naming the state
-(docs/metrics.md, "Staged updates").
+a Python number or a 0-d `torch.Tensor` (not a subclass) of a real dtype on the state's device
+outside autograd. A staged tensor is read at the flush: modified in place in between, the flush
+raises naming the state (docs/metrics.md, "Staged updates").
 """
 
 from __future__ import annotations
