@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import math
 import os
 import pathlib
 import shutil
@@ -56,7 +57,10 @@ def counted(name: str, size: int | None, steps: int, every: int, folder: pathlib
     if done.returncode != 0:
         raise RuntimeError(f"{name}, {steps} steps: valgrind exited {done.returncode}: {done.stderr[-2000:]}")
     training = other = 0
-    for part in folder.glob(f"{out.name}-*"):
+    parts = list(folder.glob(f"{out.name}-*"))
+    if not any(part.name.endswith("-01") for part in parts):
+        raise RuntimeError(f"{name}, {steps} steps: valgrind wrote no count of the training thread")
+    for part in parts:
         totals = [line for line in part.read_text().splitlines() if line.startswith("totals:")]
         instructions = int(totals[0].split()[1])
         if part.name.endswith("-01"):
@@ -67,9 +71,14 @@ def counted(name: str, size: int | None, steps: int, every: int, folder: pathlib
 
 
 def measure(size: int | None, args: argparse.Namespace) -> dict[str, tuple[float, float]]:
-    """Per contestant: instructions per step on the training thread, and per window on the others."""
-    chosen = set(args.only or bench_launches.contestants(size, args.every)) | {FLOOR}
-    names = [name for name in bench_launches.contestants(size, args.every) if name in chosen]
+    """Per contestant: instructions per step on the training thread, and per window on the others
+    (NaN when no window came within the runs' steps)."""
+    all_names = list(bench_launches.contestants(size, args.every))
+    unknown = sorted(set(args.only) - set(all_names))
+    if unknown:
+        raise SystemExit(f"bench_instructions: no contestant {unknown}; there are {all_names}")
+    chosen = set(args.only or all_names) | {FLOOR}
+    names = [name for name in all_names if name in chosen]
     runs = [(name, steps) for name in names for steps in (args.steps, 3 * args.steps)]
     with tempfile.TemporaryDirectory() as folder, concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
         futures = {
@@ -80,7 +89,8 @@ def measure(size: int | None, args: argparse.Namespace) -> dict[str, tuple[float
     results = {}
     for name in names:
         (short, short_other), (long, long_other) = totals[name, args.steps], totals[name, 3 * args.steps]
-        results[name] = ((long - short) / (2 * args.steps), (long_other - short_other) / max(windows, 1))
+        per_window = (long_other - short_other) / windows if windows else math.nan
+        results[name] = ((long - short) / (2 * args.steps), per_window)
     return results
 
 
@@ -108,7 +118,8 @@ def main() -> None:
         print("| contestant | instructions per step | vs floor | other threads' instructions per window |")
         print("|---|---|---|---|")
         for name, (per_step, per_window) in results.items():
-            print(f"| {name} | {per_step:,.0f} | {per_step / floor:.3f}x | {max(per_window, 0.0):,.0f} |")
+            background = "-" if math.isnan(per_window) else f"{max(per_window, 0.0):,.0f}"
+            print(f"| {name} | {per_step:,.0f} | {per_step / floor:.3f}x | {background} |")
 
 
 if __name__ == "__main__":
