@@ -149,3 +149,31 @@ def test_compiled_training_step_keeps_updating_the_same_state() -> None:
     assert metrics["tokens"].total.local.item() == expected_tokens
     assert metrics["max"].extremum.local.item() == expected_max
     assert {name: acc.local.data_ptr() for name, acc in named_accumulators(metrics).items()} == storage
+
+
+@pytest.mark.parametrize(
+    ("options", "target", "counted"),
+    [
+        ({}, [1, 3, 2, -1], (2.0, 2.0)),
+        ({"ignore_index": -100}, [1, -100, 2, 7], (2.0, 2.0)),
+        ({"ignore_index": 1}, [1, 0, 2, 5], (2.0, 2.0)),  # target 1 is the argmax, and ignored
+        ({"nan_policy": "ignore"}, [1, 0, 2, 0], (3.0, 3.0)),  # the NaN is its argmax: a hit, skipped
+    ],
+    ids=["labels out of range", "ignore_index no class", "ignore_index a class", "NaN logits ignored"],
+)
+def test_a_compiled_accuracy_masks_labels_as_a_device_does(
+    options: dict[str, Any], target: list[int], counted: tuple[float, float]
+) -> None:
+    """Compiled, accuracy never reads its labels (as on a device): a label outside the classes or
+    equal to `ignore_index` counts for nothing, nor does a sample whose logits are not all finite
+    under nan_policy="ignore". Top-1 hits of logits skip the mask's `&` where no mask can drop one
+    (device ops: tests/metric/test_metrics.py); these cases hold where it must stay."""
+    torch.compiler.reset()
+    logits = torch.tensor(
+        [[0.1, 2.0, 0.3], [1.5, 0.2, 0.4], [0.3, 0.1, 0.9], [0.2, 0.8, 0.5]]
+    )  # argmax 1 0 2 1
+    if options.get("nan_policy") == "ignore":
+        logits[3, 0] = float("nan")
+    metric = tt.AccuracyMetric(**options)
+    torch.compile(metric.update, fullgraph=True, backend="aot_eager")(logits, torch.tensor(target))
+    assert (metric.correct.local.item(), metric.total.local.item()) == counted

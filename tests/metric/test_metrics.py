@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import numpy as np
 import pytest
@@ -10,6 +11,7 @@ import torch
 
 import torchtelemetry as tt
 from tests.metric.examples import EXAMPLES, PATHS, build, feed, on_path
+from tests.ops import OpCounter
 from tests.trees import pytree
 
 
@@ -182,6 +184,27 @@ def test_accuracy_from_logits(top_k: int, ignore_index: int | None) -> None:
         all_targets.append(target)
     expected = _topk_accuracy(np.concatenate(all_logits), np.concatenate(all_targets), top_k, ignore_index)
     assert computed(metric).item() == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("options", "ands"),
+    [({}, 0), ({"ignore_index": -100}, 1), ({"ignore_index": 0}, 2), ({"nan_policy": "ignore"}, 2)],
+    ids=["plain", "ignore_index no class", "ignore_index a class", "NaN logits ignored"],
+)
+def test_accuracy_from_logits_on_a_device_masks_hits_only_where_a_mask_can_drop_one(
+    options: dict[str, Any], ands: int
+) -> None:
+    """On a device (meta: no data, the ops a GPU launches) out-of-range labels are masked, not read.
+    A top-1 hit is a label equal to a class index, which only an ignore_index that is a class or the
+    NaN mask can drop: otherwise the hits are summed without the mask's `&` (one launch fewer; the
+    other `&` joins the ignore_index or NaN mask to the range mask). The counts these give:
+    tests/collect/test_compile.py, which masks on the CPU as a device does."""
+    metric = tt.AccuracyMetric(**options).to("meta")
+    logits, target = torch.zeros(8, 5, device="meta"), torch.zeros(8, dtype=torch.int64, device="meta")
+    with OpCounter() as counter:
+        metric.update(logits, target)
+    assert counter.ops["aten.bitwise_and.Tensor"] == ands, counter.ops
+    assert counter.ops["aten.argmax.default"] == 1 and counter.ops["aten.sum.default"] == 2, counter.ops
 
 
 def test_accuracy_from_labels() -> None:

@@ -162,10 +162,19 @@ class AccuracyMetric(_LabelledMetric):
             valid = finite if valid is None else valid & finite
         if valid is None:
             self.correct.add_with_count(hit.sum(dtype=self.correct.dtype), self.total, hit.numel())
-        else:
-            self.correct.add_with_count(
-                (hit & valid).sum(dtype=self.correct.dtype), self.total, valid.sum(dtype=self.total.dtype)
-            )
+            return
+        # A top-1 hit of logits is a label equal to a class index, which the range mask keeps, as does
+        # an ignore_index outside the classes: the `&` (a launch on a device) is needed only for the
+        # NaN mask and for an ignore_index that is a class.
+        if not (self.top_k == 1 and logits and finite is None and not self._ignores_a_class(num_classes)):
+            hit = hit & valid
+        self.correct.add_with_count(
+            hit.sum(dtype=self.correct.dtype), self.total, valid.sum(dtype=self.total.dtype)
+        )
+
+    def _ignores_a_class(self, num_classes: int | None) -> bool:
+        """Whether `ignore_index` names a class in [0, num_classes) (a label a prediction can equal)."""
+        return self.ignore_index is not None and (num_classes is None or 0 <= self.ignore_index < num_classes)
 
 
 class ConfusionMatrixMetric(_LabelledMetric):
