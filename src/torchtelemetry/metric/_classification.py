@@ -152,29 +152,27 @@ class AccuracyMetric(_LabelledMetric):
                 raise ValueError(f"{self.display_name()}: top_k={self.top_k} exceeds the {classes} classes")
             hit = preds.argmax(dim=-1) == target if self.top_k == 1 else _in_top_k(preds, target, self.top_k)
             num_classes: int | None = classes
+            # A top-1 hit is a label equal to a class index: the range mask keeps it, and so does an
+            # ignore_index that is no class (the `&` below is a launch on a device).
+            ignored = self.ignore_index
+            masks_keep_hits = self.top_k == 1 and (ignored is None or not 0 <= ignored < classes)
         elif self.top_k != 1:
             raise ValueError(f"{self.display_name()}: top_k={self.top_k} needs logits, got labels")
         else:
             num_classes = self.num_classes
             hit = preds == target
+            masks_keep_hits = False
         valid = self._valid(target, num_classes)
         if finite is not None:
             valid = finite if valid is None else valid & finite
         if valid is None:
             self.correct.add_with_count(hit.sum(dtype=self.correct.dtype), self.total, hit.numel())
             return
-        # A top-1 hit of logits is a label equal to a class index, which the range mask keeps, as does
-        # an ignore_index outside the classes: the `&` (a launch on a device) is needed only for the
-        # NaN mask and for an ignore_index that is a class.
-        if not (self.top_k == 1 and logits and finite is None and not self._ignores_a_class(num_classes)):
+        if finite is not None or not masks_keep_hits:  # the NaN mask drops hits too
             hit = hit & valid
         self.correct.add_with_count(
             hit.sum(dtype=self.correct.dtype), self.total, valid.sum(dtype=self.total.dtype)
         )
-
-    def _ignores_a_class(self, num_classes: int | None) -> bool:
-        """Whether `ignore_index` names a class in [0, num_classes) (a label a prediction can equal)."""
-        return self.ignore_index is not None and (num_classes is None or 0 <= self.ignore_index < num_classes)
 
 
 class ConfusionMatrixMetric(_LabelledMetric):
