@@ -94,12 +94,12 @@ def agree_on_start(
         return EveryRank(None, timeout_s, proposal)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     outcome = None if failure is None else f"{type(failure).__name__}: {failure}"
-    outcomes: list[tuple[str | None, object]] = [(None, None)] * world_size
     arrivals = _Arrivals(rank)
+    outcomes: list[tuple[str | None, object, int]] = [(None, None, 0)] * world_size
     try:
         group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
         try:
-            dist.all_gather_object(outcomes, (outcome, proposal), group=group)
+            dist.all_gather_object(outcomes, (outcome, proposal, arrivals.count), group=group)
         except BaseException:
             dist.destroy_process_group(group)
             raise
@@ -111,7 +111,7 @@ def agree_on_start(
             f"({type(error).__name__}: {error}); building it is collective: build it on every rank "
             "(only rank 0 exports), or raise timeout_s if some rank starts later"
         ) from (failure if failure is not None else error)
-    failed = {index: text for index, (text, _) in enumerate(outcomes) if text is not None}
+    failed = {index: text for index, (text, _, _) in enumerate(outcomes) if text is not None}
     if failure is not None or failed:
         dist.destroy_process_group(group)
     if failure is not None:
@@ -123,7 +123,8 @@ def agree_on_start(
             f"{op} (rank {rank} of {world_size}): could not start on every rank ({listed}); "
             "every rank stops here instead of training with part of the set-up"
         )
-    return EveryRank(group, timeout_s, outcomes[0][1])
+    _, agreed, started = outcomes[0]
+    return EveryRank(group, timeout_s, agreed, f"torchtelemetry/every_rank/{started}/spent")
 
 
 class _Arrivals:
@@ -135,44 +136,70 @@ class _Arrivals:
 
     def __init__(self, rank: int) -> None:
         self._store = dist.distributed_c10d._get_default_store()
-        self._count = self._store.add(self._KEY.format(rank), 1)
+        self.count = self._store.add(self._KEY.format(rank), 1)
+        """This rank's start-ups so far, this one included."""
 
     def missing(self, world_size: int) -> list[int]:
         """The ranks that have not come to this start-up (yet)."""
-        return [
-            peer for peer in range(world_size) if self._store.add(self._KEY.format(peer), 0) < self._count
-        ]
+        return [peer for peer in range(world_size) if self._store.add(self._KEY.format(peer), 0) < self.count]
 
 
 class EveryRank:
     """A gloo group of every rank with its own timeout (None without a process group): checks that
     every rank makes a collective call before anything waits on the training's own groups."""
 
-    def __init__(self, group: dist.ProcessGroup | None, timeout_s: float, agreed: object = None) -> None:
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        timeout_s: float,
+        agreed: object = None,
+        spent_key: str = "",
+    ) -> None:
         self._group = group
         self.timeout_s = timeout_s
         self.agreed = agreed
         """Global rank 0's proposal at start-up."""
+        self._spent_key = spent_key
+        """The default store's key that a rank whose check timed out sets (this group's own)."""
 
     def require(self, op: str) -> None:
         """Return once every rank has called this for `op`; raise a `RuntimeError` naming `op`
         within `timeout_s` otherwise, never a raw gloo error later.
 
-        A gloo group whose collective timed out is spent: after one such error every later call
-        raises at once, on every rank.
+        A gloo group whose collective timed out is spent: the rank where it timed out says so in the
+        default group's store, and every later call raises at once, on every rank (a rank that was
+        not part of the failed call does not wait out `timeout_s` on a peer that will not answer).
         """
         if self._group is None:
             return
+        self._raise_if_spent(op)
         try:
             timeout = datetime.timedelta(seconds=self.timeout_s)
             dist.monitored_barrier(group=self._group, timeout=timeout, wait_all_ranks=True)
         except RuntimeError as error:
+            self._mark_spent()
             raise RuntimeError(
                 f"{op} (rank {dist.get_rank()} of {dist.get_world_size()}): not every rank called it "
                 f"within timeout_s={self.timeout_s:g}s, or an earlier call did not reach every rank "
                 f"({error}); it is collective: call it on every rank at the same point (as "
                 "torch.distributed.checkpoint.save does), not on one rank only"
             ) from error
+
+    def _raise_if_spent(self, op: str) -> None:
+        store = dist.distributed_c10d._get_default_store()
+        if store.check([self._spent_key]):
+            raise RuntimeError(
+                f"{op} (rank {dist.get_rank()} of {dist.get_world_size()}): an earlier call did not "
+                f"reach every rank within timeout_s={self.timeout_s:g}s (it timed out on rank "
+                f"{store.get(self._spent_key).decode()}), so no check that every rank calls it can "
+                "pass any more; it is collective: call it on every rank at the same point (as "
+                "torch.distributed.checkpoint.save does), not on one rank only"
+            )
+
+    def _mark_spent(self) -> None:
+        """Name this rank in the store, unless a rank that timed out first already is."""
+        store = dist.distributed_c10d._get_default_store()
+        store.compare_set(self._spent_key, "", str(dist.get_rank()))
 
     def all_gather_object(self, value: object, op: str) -> list[object]:
         """Every rank's `value`, by global rank (`[value]` without a process group); a `RuntimeError`
