@@ -88,7 +88,7 @@ class TelemetryConfig:
     max_pending: int = DEFAULT_MAX_PENDING
     """Collections in flight before `step()` waits for the oldest (the collector's ring of slots
     has this many)."""
-    queue_size: int = 8
+    queue_size: int = 64
     """Reports buffered per exporter before the oldest is dropped."""
     window_lines: bool = True
     """Print a short line per window to the exporting rank's stderr (step, losses, throughput, a

@@ -164,6 +164,29 @@ def test_failing_and_stuck_exporters_are_isolated(
     assert any("'stuck'" in m and "abandoning" in m for m in messages)
 
 
+def test_a_full_queue_drops_logged_values_before_a_window(stuck: StuckExporter) -> None:
+    """A framework that logs every step (accelerate) while the exporter is held up: the full queue
+    drops the logs, oldest first, and keeps the windows' reports; with only windows queued, the
+    oldest goes, never the newest report."""
+    hub = ExportHub([stuck], run=RUN, queue_size=4)
+    hub.describe([LOSS])
+    hub.submit(1, {"log/lr": 0.1})
+    assert stuck.entered.wait(30)  # step 1 is in flight
+    for step in range(2, 21):
+        if step % 5 == 0:  # a window every 5 steps, with the value logged at its step riding in it
+            hub.submit(step, {"log/lr": 0.1, "train/loss": float(step)}, window={"train/loss": float(step)})
+        else:
+            hub.submit(step, {"log/lr": 0.1})
+    hub.submit(21, {"log/lr": 0.1})  # the queue holds windows 5, 10, 15 and 20 only: 5 goes
+    stuck.release.set()
+    assert hub.force_flush(30)
+    hub.close(30)
+    assert [step for step, _ in stuck.reports] == [1, 10, 15, 20, 21]
+    assert [values.get("train/loss") for _, values in stuck.reports] == [None, 10.0, 15.0, 20.0, None]
+    health = hub.health()["stuck"]
+    assert (health.exported_reports, health.dropped_reports) == (5, 16)
+
+
 def wait_until(predicate: Callable[[], bool], timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():

@@ -32,8 +32,9 @@ def snippet(section: str) -> str:
     return code
 
 
-def run(section: str, tmp_path: Path, *, torchrun: bool) -> list[tuple[int, dict[str, str]]]:
-    """Run the section's snippet as the page says; the console reports: (step, {name: value})."""
+def run(section: str, tmp_path: Path, *, torchrun: bool) -> tuple[list[tuple[int, dict[str, str]]], str]:
+    """Run the section's snippet as the page says; the console reports, (step, {name: value}), and
+    the end of its stderr (what a failed assertion shows: a dropped report says so there)."""
     (tmp_path / "snippet.py").write_text(snippet(section))
     env = {
         **os.environ,
@@ -60,15 +61,15 @@ def run(section: str, tmp_path: Path, *, torchrun: bool) -> list[tuple[int, dict
             values = dict(re.findall(r"(\S+)=(\S+)", match.group(2)))
             reports.append((int(match.group(1)), values))
     assert reports, done.stderr[-3000:]
-    return reports
+    return reports, done.stderr[-3000:]
 
 
 @pytest.mark.slow
 def test_lightning_snippet(tmp_path: Path) -> None:
     pytest.importorskip("lightning")
-    reports = run("Lightning", tmp_path, torchrun=False)
+    reports, stderr = run("Lightning", tmp_path, torchrun=False)
     collected = [step for step, values in reports if "train/loss" in values]
-    assert {10, 20, 30, 40, 50} <= set(collected), collected  # and at each epoch end, for its checkpoint
+    assert {10, 20, 30, 40, 50} <= set(collected), stderr  # and at each epoch end, for its checkpoint
     assert all("train/max_abs_error" in values for step, values in reports if step % 10 == 0)
     # self.log values at Lightning's own cadence (log_every_n_steps=50), under lightning/
     assert [step for step, values in reports if "lightning/train_loss" in values] == [50]
@@ -77,9 +78,9 @@ def test_lightning_snippet(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_hugging_face_snippet_logs_the_true_loss_on_two_ranks(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
-    reports = run("Hugging Face Trainer", tmp_path, torchrun=True)
+    reports, stderr = run("Hugging Face Trainer", tmp_path, torchrun=True)
     logged = [values for _, values in reports if "hf/loss" in values and "train/token_loss" in values]
-    assert len(logged) == 4, reports  # logging_steps=5 over max_steps=20
+    assert len(logged) == 4, stderr  # logging_steps=5 over max_steps=20
     for values in logged:
         assert float(values["hf/loss"]) == pytest.approx(float(values["train/token_loss"]), rel=1e-3)
         assert float(values["hf/learning_rate"]) == float(values["train/learning_rate"])
@@ -89,16 +90,16 @@ def test_hugging_face_snippet_logs_the_true_loss_on_two_ranks(tmp_path: Path) ->
 @pytest.mark.slow
 def test_accelerate_snippet(tmp_path: Path) -> None:
     pytest.importorskip("accelerate")
-    reports = run("accelerate", tmp_path, torchrun=True)
-    assert [step for step, values in reports if "train/loss" in values][:3] == [10, 20, 30]
-    assert {step for step, values in reports if "lr" in values} == set(range(1, 33))  # 512 / 8 / 2 steps
+    reports, stderr = run("accelerate", tmp_path, torchrun=True)
+    assert [step for step, values in reports if "train/loss" in values][:3] == [10, 20, 30], stderr
+    assert {step for step, values in reports if "lr" in values} == set(range(1, 33)), stderr  # 512 / 8 / 2
     waits = [name for _, values in reports for name in values if name.startswith("train/sync_wait")]
     assert waits, reports  # the loop measures each rank's wait in DDP's all-reduce
 
 
 @pytest.mark.slow
 def test_torchtitan_style_snippet(tmp_path: Path) -> None:
-    reports = run("torchtitan-style loops", tmp_path, torchrun=True)
-    assert [step for step, values in reports if "train/loss" in values] == list(range(10, 101, 10))
+    reports, stderr = run("torchtitan-style loops", tmp_path, torchrun=True)
+    assert [step for step, values in reports if "train/loss" in values] == list(range(10, 101, 10)), stderr
     logged = [step for step, values in reports if "loss_metrics/global_avg_loss" in values]
     assert logged == [1, *range(10, 101, 10)]

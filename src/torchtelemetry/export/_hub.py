@@ -46,7 +46,7 @@ class ExportHub:
     `NullHub`.
     """
 
-    def __init__(self, exporters: Sequence[Exporter], *, run: RunInfo, queue_size: int = 8) -> None:
+    def __init__(self, exporters: Sequence[Exporter], *, run: RunInfo, queue_size: int = 64) -> None:
         if queue_size < 1:
             raise ValueError(f"ExportHub: queue_size must be at least 1, got {queue_size}")
         names = [exporter.name for exporter in exporters]

@@ -1,6 +1,7 @@
 """`ExporterQueue`: one exporter's bounded queue, its thread, and its health counters.
 
-The caller side never blocks on the exporter: a full queue drops its oldest report. The
+The caller side never blocks on the exporter: a full queue drops its oldest report, one of values
+only logged (no window of metrics in it) while one is queued. The
 exporter's thread exports, describes, flushes and closes in queue order and counts what
 succeeded and failed: the queue is the one owner of an exporter's health. A failure the exporter
 reports (`ExportResult.FAILURE`) is only counted here, since the exporter logs it with its reason
@@ -112,17 +113,19 @@ class ExporterQueue:
         self._thread.start()
 
     def put_report(self, step: int, values: ReportValues, timestamp: float, window: ReportValues) -> None:
-        """Queue a report; when the queue is full, drop (and count) the oldest queued report first.
+        """Queue a report; when the queue is full, drop (and count) a queued report first: the oldest
+        that carries no window (values only logged), else the oldest.
 
-        `window` holds the window's own values of the names `values` carries as
-        running totals (the first delta after a start).
+        `window` holds the window's own values (empty for a report of logged values only); the
+        names `values` carries as running totals take their first delta after a start from it.
         """
         with self._cond:
             if self._queued_reports >= self._queue_size:
                 self._drop_oldest_report()
                 if self._drop_log.due():
                     logger.warning(
-                        "exporter %r: queue full (%d reports), dropping the oldest; %d dropped so far "
+                        "exporter %r: queue full (%d reports), dropping the oldest (of logged values "
+                        "only, while one is queued); %d dropped so far "
                         "(logged at most every %.0f s)",
                         self.name,
                         self._queue_size,
@@ -185,12 +188,13 @@ class ExporterQueue:
             self._cond.notify()
 
     def _drop_oldest_report(self) -> None:
-        for index, item in enumerate(self._items):
-            if isinstance(item, _Report):
-                del self._items[index]
-                self._queued_reports -= 1
-                self._dropped_reports += 1
-                return
+        """Drop the oldest report of values only logged (no window of metrics in it), else the oldest:
+        a burst of per-step logs never pushes out a window's metrics while logs remain to drop."""
+        reports = [(index, item) for index, item in enumerate(self._items) if isinstance(item, _Report)]
+        index = next((index for index, report in reports if not report.window), reports[0][0])
+        del self._items[index]
+        self._queued_reports -= 1
+        self._dropped_reports += 1
 
     # -- the exporter's thread --------------------------------------------------------------
 
