@@ -89,7 +89,8 @@ class TelemetryConfig:
     """Collections in flight before `step()` waits for the oldest (the collector's ring of slots
     has this many)."""
     queue_size: int = 64
-    """Reports buffered per exporter before the oldest is dropped."""
+    """Reports buffered per exporter before one is dropped: the oldest of values only logged while
+    one is queued (a window's metrics outlast a burst of per-step logs), else the oldest."""
     window_lines: bool = True
     """Print a short line per window to the exporting rank's stderr (step, losses, throughput, a
     health word), unless a `ConsoleExporter` prints every report; the line at start-up saying where
