@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 from dataclasses import dataclass
@@ -186,20 +187,28 @@ class EveryRank:
             ) from error
 
     def _raise_if_spent(self, op: str) -> None:
+        """Raise at once if a rank marked this group spent; a store that cannot be read (its host
+        rank is gone) leaves the answer to the barrier, which raises within `timeout_s`."""
         store = dist.distributed_c10d._get_default_store()
-        if store.check([self._spent_key]):
+        try:
+            spent_on = store.get(self._spent_key).decode() if store.check([self._spent_key]) else None
+        except RuntimeError:  # DistError and its kinds: the store is unreachable
+            return
+        if spent_on is not None:
             raise RuntimeError(
                 f"{op} (rank {dist.get_rank()} of {dist.get_world_size()}): an earlier call did not "
                 f"reach every rank within timeout_s={self.timeout_s:g}s (it timed out on rank "
-                f"{store.get(self._spent_key).decode()}), so no check that every rank calls it can "
-                "pass any more; it is collective: call it on every rank at the same point (as "
+                f"{spent_on}), so no check that every rank calls it can pass any more; it is "
+                "collective: call it on every rank at the same point (as "
                 "torch.distributed.checkpoint.save does), not on one rank only"
             )
 
     def _mark_spent(self) -> None:
-        """Name this rank in the store, unless a rank that timed out first already is."""
+        """Name this rank in the store, unless a rank that timed out first already is (nothing when
+        the store is unreachable: the error this rank raises says what happened either way)."""
         store = dist.distributed_c10d._get_default_store()
-        store.compare_set(self._spent_key, "", str(dist.get_rank()))
+        with contextlib.suppress(RuntimeError):
+            store.compare_set(self._spent_key, "", str(dist.get_rank()))
 
     def all_gather_object(self, value: object, op: str) -> list[object]:
         """Every rank's `value`, by global rank (`[value]` without a process group); a `RuntimeError`

@@ -226,6 +226,34 @@ def test_a_killed_rank_gives_the_survivor_a_clear_error_and_close_returns(
     assert _exported_steps(path)[:2] == [1, 3]
 
 
+def _state_dict_after_the_store_host_died(rank: int, world_size: int) -> dict[str, Any] | None:
+    metrics: dict[str, tt.Metric] = {"loss": tt.WeightedMeanMetric()}
+    telemetry = tt.Telemetry(metrics, [], every=EVERY, timeout_s=TIMEOUT_S, signals=False)
+    assert _train(telemetry, metrics, range(2)) is None
+    dist.barrier()
+    if rank == 0:  # the rank that hosts the TCPStore dies, and the store with it
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(1.0)  # rank 1 calls it once rank 0 is gone (or, on a loaded host, while it dies)
+    started = time.monotonic()
+    try:
+        telemetry.state_dict()
+    except Exception as error:
+        return _error(error, started)
+    return None
+
+
+@pytest.mark.timeout(180)
+def test_state_dict_after_the_store_host_died_raises_the_clear_error_not_the_store_s() -> None:
+    outcome = run_ranks(_state_dict_after_the_store_host_died, 2, victim=0, rendezvous="tcp", timeout_s=150)[
+        1
+    ]
+    assert outcome is not None and outcome["type"] == "RuntimeError", outcome
+    assert outcome["message"].startswith("Telemetry.state_dict (rank 1 of 2): not every rank called it"), (
+        outcome
+    )
+    assert outcome["elapsed_s"] < NOT_A_HANG_S
+
+
 # -- the user's own exception inside `with Telemetry(...)` ----------------------------------------------
 
 
