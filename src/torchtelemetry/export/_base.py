@@ -13,6 +13,9 @@ once. A subclass implements small hooks:
 - `_flush(timeout_s) -> bool`: deliver what is buffered (only once started);
 - `_close(timeout_s)`: release what the exporter opened (called once, started or not).
 
+An exporter that serves values across reports (a scrape endpoint, a Pushgateway group) overrides
+`_retire(names)`: names a window report carried and a later one leaves out, no longer served.
+
 `destination()` says where the reports go (the start-up line names it). An exporter whose readers
 pull (a scrape endpoint) overrides `closing_until()`: while its close
 waits for them to read the final report, the time it returns by, so the hub waits for it.
@@ -160,6 +163,19 @@ class BaseExporter:
                 return self._failed(f"step {step}: export failed", error)
             self._failures.succeeded()
             return ExportResult.SUCCESS
+
+    def retire(self, names: frozenset[str]) -> None:
+        """Stop serving `names` from the next report on: a window report carried them and the newer
+        one about to be exported does not (that window has no value for them). The hub's queue calls
+        it on the export thread, before that report's `export`."""
+        check_same_process(self._pid, f"{type(self).__name__}.retire")
+        with self._lock:
+            if self._started and not self._closed:
+                self._retire(names)
+
+    def _retire(self, names: frozenset[str]) -> None:
+        """Forget `names`' values; nothing to do (the default) for an exporter that sends each report
+        as it is."""
 
     def force_flush(self, timeout_s: float = 10.0) -> bool:
         """Deliver anything buffered; True when everything was delivered in time (False once closed)."""

@@ -99,7 +99,8 @@ class PrometheusCollector:
     `set_descriptors()` checks names (collisions raise `NameCollisionError`), `set_report()`
     builds the families of a new report and swaps them in under a lock. A series keeps its
     last reported value until a report carries it again (a report of a framework's own logs
-    does not hide the collected metrics). `set_finished()` adds the run's finished marker;
+    does not hide the collected metrics), or until `retire()` drops it: a later window left it
+    out. `set_finished()` adds the run's finished marker;
     each report is a new `generation`, and `taken_reading()` says which one the scrape served on
     this thread read (`_final_scrape.ScrapeLog` keeps who read what). Every series
     carries `run` (the run id) and `route` (which exporter exposes it: one of `ROUTES`).
@@ -162,6 +163,13 @@ class PrometheusCollector:
             self._families = [*fixed, *self._latest.values()]
             self._generation += 1
         return problems
+
+    def retire(self, names: frozenset[str]) -> None:
+        """Drop the values of `names` from the next report's families on (the current report is
+        served as it is until then)."""
+        with self._lock:
+            for name in names:
+                self._latest.pop(name, None)
 
     def set_finished(self, timestamp: float) -> None:
         """Add `torchtelemetry_run_finished_timestamp_seconds` (the run closed at `timestamp`)."""

@@ -164,6 +164,9 @@ class PrometheusExporter(BaseExporter):
         if problems:
             raise ExportFailed(f"values left out: {'; '.join(problems)}")
 
+    def _retire(self, names: frozenset[str]) -> None:
+        self._collector.retire(names)
+
     def closing_until(self) -> float | None:
         """While `close()` serves the final report, or if called now, the `time.monotonic()` by which
         it returns (`FinalScrapeWait.closing_until`); None when it does not wait."""

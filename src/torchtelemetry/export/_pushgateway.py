@@ -127,6 +127,9 @@ class PushgatewayExporter(BaseExporter):
         self._pending = True
         self._push(self.timeout_s)
 
+    def _retire(self, names: frozenset[str]) -> None:
+        self._collector.retire(names)
+
     def _flush(self, timeout_s: float) -> bool:
         """Push again the latest report if its push failed; True when the gateway has it."""
         if self._pending:

@@ -84,6 +84,8 @@ class ExporterQueue:
         self._cond = threading.Condition()
         self._items: collections.deque[_Report | _Describe | _Barrier] = collections.deque()
         self._queued_reports = 0
+        self._window_names: frozenset[str] = frozenset()
+        """The names of the window in the last window report exported (its `window`'s)."""
         self._close_deadline: float | None = None
         self._drop_log = LogThrottle(DROP_LOG_INTERVAL_S)
         self._failures = FailureLog(f"exporter {self.name!r}")
@@ -225,6 +227,11 @@ class ExporterQueue:
                     return
 
     def _export(self, report: _Report) -> None:
+        if report.window:  # a window report: the names an older window had and this one lacks go
+            retired = self._window_names - report.window.keys()
+            self._window_names = frozenset(report.window)
+            if retired:
+                _retire(self.exporter, retired)
         values = self._converter.convert({**report.values, **self._extra_values(self.name)}, report.window)
         try:
             result = self.exporter.export(report.step, values, report.timestamp)
@@ -266,6 +273,17 @@ class ExporterQueue:
     def _count_error(self) -> None:
         with self._cond:
             self._errors += 1
+
+
+def _retire(exporter: Exporter, names: frozenset[str]) -> None:
+    """A `BaseExporter`'s `retire(names)` (any other exporter gets each report as it is); logged if it
+    raised."""
+    if not isinstance(exporter, BaseExporter):
+        return
+    try:
+        exporter.retire(names)
+    except Exception:
+        logger.exception("exporter %r: retire raised", exporter.name)
 
 
 def _closing_until(exporter: Exporter) -> float | None:
