@@ -145,6 +145,13 @@ class _Arrivals:
         return [peer for peer in range(world_size) if self._store.add(self._KEY.format(peer), 0) < self.count]
 
 
+_COLLECTIVE = (
+    "it is collective: call it on every rank at the same point (as "
+    "torch.distributed.checkpoint.save does), not on one rank only"
+)
+"""How `EveryRank.require`'s errors end: what the caller should do."""
+
+
 class EveryRank:
     """A gloo group of every rank with its own timeout (None without a process group): checks that
     every rank makes a collective call before anything waits on the training's own groups."""
@@ -182,8 +189,7 @@ class EveryRank:
             raise RuntimeError(
                 f"{op} (rank {dist.get_rank()} of {dist.get_world_size()}): not every rank called it "
                 f"within timeout_s={self.timeout_s:g}s, or an earlier call did not reach every rank "
-                f"({error}); it is collective: call it on every rank at the same point (as "
-                "torch.distributed.checkpoint.save does), not on one rank only"
+                f"({error}); {_COLLECTIVE}"
             ) from error
 
     def _raise_if_spent(self, op: str) -> None:
@@ -198,9 +204,7 @@ class EveryRank:
             raise RuntimeError(
                 f"{op} (rank {dist.get_rank()} of {dist.get_world_size()}): an earlier call did not "
                 f"reach every rank within timeout_s={self.timeout_s:g}s (it timed out on rank "
-                f"{spent_on}), so no check that every rank calls it can pass any more; it is "
-                "collective: call it on every rank at the same point (as "
-                "torch.distributed.checkpoint.save does), not on one rank only"
+                f"{spent_on}), so no check that every rank calls it can pass any more; {_COLLECTIVE}"
             )
 
     def _mark_spent(self) -> None:
